@@ -1,0 +1,124 @@
+"""Lowering a captured fx graph into the mutwo IR: classify every node and record its memory."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+
+PHASE_META = "mutwo_phase"
+
+
+class LoweringError(ValueError):
+    """The fx graph lacks what the IR needs (phases, tensor metadata, a known node kind)."""
+
+
+def from_fx(
+    graph_module: fx.GraphModule,
+    slots: Sequence[tuple[NodeKind, str]],
+    gradient_labels: Sequence[str],
+) -> Graph:
+    """Build the IR of a captured iteration.
+
+    ``slots`` gives (kind, label) for each placeholder in order; the output must be
+    ``(loss, *gradients)`` with ``gradient_labels`` naming the parameter of each gradient. Each fx
+    node must carry ``meta["val"]`` (fake tensors from make_fx) and ``meta["mutwo_phase"]``.
+    Storage identity comes from the fake tensors themselves, so views, ``getitem`` of tuples,
+    ``alias`` and in-place results are recognised as aliases whatever op produced them.
+    """
+    graph = Graph()
+    fx_nodes = list(graph_module.graph.nodes)
+    placeholders = [n for n in fx_nodes if n.op == "placeholder"]
+    if len(placeholders) != len(slots):
+        raise LoweringError(f"the graph has {len(placeholders)} placeholders but {len(slots)} slots were given")
+    slot_of = dict(zip(placeholders, slots, strict=True))
+    storages: dict[int, tuple[StorageKey, int]] = {}  # fake storage address -> (key, bytes)
+    mapping: dict[fx.Node, Node] = {}
+
+    for fx_node in fx_nodes:
+        if fx_node.op not in ("placeholder", "call_function", "output"):
+            raise LoweringError(f"fx node {fx_node.name} has op {fx_node.op!r}; only placeholder, "
+                                "call_function and output are supported")  # fmt: skip
+        phase = fx_node.meta.get(PHASE_META, Phase.FORWARD if fx_node.op in ("placeholder", "output") else None)
+        if phase is None:
+            raise LoweringError(f"fx node {fx_node.name} has no phase; capture it with runtime.capture")
+        node_id = len(mapping)
+        value = fx_node.meta.get("val")
+        tensors, is_tuple = _tensor_metas(value, node_id, storages)
+        kind, label = slot_of.get(fx_node, (NodeKind.OTHER, ""))
+        args, kwargs = pytree.tree_map(
+            lambda leaf: mapping[leaf] if isinstance(leaf, fx.Node) else leaf, (fx_node.args, fx_node.kwargs)
+        )
+        if fx_node.op == "output":
+            phase = Phase.OPTIMIZER
+        mapping[fx_node] = graph.create_node(
+            fx_node.op, fx_node.target if fx_node.op == "call_function" else fx_node.name, args, kwargs,
+            name=fx_node.name, kind=kind, phase=Phase(phase), tensors=tensors, is_tuple=is_tuple, label=label,
+        )  # fmt: skip
+
+    _classify(graph, gradient_labels)
+    return graph
+
+
+def _tensor_metas(value: Any, node_id: int, storages: dict[int, tuple[StorageKey, int]]) -> tuple[
+        tuple[TensorMeta | None, ...], bool]:  # fmt: skip
+    """TensorMetas of a node's value; storages first seen here are created by ``node_id``."""
+    if isinstance(value, torch.Tensor):
+        return (_meta(value, node_id, 0, storages),), False
+    if isinstance(value, (tuple, list)):
+        metas = tuple(
+            _meta(v, node_id, i, storages) if isinstance(v, torch.Tensor) else None for i, v in enumerate(value)
+        )
+        return metas, True
+    return (), False
+
+
+def _meta(tensor: torch.Tensor, node_id: int, output: int, storages: dict[int, tuple[StorageKey, int]]) -> TensorMeta:
+    storage = tensor.untyped_storage()
+    address = storage._cdata
+    if address not in storages:
+        storages[address] = (StorageKey(node_id, output), storage.nbytes())
+    key, nbytes = storages[address]
+    return TensorMeta(tuple(int(s) for s in tensor.shape), tensor.dtype, str(tensor.device), key, nbytes)
+
+
+def _classify(graph: Graph, gradient_labels: Sequence[str]) -> None:
+    """Set kinds of computed nodes: gradients, activations, and in-place updates of state."""
+    output = graph.output
+    returned = output.args[0] if output.args else ()
+    if not isinstance(returned, (tuple, list)) or len(returned) != len(gradient_labels) + 1:
+        raise LoweringError("the output must be (loss, *gradients) with one gradient per gradient label")
+    for grad, label in zip(returned[1:], gradient_labels, strict=True):
+        if isinstance(grad, Node):
+            grad.kind = NodeKind.GRADIENT
+            grad.label = label
+    for node in graph:
+        if node.op != "call_function" or node.kind is NodeKind.GRADIENT:
+            continue
+        owner_kind = _state_kind_of_alias(graph, node)
+        if owner_kind is not None:
+            node.kind = owner_kind
+        elif node.phase is Phase.FORWARD and any(u.phase is Phase.BACKWARD for u in node.users):
+            node.kind = NodeKind.ACTIVATION
+
+
+def _state_kind_of_alias(graph: Graph, node: Node) -> NodeKind | None:
+    """The kind of the persistent state an aliasing node views or updates in place, if any."""
+    meta = node.tensor
+    if meta is None or meta.storage.creator == node.id:
+        return None
+    owner = graph.storage_owner(meta.storage)
+    if owner.op == "placeholder" and owner.kind is not NodeKind.OTHER and node.mutated_operands:
+        return owner.kind
+    return None
+
+
+def is_getitem(node: Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

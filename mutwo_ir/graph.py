@@ -1,0 +1,240 @@
+"""The mutwo IR graph: an ordered list of nodes with a narrow mutation API.
+
+Nodes are kept in execution order. Every mutation goes through this class so that users,
+stable ids and the change counter (which invalidates cached analyses) stay right.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+from mutwo_ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+
+
+class GraphError(ValueError):
+    """A mutation the IR does not allow (erasing a used node, inserting a foreign node...)."""
+
+
+class Graph:
+    """A whole training iteration as IR nodes in execution order.
+
+    ``slots`` lists, for each placeholder in order, the qualified name of what the runtime feeds
+    it (for example ``fc.weight`` or ``fc.weight:exp_avg``); see :mod:`runtime.capture`.
+    """
+
+    def __init__(self) -> None:
+        self._nodes: list[Node] = []
+        self._index: dict[Node, int] | None = None
+        self._by_id: dict[int, Node] = {}
+        self._names: set[str] = set()
+        self._next_id = 0
+        self.version = 0  #: bumped by every mutation; cached analyses compare against it
+        self.meta: dict[str, Any] = {}  #: facts about the whole iteration (model, batch size...)
+
+    # -- reading ---------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[Node]:
+        """The nodes in execution order (a copy: mutate through the graph's methods)."""
+        return list(self._nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(list(self._nodes))
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def node(self, node_id: int) -> Node:
+        """The node with this stable id."""
+        try:
+            return self._by_id[node_id]
+        except KeyError:
+            raise GraphError(f"no node %{node_id} in the graph") from None
+
+    def has_node(self, node_id: int) -> bool:
+        return node_id in self._by_id
+
+    def position(self, node: Node) -> int:
+        """Index of ``node`` in execution order."""
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self._nodes)}
+        try:
+            return self._index[node]
+        except KeyError:
+            raise GraphError(f"{node!r} is not in this graph") from None
+
+    @property
+    def placeholders(self) -> list[Node]:
+        return [n for n in self._nodes if n.op == "placeholder"]
+
+    @property
+    def output(self) -> Node:
+        """The output node (the verifier checks there is exactly one, at the end)."""
+        for node in reversed(self._nodes):
+            if node.op == "output":
+                return node
+        raise GraphError("the graph has no output node")
+
+    def storage_owner(self, key: StorageKey) -> Node:
+        """The node that allocated the storage ``key``."""
+        return self.node(key.creator)
+
+    # -- building --------------------------------------------------------------------------
+    def mark_changed(self) -> None:
+        self.version += 1
+
+    def _fresh_name(self, base: str) -> str:
+        name, suffix = base, 1
+        while name in self._names:
+            name = f"{base}_{suffix}"
+            suffix += 1
+        self._names.add(name)
+        return name
+
+    def create_node(
+        self,
+        op: str,
+        target: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        name: str,
+        kind: NodeKind = NodeKind.OTHER,
+        phase: Phase = Phase.FORWARD,
+        tensors: tuple[TensorMeta | None, ...] = (),
+        is_tuple: bool = False,
+        label: str = "",
+        origin: int | None = None,
+        node_id: int | None = None,
+        before: Node | None = None,
+        after: Node | None = None,
+    ) -> Node:
+        """Create a node and insert it at the end, or just before ``before`` / after ``after``.
+
+        ``tensors`` may name the new node's own id as storage creator through ``StorageKey(-1, i)``,
+        which is replaced by the id the node receives.
+        """
+        if before is not None and after is not None:
+            raise GraphError("give at most one of before= and after=")
+        new_id = self._next_id if node_id is None else node_id
+        if new_id in self._by_id:
+            raise GraphError(f"node id %{new_id} is already used")
+        self._next_id = max(self._next_id, new_id + 1)
+        tensors = tuple(
+            None if t is None else (TensorMeta(t.shape, t.dtype, t.device, StorageKey(new_id, t.storage.output),
+                                               t.storage_bytes) if t.storage.creator == -1 else t)
+            for t in tensors
+        )  # fmt: skip
+        node = Node(
+            id=new_id, name=self._fresh_name(name), op=op, target=target, kind=kind, phase=phase,
+            tensors=tensors, is_tuple=is_tuple, label=label, origin=origin,
+        )  # fmt: skip
+        for operand in pytree.tree_leaves((args, kwargs or {})):
+            if isinstance(operand, Node) and operand.graph is not self:
+                raise GraphError(f"operand {operand!r} of new node {name!r} is not in this graph")
+        node.graph = self
+        node.set_operands(tuple(args), dict(kwargs or {}))
+        if before is not None:
+            self._nodes.insert(self.position(before), node)
+        elif after is not None:
+            self._nodes.insert(self.position(after) + 1, node)
+        else:
+            self._nodes.append(node)
+        self._by_id[new_id] = node
+        self._index = None
+        self.mark_changed()
+        return node
+
+    def copy_node(
+        self,
+        node: Node,
+        remap: Mapping[Node, Node],
+        *,
+        before: Node | None = None,
+        after: Node | None = None,
+        phase: Phase | None = None,
+        kind: NodeKind | None = None,
+    ) -> Node:
+        """Insert a copy of ``node`` whose operands are replaced through ``remap``.
+
+        The copy gets a new id and records ``origin``; storages the original allocated become new
+        storages of the copy, and storages it aliased follow the remapped operands.
+        """
+        args, kwargs = pytree.tree_map(
+            lambda leaf: remap.get(leaf, leaf) if isinstance(leaf, Node) else leaf, (node.args, node.kwargs)
+        )
+        storage_map = _storage_remap(node, remap)
+        tensors = tuple(
+            None if t is None else TensorMeta(t.shape, t.dtype, t.device, storage_map.get(t.storage, t.storage),
+                                              t.storage_bytes)
+            for t in node.tensors
+        )  # fmt: skip
+        return self.create_node(
+            node.op, node.target, args, kwargs, name=node.name, kind=kind or node.kind,
+            phase=phase or node.phase, tensors=tensors, is_tuple=node.is_tuple, label=node.label,
+            origin=node.id if node.origin is None else node.origin, before=before, after=after,
+        )  # fmt: skip
+
+    def replace_uses_after(self, old: Node, new: Node, point: Node) -> int:
+        """Make every user of ``old`` placed after ``point`` read ``new`` instead; returns how many."""
+        start = self.position(point)
+        changed = 0
+        for user in list(old.users):
+            if user is new or self.position(user) <= start:
+                continue
+            args, kwargs = pytree.tree_map(lambda leaf: new if leaf is old else leaf, (user.args, user.kwargs))
+            user.set_operands(args, kwargs)
+            changed += 1
+        return changed
+
+    def erase(self, node: Node) -> None:
+        """Remove a node that nothing uses."""
+        if node.users:
+            users = ", ".join(repr(u) for u in node.users)
+            raise GraphError(f"cannot erase {node!r}: it is still used by {users}")
+        node.set_operands((), {})
+        self._nodes.remove(node)
+        del self._by_id[node.id]
+        self._names.discard(node.name)
+        node.graph = None
+        self._index = None
+        self.mark_changed()
+
+    def copy(self) -> Graph:
+        """A deep copy with the same ids, names and metadata."""
+        clone = Graph()
+        clone.meta = copy.deepcopy(self.meta)
+        mapping: dict[Node, Node] = {}
+        for node in self._nodes:
+            args, kwargs = pytree.tree_map(
+                lambda leaf: mapping[leaf] if isinstance(leaf, Node) else leaf, (node.args, node.kwargs)
+            )
+            mapping[node] = clone.create_node(
+                node.op, node.target, args, kwargs, name=node.name, kind=node.kind, phase=node.phase,
+                tensors=node.tensors, is_tuple=node.is_tuple, label=node.label, origin=node.origin,
+                node_id=node.id,
+            )  # fmt: skip
+        clone._next_id = self._next_id
+        clone.version = 0
+        return clone
+
+
+def _storage_remap(node: Node, remap: Mapping[Node, Node]) -> dict[StorageKey, StorageKey]:
+    """How the storages of ``node`` map onto a copy of it whose operands follow ``remap``.
+
+    Storages ``node`` allocated map to ``StorageKey(-1, i)`` (the copy's own, filled in by
+    ``create_node``); storages of operands map to the same output of the remapped operand.
+    """
+    mapping: dict[StorageKey, StorageKey] = {}
+    for operand in node.operands:
+        replacement = remap.get(operand, operand)
+        for old_meta, new_meta in zip(operand.tensors, replacement.tensors, strict=False):
+            if old_meta is not None and new_meta is not None:
+                mapping.setdefault(old_meta.storage, new_meta.storage)
+    for meta in node.tensors:
+        if meta is not None and meta.storage.creator == node.id:
+            mapping[meta.storage] = StorageKey(-1, meta.storage.output)
+    return mapping

@@ -1,0 +1,220 @@
+"""Nodes of the mutwo IR: what a value is (kind), when it runs (phase) and what memory it holds."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class NodeKind(str, enum.Enum):
+    """What a node's value is in a training iteration."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    OTHER = "other"
+
+
+class Phase(str, enum.Enum):
+    """Which part of the iteration a node belongs to; nodes appear in this order."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+PHASE_ORDER = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
+
+#: Kinds of persistent state: placeholders, or in-place updates of such a placeholder.
+STATE_KINDS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.INPUT, NodeKind.OPTIMIZER_STATE})
+
+
+@dataclass(frozen=True, order=True)
+class StorageKey:
+    """Identity of one storage: the id of the node that allocated it and which of its outputs."""
+
+    creator: int
+    output: int = 0
+
+    def __str__(self) -> str:
+        return f"%{self.creator}" if self.output == 0 else f"%{self.creator}.{self.output}"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and storage of one tensor a node holds.
+
+    ``storage_bytes`` is the size of the whole storage, which a view shares with its base.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    storage: StorageKey
+    storage_bytes: int
+
+    @property
+    def dtype_name(self) -> str:
+        return _DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch."))
+
+
+_DTYPE_NAMES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+}
+
+
+class Node:
+    """One operation of the IR graph.
+
+    ``op`` is ``placeholder`` (a graph input), ``call_function`` (an aten op or ``operator.getitem``)
+    or ``output``. ``args``/``kwargs`` hold other nodes anywhere inside lists and tuples, as fx does.
+    ``tensors`` describes the tensors of the value: one for a tensor, one per element (``None`` for
+    non-tensors) for a tuple, none otherwise. Nodes are created and mutated only through
+    :class:`mutwo_ir.graph.Graph`, which keeps ``users`` consistent.
+    """
+
+    __slots__ = (
+        "id", "name", "op", "target", "_args", "_kwargs", "kind", "phase", "tensors",
+        "is_tuple", "label", "origin", "users", "graph",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        id: int,
+        name: str,
+        op: str,
+        target: Any,
+        kind: NodeKind,
+        phase: Phase,
+        tensors: tuple[TensorMeta | None, ...] = (),
+        is_tuple: bool = False,
+        label: str = "",
+        origin: int | None = None,
+    ) -> None:
+        self.id = id
+        self.name = name
+        self.op = op
+        self.target = target
+        self._args: tuple[Any, ...] = ()
+        self._kwargs: dict[str, Any] = {}
+        self.kind = kind
+        self.phase = phase
+        self.tensors = tensors
+        self.is_tuple = is_tuple
+        self.label = label  #: for placeholders, the qualified name of the state or input
+        self.origin = origin  #: for recompute clones, the id of the node they were copied from
+        self.users: dict[Node, None] = {}  # ordered set
+        self.graph: Any = None
+
+    # -- operands --------------------------------------------------------------------------
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return self._args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return self._kwargs
+
+    def set_operands(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Replace args and kwargs, keeping the users of old and new operands consistent."""
+        for old in self.operands:
+            old.users.pop(self, None)
+        self._args, self._kwargs = tuple(args), dict(kwargs)
+        for new in self.operands:
+            new.users[self] = None
+        if self.graph is not None:
+            self.graph.mark_changed()
+
+    @property
+    def operands(self) -> list[Node]:
+        """The distinct nodes this node reads, in order of first appearance."""
+        seen: dict[Node, None] = {}
+        for leaf in pytree.tree_leaves((self._args, self._kwargs)):
+            if isinstance(leaf, Node):
+                seen[leaf] = None
+        return list(seen)
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def op_name(self) -> str:
+        """A short, stable name of the target: ``aten.relu.default``, ``getitem``, ``placeholder``."""
+        return target_name(self.target) if self.op == "call_function" else self.op
+
+    @property
+    def tensor(self) -> TensorMeta | None:
+        """The tensor of a single-tensor value, else ``None``."""
+        return self.tensors[0] if len(self.tensors) == 1 and not self.is_tuple else None
+
+    def owned_storages(self) -> list[TensorMeta]:
+        """Tensors whose storage this node allocated (not views or in-place results)."""
+        seen: dict[StorageKey, TensorMeta] = {}
+        for meta in self.tensors:
+            if meta is not None and meta.storage.creator == self.id and meta.storage not in seen:
+                seen[meta.storage] = meta
+        return list(seen.values())
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes of the storages this node allocates; zero for views, getitems and in-place ops."""
+        return sum(meta.storage_bytes for meta in self.owned_storages())
+
+    @property
+    def is_alias(self) -> bool:
+        """True when every tensor of this value lives in a storage allocated by another node."""
+        return bool(self.tensors) and not self.owned_storages() and any(t is not None for t in self.tensors)
+
+    @property
+    def mutated_operands(self) -> list[Node]:
+        """Operands an aten op writes to in place (from the schema's ``(a!)`` annotations)."""
+        schema = getattr(self.target, "_schema", None)
+        if schema is None:
+            return []
+        written: list[Node] = []
+        for index, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = self._kwargs.get(argument.name, self._args[index] if index < len(self._args) else None)
+            written.extend(leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Node))
+        return written
+
+    @property
+    def is_random(self) -> bool:
+        """True for ops that draw from the random number generator (dropout, bernoulli, rand...)."""
+        tags = getattr(self.target, "tags", ())
+        return torch.Tag.nondeterministic_seeded in tags
+
+    def __repr__(self) -> str:
+        return f"%{self.id}({self.name})"
+
+
+def target_name(target: Callable[..., Any] | str) -> str:
+    """Printable name of an fx call target: ``aten.add_.Tensor`` or the function's name."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__name__", repr(target))
+
+
+def iter_nodes(value: Any) -> Iterator[Node]:
+    """Every node inside a nested args structure."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, Node):
+            yield leaf

@@ -1,0 +1,186 @@
+"""The IR verifier: every invariant the IR promises, each checked and named.
+
+A violation raises :class:`VerificationError` naming the invariant and showing the offending
+node between its neighbours in the text form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase
+from mutwo_ir.printer import format_node
+
+
+class VerificationError(ValueError):
+    """The graph breaks an IR invariant."""
+
+    def __init__(self, invariant: str, node: Node | None, detail: str, context: str = "") -> None:
+        self.invariant = invariant
+        self.node = node
+        where = f" at {node!r}" if node is not None else ""
+        message = f"invariant '{invariant}' violated{where}: {detail}"
+        super().__init__(message + (f"\n{context}" if context else ""))
+
+
+def _context(graph: Graph, node: Node, radius: int = 2) -> str:
+    """The node between its neighbours, marked with '>'."""
+    nodes = graph.nodes
+    try:
+        index = graph.position(node)
+    except Exception:
+        return format_node(node)
+    lines = []
+    for i in range(max(0, index - radius), min(len(nodes), index + radius + 1)):
+        lines.append(("> " if i == index else "  ") + format_node(nodes[i]))
+    return "\n".join(lines)
+
+
+def _fail(graph: Graph, invariant: str, node: Node | None, detail: str) -> None:
+    raise VerificationError(invariant, node, detail, _context(graph, node) if node is not None else "")
+
+
+def check_unique_ids_and_names(graph: Graph) -> None:
+    ids: set[int] = set()
+    names: set[str] = set()
+    for node in graph:
+        if node.id in ids:
+            _fail(graph, "unique-ids", node, f"id %{node.id} is used twice")
+        if node.name in names:
+            _fail(graph, "unique-names", node, f"name {node.name!r} is used twice")
+        ids.add(node.id)
+        names.add(node.name)
+        if node.graph is not graph:
+            _fail(graph, "node-ownership", node, "the node does not belong to this graph")
+
+
+def check_topological_order(graph: Graph) -> None:
+    seen: set[Node] = set()
+    for node in graph:
+        for operand in node.operands:
+            if operand not in seen:
+                where = "is not in the graph" if operand.graph is not graph else "is defined after its use"
+                _fail(graph, "topological-order", node, f"operand {operand!r} {where}")
+        seen.add(node)
+
+
+def check_users(graph: Graph) -> None:
+    for node in graph:
+        for operand in node.operands:
+            if node not in operand.users:
+                _fail(graph, "operand-user-consistency", node, f"{node!r} reads {operand!r} but is not among its users")
+        for user in node.users:
+            if node not in user.operands:
+                _fail(graph, "operand-user-consistency", node, f"{user!r} is listed as a user but does not read it")
+            if user.graph is not graph:
+                _fail(graph, "operand-user-consistency", node, f"user {user!r} is not in the graph")
+
+
+def check_placeholders_and_output(graph: Graph) -> None:
+    nodes = graph.nodes
+    outputs = [n for n in nodes if n.op == "output"]
+    if len(outputs) != 1:
+        _fail(graph, "single-output", outputs[1] if len(outputs) > 1 else None,
+              f"the graph has {len(outputs)} output nodes; it needs exactly one")  # fmt: skip
+    if nodes[-1] is not outputs[0]:
+        _fail(graph, "single-output", outputs[0], "the output node is not the last node")
+    if outputs[0].users:
+        _fail(graph, "single-output", outputs[0], "the output node has users")
+    seen_computation = False
+    for node in nodes:
+        if node.op not in ("placeholder", "call_function", "output"):
+            _fail(graph, "known-op", node, f"op {node.op!r} is not placeholder, call_function or output")
+        if node.op == "placeholder" and seen_computation:
+            _fail(graph, "placeholders-first", node, "a placeholder comes after a computed node")
+        seen_computation |= node.op != "placeholder"
+
+
+def check_phases(graph: Graph) -> None:
+    previous = Phase.FORWARD
+    for node in graph:
+        if node.op == "placeholder" and node.phase is not Phase.FORWARD:
+            _fail(graph, "phase-order", node, "placeholders belong to the forward phase")
+        if PHASE_ORDER[node.phase] < PHASE_ORDER[previous]:
+            _fail(graph, "phase-order", node, f"a {node.phase.value} node follows a {previous.value} node")
+        previous = node.phase
+
+
+def check_kinds(graph: Graph) -> None:
+    for node in graph:
+        kind = node.kind
+        if node.op == "placeholder":
+            if kind not in STATE_KINDS and kind is not NodeKind.OTHER:
+                _fail(graph, "kind-phase-consistency", node, f"a placeholder cannot be of kind {kind.value}")
+            continue
+        if kind is NodeKind.ACTIVATION:
+            if node.phase is not Phase.FORWARD:
+                _fail(graph, "kind-phase-consistency", node, f"an activation must be in the forward phase, "
+                                                             f"not {node.phase.value}")  # fmt: skip
+            if not any(u.phase is Phase.BACKWARD for u in node.users):
+                _fail(graph, "kind-phase-consistency", node, "an activation must be used by the backward phase")
+        elif kind is NodeKind.GRADIENT:
+            if node.phase is not Phase.BACKWARD:
+                _fail(graph, "kind-phase-consistency", node, f"a gradient must be in the backward phase, "
+                                                             f"not {node.phase.value}")  # fmt: skip
+        elif kind in STATE_KINDS:
+            meta = node.tensor
+            owner = graph.node(meta.storage.creator) if meta is not None and graph.has_node(meta.storage.creator) else None
+            if owner is None or owner.op != "placeholder" or owner.kind is not kind or not node.mutated_operands:
+                _fail(graph, "kind-phase-consistency", node,
+                      f"a computed node of kind {kind.value} must update a {kind.value} placeholder in place")  # fmt: skip
+
+
+def check_storages(graph: Graph) -> None:
+    """Each tensor's storage was allocated by the node itself or reached through an operand."""
+    for node in graph:
+        for index, meta in enumerate(node.tensors):
+            if meta is None:
+                continue
+            key = meta.storage
+            if key.creator == node.id:
+                if node.op == "call_function" and _is_getitem(node):
+                    _fail(graph, "alias-storage", node, "a getitem cannot allocate storage")
+                if meta.storage_bytes < 0:
+                    _fail(graph, "alias-storage", node, f"output {index} has a negative size")
+                continue
+            if not graph.has_node(key.creator):
+                _fail(graph, "alias-storage", node, f"output {index} aliases storage {key} whose creator is gone")
+            creator = graph.node(key.creator)
+            if graph.position(creator) >= graph.position(node):
+                _fail(graph, "alias-storage", node, f"output {index} aliases storage {key} allocated later")
+            if not any(key == t.storage for op in node.operands for t in op.tensors if t is not None):
+                _fail(graph, "alias-storage", node,
+                      f"output {index} aliases storage {key} that none of its operands holds")  # fmt: skip
+
+
+def check_origins(graph: Graph) -> None:
+    for node in graph:
+        if node.origin is not None and node.op != "call_function":
+            _fail(graph, "recompute-origin", node, "only computed nodes can be recompute clones")
+
+
+def _is_getitem(node: Node) -> bool:
+    import operator
+
+    return node.target is operator.getitem
+
+
+CHECKS: tuple[Callable[[Graph], None], ...] = (
+    check_unique_ids_and_names,
+    check_topological_order,
+    check_users,
+    check_placeholders_and_output,
+    check_phases,
+    check_kinds,
+    check_storages,
+    check_origins,
+)
+
+
+def verify(graph: Graph) -> None:
+    """Run every check; raise :class:`VerificationError` at the first violation."""
+    if len(graph) == 0:
+        raise VerificationError("single-output", None, "the graph is empty")
+    for check in CHECKS:
+        check(graph)

@@ -1,0 +1,1 @@
+"""Capture of a training iteration, its execution, and equivalence checking."""

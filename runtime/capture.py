@@ -1,0 +1,263 @@
+"""Capture one whole training iteration — forward, loss, backward, optimizer step — as one graph.
+
+The iteration is traced with ``make_fx`` over fake tensors into a single fx graph of aten ops:
+
+* graph inputs (placeholders), in this order: parameters, buffers, per-parameter optimizer state,
+  one 0-dim float64 learning rate per parameter group, then the tensors of the batch; each has an
+  :class:`InputSlot` naming what the runtime feeds it;
+* the forward runs through ``torch.func.functional_call``, the backward is ``torch.autograd.grad``
+  traced into explicit aten ops, the optimizer update is :mod:`runtime.optim`;
+* parameters, buffers and optimizer state are updated **in place inside the graph** (``add_``,
+  ``lerp_``, batch norm's running statistics...), exactly where eager PyTorch updates them, so old
+  and new values never coexist; the graph returns ``(loss, *gradients)``;
+* the forward/backward and backward/optimizer boundaries are recorded while tracing: every fx
+  node gets ``meta["mutwo_phase"]``, set from the tracer's own graph when each phase ends, so no
+  marker op is needed and none can be reordered or dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.utils import _pytree as pytree
+
+from mutwo_ir.node import NodeKind, Phase
+from runtime import optim as functional_optim
+from runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
+
+PHASE_META = "mutwo_phase"
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    """What the runtime feeds one placeholder: its kind and qualified name."""
+
+    kind: NodeKind
+    label: str
+
+
+@dataclass
+class CapturedStep:
+    """The traced iteration and how to feed it.
+
+    ``slots[i]`` describes placeholder ``i``; ``gradient_labels[j]`` names the parameter whose
+    gradient is output ``j + 1`` (output 0 is the loss); ``constants`` are tensors the model
+    holds outside parameters and buffers, fed like inputs.
+    """
+
+    graph_module: fx.GraphModule
+    slots: list[InputSlot]
+    gradient_labels: list[str]
+    batch_spec: pytree.TreeSpec
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class StepBinding:
+    """Ties a model, its optimizer and batches to the slots of a captured step."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    spec: functional_optim.OptimizerSpec
+    param_names: list[str]
+    buffer_names: list[str]
+    trainable: list[str]  #: names of the parameters the optimizer updates, in group order
+    group_of: dict[str, int]  #: trainable parameter name -> index of its param group
+
+    @classmethod
+    def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> StepBinding:
+        spec = functional_optim.describe(optimizer)
+        params = dict(model.named_parameters())
+        name_of = {id(p): name for name, p in params.items()}
+        trainable: list[str] = []
+        group_of: dict[str, int] = {}
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if id(param) not in name_of:
+                    raise CaptureError("the optimizer holds a tensor that is not a parameter of the model; "
+                                       "build the optimizer from model.parameters()")  # fmt: skip
+                name = name_of[id(param)]
+                if param.requires_grad:
+                    trainable.append(name)
+                    group_of[name] = index
+        return cls(model, optimizer, loss_fn, spec, list(params), [n for n, _ in model.named_buffers()],
+                   trainable, group_of)  # fmt: skip
+
+    # -- the flat input list ---------------------------------------------------------------
+    def state_names(self, name: str) -> tuple[str, ...]:
+        group = self.optimizer.param_groups[self.group_of[name]]
+        return functional_optim.state_names_for(self.spec, group)
+
+    def slots(self, batch: Any) -> list[InputSlot]:
+        slots = [InputSlot(NodeKind.PARAMETER, n) for n in self.param_names]
+        slots += [InputSlot(NodeKind.BUFFER, n) for n in self.buffer_names]
+        slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:{s}") for n in self.trainable for s in self.state_names(n)]
+        slots += [InputSlot(NodeKind.OTHER, f"lr:group{i}") for i in range(len(self.optimizer.param_groups))]
+        leaves, _ = pytree.tree_flatten_with_path(batch)
+        slots += [InputSlot(NodeKind.INPUT, "batch" + pytree.keystr(path)) for path, leaf in leaves
+                  if isinstance(leaf, torch.Tensor)]  # fmt: skip
+        return slots
+
+    def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
+        """The tensors to call the captured graph with, in slot order (the real, live tensors)."""
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        flat: list[torch.Tensor] = [params[n].detach() for n in self.param_names]
+        flat += [buffers[n] for n in self.buffer_names]
+        for name in self.trainable:
+            state = self.optimizer.state[params[name]]
+            flat += [state[s] for s in self.state_names(name)]
+        flat += [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in self.optimizer.param_groups]
+        flat += [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+        return flat
+
+    def trace_inputs(self, batch: Any) -> list[torch.Tensor]:
+        """Like :meth:`flat_inputs`, with trainable parameters marked as requiring grad."""
+        flat = self.flat_inputs(batch)
+        trainable = set(self.trainable)
+        for index, name in enumerate(self.param_names):
+            flat[index] = flat[index].requires_grad_(name in trainable)
+        return flat
+
+    # -- the traced function ---------------------------------------------------------------
+    def step_function(self, batch: Any, gradient_labels: list[str]) -> Callable[..., tuple[torch.Tensor, ...]]:
+        leaves, batch_spec = pytree.tree_flatten(batch)
+        tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        n_params, n_buffers = len(self.param_names), len(self.buffer_names)
+        state_layout = [(n, self.state_names(n)) for n in self.trainable]
+        n_state = sum(len(s) for _, s in state_layout)
+        n_groups = len(self.optimizer.param_groups)
+
+        def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            params = dict(zip(self.param_names, flat[:n_params], strict=True))
+            buffers = dict(zip(self.buffer_names, flat[n_params:n_params + n_buffers], strict=True))
+            cursor = n_params + n_buffers
+            states: dict[str, dict[str, torch.Tensor]] = {}
+            for name, names in state_layout:
+                states[name] = dict(zip(names, flat[cursor:cursor + len(names)], strict=True))
+                cursor += len(names)
+            lrs = flat[cursor:cursor + n_groups]
+            batch_leaves = list(leaves)
+            for position, tensor in zip(tensor_positions, flat[n_params + n_buffers + n_state + n_groups:],
+                                        strict=True):  # fmt: skip
+                batch_leaves[position] = tensor
+            traced_batch = pytree.tree_unflatten(batch_leaves, batch_spec)
+
+            with torch.enable_grad():
+                output = _call_model(self.model, params, buffers, traced_batch)
+                loss = self.loss_fn(output, traced_batch)
+                _check_loss(loss)
+            _end_phase(Phase.FORWARD)
+            wanted = [params[n] for n in self.trainable]
+            grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            _end_phase(Phase.BACKWARD)
+            with torch.no_grad():
+                for name, grad in zip(self.trainable, grads, strict=True):
+                    if grad is None:  # torch.optim skips parameters without a gradient
+                        continue
+                    gradient_labels.append(name)
+                    group_index = self.group_of[name]
+                    functional_optim.update(self.spec, self.optimizer.param_groups[group_index], params[name],
+                                            grad, states[name], lrs[group_index])  # fmt: skip
+                outputs = (loss.detach(), *[g for g in grads if g is not None])
+            _end_phase(Phase.OPTIMIZER)
+            return outputs
+
+        return step
+
+
+def _call_model(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                batch: Any) -> Any:  # fmt: skip
+    if isinstance(batch, dict):
+        args, kwargs = (), batch
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        args, kwargs = (batch,), {}
+    return torch.func.functional_call(model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.dtype.is_floating_point:
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        raise CaptureError(f"the loss function must return a scalar floating-point tensor, it returned {what}")
+    if not loss.requires_grad:
+        raise CaptureError("the loss does not depend on any trainable parameter; check that the model's "
+                           "parameters require grad and that loss_fn uses the model's output")  # fmt: skip
+
+
+def _end_phase(phase: Phase) -> None:
+    """Tag every traced node that has no phase yet with ``phase``."""
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    for node in mode.tracer.graph.nodes:
+        node.meta.setdefault(PHASE_META, phase)
+
+
+@contextlib.contextmanager
+def _training_mode_kept(model: torch.nn.Module) -> Iterator[None]:
+    modes = {m: m.training for m in model.modules()}
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn) -> tuple[
+        CapturedStep, StepBinding]:  # fmt: skip
+    """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
+
+    Missing optimizer state is created as torch.optim's first step would create it. Raises
+    :class:`CaptureError` with one sentence naming the cause (and the model's line, for
+    data-dependent control flow) when the iteration cannot be traced.
+    """
+    binding = StepBinding.bind(model, optimizer, loss_fn)
+    if not binding.trainable:
+        raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
+    functional_optim.init_state(optimizer, binding.spec)
+    gradient_labels: list[str] = []
+    inputs = binding.trace_inputs(batch)
+    try:
+        with compiler_tracing(), _training_mode_kept(model):
+            graph_module = make_fx(binding.step_function(batch, gradient_labels), tracing_mode="fake",
+                                   _allow_non_fake_inputs=True)(*inputs)  # fmt: skip
+    except CaptureError:
+        raise
+    except Exception as error:  # every tracing failure becomes one readable sentence
+        raise explain_capture_failure(error) from error
+    slots = binding.slots(batch)
+    constants = _lift_constants(graph_module, slots)
+    _, batch_spec = pytree.tree_flatten(batch)
+    return CapturedStep(graph_module, slots, gradient_labels, batch_spec, constants), binding
+
+
+def _lift_constants(graph_module: fx.GraphModule, slots: list[InputSlot]) -> dict[str, torch.Tensor]:
+    """Turn ``get_attr`` constants (tensors the model keeps outside parameters and buffers) into
+    trailing placeholders, so the graph's only inputs are placeholders."""
+    graph = graph_module.graph
+    constants: dict[str, torch.Tensor] = {}
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        value = getattr(graph_module, node.target)
+        with graph.inserting_after(last_placeholder):
+            placeholder = graph.placeholder(f"constant_{node.target}")
+        placeholder.meta.update(node.meta)
+        placeholder.meta[PHASE_META] = Phase.FORWARD
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+        last_placeholder = placeholder
+        label = f"constant:{node.target}"
+        constants[label] = value
+        slots.append(InputSlot(NodeKind.INPUT, label))
+    graph_module.recompile()
+    return constants
