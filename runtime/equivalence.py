@@ -1,0 +1,121 @@
+"""Checking that two graphs of the same iteration compute the same numbers.
+
+Both graphs run from identical copies of the whole state (parameters, buffers, optimizer state,
+learning rates, batch) and the same random seed, for several consecutive iterations, with the
+learning rate changed between iterations as a scheduler would. After each iteration the loss,
+every gradient, and every parameter, buffer and optimizer state tensor (all updated in place by
+the graph) are compared: bitwise on CPU, within stated tolerances on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.node import NodeKind
+from mutwo_ir.to_fx import to_fx
+
+#: Tolerances on CUDA, where kernels (cuDNN convolution algorithms, atomics in reductions) may
+#: differ from run to run unless deterministic algorithms are on.
+CUDA_RTOL = 1e-4
+CUDA_ATOL = 1e-5
+
+#: Learning-rate factor per iteration: the second iteration halves it, like a step scheduler.
+LR_SCHEDULE = (1.0, 0.5, 0.5, 0.25)
+
+
+@dataclass
+class Mismatch:
+    iteration: int
+    what: str  #: 'loss', 'gradient', or the kind of a state slot
+    label: str
+    max_abs_diff: float
+
+    def __str__(self) -> str:
+        return f"iteration {self.iteration}: {self.what} {self.label} differs (max |diff| {self.max_abs_diff:.3g})"
+
+
+@dataclass
+class EquivalenceReport:
+    iterations: int
+    bitwise: bool
+    mismatches: list[Mismatch] = field(default_factory=list)
+    compared: int = 0  #: number of tensors compared over all iterations
+
+    @property
+    def equivalent(self) -> bool:
+        return not self.mismatches
+
+    def summary(self) -> str:
+        mode = "bitwise" if self.bitwise else f"rtol={CUDA_RTOL}, atol={CUDA_ATOL}"
+        if self.equivalent:
+            return f"equivalent over {self.iterations} iterations ({self.compared} tensors compared, {mode})"
+        head = f"NOT equivalent ({len(self.mismatches)} mismatches, {mode}); first: {self.mismatches[0]}"
+        return head
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if bitwise:
+        return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
+    return torch.allclose(a, b, rtol=CUDA_RTOL, atol=CUDA_ATOL, equal_nan=True)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def compare_graphs(
+    reference: Graph,
+    candidate: Graph,
+    inputs: list[torch.Tensor],
+    *,
+    iterations: int = 3,
+    seed: int = 0,
+    bitwise: bool | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> EquivalenceReport:
+    """Run both graphs from clones of ``inputs`` (in slot order) and compare everything.
+
+    The graphs must have the same placeholders (labels and kinds) and output structure.
+    ``bitwise`` defaults to True on CPU and to whether deterministic algorithms are on elsewhere.
+    """
+    ref_slots = [(p.kind, p.label) for p in reference.placeholders]
+    if ref_slots != [(p.kind, p.label) for p in candidate.placeholders]:
+        raise ValueError("the two graphs do not take the same inputs; they are not versions of one iteration")
+    on_cpu = all(t.device.type == "cpu" for t in inputs)
+    if bitwise is None:
+        bitwise = on_cpu or torch.are_deterministic_algorithms_enabled()
+    report = EquivalenceReport(iterations, bitwise)
+    modules: list[fx.GraphModule] = [to_fx(reference), to_fx(candidate)]
+    states = [[t.clone() for t in inputs], [t.clone() for t in inputs]]
+    lr_slots = [i for i, (kind, label) in enumerate(ref_slots) if kind is NodeKind.OTHER and label.startswith("lr:")]
+    base_lrs = {i: inputs[i].clone() for i in lr_slots}
+    grad_labels = [n.label for n in reference.output.args[0][1:]]
+    for iteration in range(iterations):
+        outputs = []
+        for module, state in zip(modules, states, strict=True):
+            for i in lr_slots:
+                state[i] = base_lrs[i] * LR_SCHEDULE[iteration % len(LR_SCHEDULE)]
+            torch.manual_seed(seed + iteration)
+            with torch.no_grad():
+                outputs.append(module(*state))
+        pairs = [("loss", "loss", outputs[0][0], outputs[1][0])]
+        pairs += [("gradient", label, a, b) for label, a, b in zip(grad_labels, outputs[0][1:], outputs[1][1:],
+                                                                   strict=True)]  # fmt: skip
+        pairs += [(kind.value, label, a, b) for (kind, label), a, b in zip(ref_slots, states[0], states[1], strict=True)
+                  if kind is not NodeKind.OTHER]  # fmt: skip
+        for what, label, a, b in pairs:
+            report.compared += 1
+            if not _same(a, b, bitwise):
+                report.mismatches.append(Mismatch(iteration, what, label, _max_diff(a, b)))
+        if progress is not None:
+            progress(iteration)
+    return report

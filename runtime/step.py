@@ -1,0 +1,72 @@
+"""Running an IR graph as a training step on a real model and optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.node import NodeKind
+from mutwo_ir.to_fx import to_fx
+from runtime.capture import CapturedStep, StepBinding
+
+
+class BatchMismatchError(ValueError):
+    """A batch does not have the structure, shapes or dtypes the step was captured with."""
+
+
+@dataclass
+class StepOutput:
+    """What one iteration returns: the loss and each trained parameter's gradient."""
+
+    loss: torch.Tensor
+    gradients: dict[str, torch.Tensor]
+
+
+class GraphStep:
+    """A captured (and possibly rewritten) iteration, bound to the live model and optimizer.
+
+    Calling it runs one whole iteration on a batch: parameters, buffers and optimizer state are
+    updated in place, as ``optimizer.step()`` would; the learning rate is read from
+    ``optimizer.param_groups`` at every call, so schedulers work.
+    """
+
+    def __init__(self, graph: Graph, captured: CapturedStep, binding: StepBinding) -> None:
+        self.graph = graph
+        self.captured = captured
+        self.binding = binding
+        self.graph_module: fx.GraphModule = to_fx(graph)
+        self._batch_metas = [p.tensor for p in graph.placeholders if p.kind is NodeKind.INPUT
+                             and p.label.startswith("batch")]  # fmt: skip
+
+    def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
+        self.check_batch(batch)
+        return self.binding.flat_inputs(batch) + list(self.captured.constants.values())
+
+    def check_batch(self, batch: Any) -> None:
+        """Raise :class:`BatchMismatchError` unless ``batch`` matches the captured one."""
+        leaves, spec = pytree.tree_flatten(batch)
+        if spec != self.captured.batch_spec:
+            raise BatchMismatchError(f"the batch has structure {spec}, the step was captured with "
+                                     f"{self.captured.batch_spec}")  # fmt: skip
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        for index, (tensor, meta) in enumerate(zip(tensors, self._batch_metas, strict=True)):
+            if meta is not None and (tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype):
+                raise BatchMismatchError(
+                    f"batch tensor {index} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; the step was "
+                    f"captured with shape {meta.shape} and dtype {meta.dtype}: capture again for this shape"
+                )
+
+    def __call__(self, batch: Any) -> StepOutput:
+        flat = self.flat_inputs(batch)
+        return self.run_flat(flat)
+
+    def run_flat(self, flat: list[torch.Tensor]) -> StepOutput:
+        """Run on explicit inputs (in slot order); the backward is in the graph, so no autograd."""
+        with torch.no_grad():
+            loss, *grads = self.graph_module(*flat)
+        return StepOutput(loss, dict(zip(self.captured.gradient_labels, grads, strict=True)))
