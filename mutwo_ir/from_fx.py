@@ -10,6 +10,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from mutwo_ir.classify import classify
 from mutwo_ir.graph import Graph
 from mutwo_ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 
@@ -90,7 +91,7 @@ def _meta(tensor: torch.Tensor, node_id: int, output: int, storages: dict[int, t
 
 
 def _classify(graph: Graph, gradient_labels: Sequence[str]) -> None:
-    """Set kinds of computed nodes: gradients, activations, and in-place updates of state."""
+    """Mark the returned gradients, then classify every computed node."""
     output = graph.output
     returned = output.args[0] if output.args else ()
     if not isinstance(returned, (tuple, list)) or len(returned) != len(gradient_labels) + 1:
@@ -99,25 +100,7 @@ def _classify(graph: Graph, gradient_labels: Sequence[str]) -> None:
         if isinstance(grad, Node):
             grad.kind = NodeKind.GRADIENT
             grad.label = label
-    for node in graph:
-        if node.op != "call_function" or node.kind is NodeKind.GRADIENT:
-            continue
-        owner_kind = _state_kind_of_alias(graph, node)
-        if owner_kind is not None:
-            node.kind = owner_kind
-        elif node.phase is Phase.FORWARD and any(u.phase is Phase.BACKWARD for u in node.users):
-            node.kind = NodeKind.ACTIVATION
-
-
-def _state_kind_of_alias(graph: Graph, node: Node) -> NodeKind | None:
-    """The kind of the persistent state an aliasing node views or updates in place, if any."""
-    meta = node.tensor
-    if meta is None or meta.storage.creator == node.id:
-        return None
-    owner = graph.storage_owner(meta.storage)
-    if owner.op == "placeholder" and owner.kind is not NodeKind.OTHER and node.mutated_operands:
-        return owner.kind
-    return None
+    classify(graph)
 
 
 def is_getitem(node: Node) -> bool:

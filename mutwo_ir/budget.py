@@ -1,0 +1,57 @@
+"""Memory budgets: a fraction of the unoptimized peak (``0.5``) or an amount of bytes (``"6GiB"``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+class BudgetError(ValueError):
+    """A budget that is neither a fraction in (0, 1] nor a positive amount of bytes."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Exactly one of ``fraction`` (of the unoptimized simulated peak) or ``bytes``."""
+
+    fraction: float | None = None
+    bytes: int | None = None
+
+    def resolve(self, unoptimized_peak: int) -> int:
+        """The budget in bytes, given the unoptimized peak."""
+        if self.bytes is not None:
+            return self.bytes
+        assert self.fraction is not None
+        return int(self.fraction * unoptimized_peak)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g}" if self.fraction is not None else f"{self.bytes}B"
+
+
+def parse_budget(value: float | int | str) -> Budget:
+    """Parse ``0.5`` (a fraction) or ``"6GiB"``/``"512MB"``/``"1e9"`` (bytes)."""
+    if isinstance(value, bool):
+        raise BudgetError(f"budget must be a fraction like 0.5 or bytes like '6GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        return _fraction_or_bytes(float(value), "", str(value))
+    match = _PATTERN.match(str(value))
+    if not match:
+        raise BudgetError(f"budget {value!r} is neither a fraction like 0.5 nor bytes like '6GiB'")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit not in _UNITS:
+        raise BudgetError(f"budget {value!r} has unknown unit {match.group(2)!r}; use B, KiB, MiB, GiB, KB, MB or GB")
+    return _fraction_or_bytes(number, unit, str(value))
+
+
+def _fraction_or_bytes(number: float, unit: str, text: str) -> Budget:
+    if str(text).strip().startswith("-") or number <= 0:
+        raise BudgetError(f"budget must be positive, got {text}")
+    if not unit and number <= 1:
+        return Budget(fraction=number)
+    if not unit and number < 1024:
+        raise BudgetError(f"budget {text} is ambiguous: a fraction must be in (0, 1], bytes need a unit like '6GiB'")
+    return Budget(bytes=int(number * _UNITS[unit]))

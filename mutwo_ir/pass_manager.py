@@ -1,0 +1,119 @@
+"""Runs a pipeline of passes with verification, IR printing, dot dumps and timing between passes.
+
+Like MLIR's pass manager: instrumentation hooks run around each pass, a transform's declared
+preservations decide which cached analyses survive, and a failure names the pass, the
+pipeline so far and the node involved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mutwo_ir.dot import write_dot
+from mutwo_ir.graph import Graph
+from mutwo_ir.pass_base import Pass, PassContext, PassFailure, write_atomic
+from mutwo_ir.printer import format_node, print_graph
+from mutwo_ir.verifier import VerificationError, verify
+
+
+class PipelineFailure(RuntimeError):
+    """A pass failed, or the graph failed verification after it."""
+
+    def __init__(self, pass_name: str, pipeline_so_far: list[str], cause: BaseException) -> None:
+        self.pass_name = pass_name
+        self.pipeline_so_far = pipeline_so_far
+        self.cause = cause
+        node = getattr(cause, "node", None)
+        where = f" at {format_node(node)}" if node is not None and node.graph is not None else ""
+        first_line = (str(cause).splitlines() or [type(cause).__name__])[0]
+        done = ",".join(pipeline_so_far) or "(none)"
+        super().__init__(f"pass '{pass_name}' failed after [{done}]: {first_line}{where}")
+
+
+@dataclass
+class Instrumentation:
+    """What to do between passes."""
+
+    verify: bool = True
+    print_ir_after_all: bool = False
+    print_ir_after: frozenset[str] = frozenset()
+    dump_dot: bool = False
+    time_passes: bool = False
+    printer: Callable[[str], None] = print
+
+
+@dataclass
+class PassRecord:
+    name: str  #: the pass as written, with options
+    seconds: float
+    changed: bool
+    result: Any = None
+
+
+@dataclass
+class PipelineResult:
+    records: list[PassRecord] = field(default_factory=list)
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per pass, keyed ``NN-name`` so a pass run twice appears twice."""
+        return {f"{i:02d}-{r.name}": round(r.seconds, 6) for i, r in enumerate(self.records, start=1)}
+
+    def timing_report(self) -> str:
+        total = sum(r.seconds for r in self.records) or 1e-12
+        lines = ["===== pass execution timing =====", f"{'seconds':>10} {'%':>6}  pass"]
+        for record in self.records:
+            lines.append(f"{record.seconds:10.4f} {100 * record.seconds / total:6.1f}  {record.name}")
+        lines.append(f"{total:10.4f} {100.0:6.1f}  total")
+        return "\n".join(lines)
+
+
+class PassManager:
+    """Runs passes in order on one graph, sharing one :class:`PassContext`."""
+
+    def __init__(self, passes: Sequence[Pass], instrumentation: Instrumentation | None = None) -> None:
+        self.passes = list(passes)
+        self.instrumentation = instrumentation or Instrumentation()
+
+    def run(self, graph: Graph, ctx: PassContext) -> PipelineResult:
+        inst = self.instrumentation
+        result = PipelineResult()
+        done: list[str] = []
+        for index, pass_ in enumerate(self.passes, start=1):
+            label = pass_.describe()
+            stem = f"{index:02d}-{pass_.name}"
+            if inst.dump_dot and ctx.out_dir is not None:
+                write_dot(graph, str(ctx.out_dir / f"{stem}-before.dot"), title=f"before {label}")
+            ctx.log(f"[{index}/{len(self.passes)}] {label}")
+            version = graph.version
+            start = time.perf_counter()
+            try:
+                output = pass_.run(graph, ctx)
+            except (PassFailure, VerificationError) as error:
+                raise PipelineFailure(pass_.name, done, error) from error
+            except Exception as error:  # a crash inside a pass is reported like a failure, with its cause
+                raise PipelineFailure(pass_.name, done, error) from error
+            seconds = time.perf_counter() - start
+            changed = graph.version != version
+            if changed and not pass_.is_transform:
+                raise PipelineFailure(pass_.name, done, PassFailure("an analysis pass changed the graph"))
+            ctx.analyses.after_transform(graph, version, pass_.preserves)
+            if inst.verify:
+                try:
+                    verify(graph)
+                except VerificationError as error:
+                    raise PipelineFailure(pass_.name, done, error) from error
+            done.append(label)
+            result.records.append(PassRecord(label, seconds, changed, output))
+            if inst.dump_dot and ctx.out_dir is not None:
+                write_dot(graph, str(ctx.out_dir / f"{stem}-after.dot"), title=f"after {label}")
+            if inst.print_ir_after_all or pass_.name in inst.print_ir_after:
+                text = print_graph(graph)
+                inst.printer(f"// ----- IR after {label} -----\n{text}")
+                if ctx.out_dir is not None:
+                    write_atomic(ctx.out_dir / f"{stem}-after.ir.txt", text)
+        if inst.time_passes:
+            inst.printer(result.timing_report())
+        return result

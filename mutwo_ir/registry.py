@@ -1,0 +1,168 @@
+"""The pass registry: built-in passes loaded lazily, aliases, and users' passes.
+
+Users' passes are found through the ``mutwo.passes`` entry-point group (each entry point names
+a Pass subclass, ``my_package.passes:MyPass``) and through :meth:`PassRegistry.load`, behind
+``mutwo-opt --load-passes MODULE_OR_FILE``, which registers every Pass subclass with a name
+defined in that module or file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from mutwo_ir.pass_base import KEBAB, Pass, PassOptionError
+from mutwo_ir.pipeline import PipelineItem, parse_pipeline
+
+ENTRY_POINT_GROUP = "mutwo.passes"
+
+#: Built-in passes: name -> "module:Class", imported only when used.
+BUILTIN_PASSES: dict[str, str] = {
+    "stats": "passes.stats:StatsPass",
+    "dce": "passes.dce:DeadCodeEliminationPass",
+}
+
+#: Names that stand for several passes.
+BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {}
+
+
+class RegistryError(ValueError):
+    """An unknown pass, a bad option, an unmet requirement, or a pass that cannot be loaded."""
+
+
+class PassRegistry:
+    """Pass names to classes, with lazy loading."""
+
+    def __init__(self, builtins: bool = True) -> None:
+        self._loaders: dict[str, Callable[[], type[Pass]]] = {}
+        self._classes: dict[str, type[Pass]] = {}
+        self.aliases: dict[str, tuple[str, ...]] = dict(BUILTIN_ALIASES) if builtins else {}
+        if builtins:
+            for name, target in BUILTIN_PASSES.items():
+                self._loaders[name] = _lazy(target)
+            for entry in entry_points(group=ENTRY_POINT_GROUP):
+                self._loaders.setdefault(entry.name, entry.load)
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, cls: type[Pass]) -> type[Pass]:
+        """Register a Pass subclass under its ``name``; usable as a decorator."""
+        if not (inspect.isclass(cls) and issubclass(cls, Pass)) or not KEBAB.match(cls.name or ""):
+            raise RegistryError(f"{cls!r} is not a Pass subclass with a kebab-case name")
+        existing = self._classes.get(cls.name)
+        if existing is not None and existing is not cls:
+            raise RegistryError(f"two passes are named '{cls.name}': {existing.__module__} and {cls.__module__}")
+        self._classes[cls.name] = cls
+        self._loaders.pop(cls.name, None)
+        return cls
+
+    def load(self, module_or_file: str) -> list[str]:
+        """Import a module (``pkg.mod``) or a Python file and register the passes it defines."""
+        path = Path(module_or_file)
+        try:
+            if module_or_file.endswith(".py") or path.exists():
+                if not path.is_file():
+                    raise RegistryError(f"--load-passes: no such file: {module_or_file}")
+                spec = importlib.util.spec_from_file_location(f"mutwo_user_passes_{path.stem}", path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module
+                spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(module_or_file)
+        except RegistryError:
+            raise
+        except Exception as error:
+            raise RegistryError(f"--load-passes {module_or_file}: importing it failed: "
+                                f"{type(error).__name__}: {error}") from None  # fmt: skip
+        found = [obj for obj in vars(module).values()
+                 if inspect.isclass(obj) and issubclass(obj, Pass) and obj.__module__ == module.__name__ and obj.name]
+        if not found:
+            raise RegistryError(f"--load-passes {module_or_file}: it defines no Pass subclass with a name")
+        return [self.register(cls).name for cls in found]
+
+    # -- lookup ----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(set(self._loaders) | set(self._classes))
+
+    def get(self, name: str) -> type[Pass]:
+        if name not in self._classes:
+            loader = self._loaders.get(name)
+            if loader is None:
+                raise RegistryError(self._unknown(name))
+            cls = loader()
+            if cls.name != name:
+                raise RegistryError(f"pass registered as '{name}' calls itself '{cls.name}'")
+            self._classes[name] = cls
+        return self._classes[name]
+
+    def _unknown(self, name: str) -> str:
+        valid = self.names() + sorted(self.aliases)
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"unknown pass '{name}'; {hint}valid passes: {', '.join(sorted(valid))}"
+
+    # -- pipelines -------------------------------------------------------------------------
+    def build_pipeline(self, text: str, available: set[str] | frozenset[str] = frozenset()) -> list[Pass]:
+        """Parse, expand aliases, build every pass with its options, and check requirements.
+
+        ``available`` names the artifacts that exist before the first pass (for example a
+        profile loaded from a file). Everything is checked before anything runs.
+        """
+        try:
+            items = parse_pipeline(text)
+        except ValueError as error:
+            raise RegistryError(f"bad pipeline: {error}") from None
+        expanded: list[PipelineItem] = []
+        for item in items:
+            if item.name in self.aliases:
+                if item.options:
+                    raise RegistryError(f"'{item.name}' is an alias for {','.join(self.aliases[item.name])} and "
+                                        "takes no options; give options to those passes instead")  # fmt: skip
+                expanded += [PipelineItem(name, {}) for name in self.aliases[item.name]]
+            else:
+                expanded.append(item)
+        passes: list[Pass] = []
+        have = set(available)
+        for item in expanded:
+            cls = self.get(item.name)
+            try:
+                instance = cls.from_options(item.options)
+            except PassOptionError as error:
+                raise RegistryError(str(error)) from None
+            missing = [r for r in cls.requires if r not in have]
+            if missing:
+                providers = sorted(n for n in self.names() if set(missing) & set(self.get(n).provides))
+                hint = f"; run {' or '.join(providers)} before it" if providers else ""
+                raise RegistryError(f"pass '{cls.name}' needs {', '.join(missing)}, which no earlier pass "
+                                    f"provides{hint}")  # fmt: skip
+            have.update(cls.provides)
+            passes.append(instance)
+        return passes
+
+    def describe_all(self) -> str:
+        """Every pass with its summary and options, and the aliases: the ``--list-passes`` text."""
+        lines = []
+        for name in self.names():
+            cls = self.get(name)
+            kind = "transform" if cls.is_transform else "analysis"
+            lines.append(f"{name:<18} [{kind}] {cls.summary()}")
+            for opt in cls.options():
+                lines.append(f"    {opt.name}: {opt.type_name} = {opt.default!r}  {opt.help}")
+        for alias, targets in sorted(self.aliases.items()):
+            lines.append(f"{alias:<18} [alias] {','.join(targets)}")
+        return "\n".join(lines)
+
+
+def _lazy(target: str) -> Callable[[], type[Pass]]:
+    module_name, _, class_name = target.partition(":")
+
+    def load() -> type[Pass]:
+        return getattr(importlib.import_module(module_name), class_name)
+
+    return load

@@ -1,0 +1,1 @@
+"""mutwo's command-line tools: mutwo-opt, configs, workloads and reports."""

@@ -1,0 +1,185 @@
+"""YAML configs of mutwo-opt: safe-loaded, every key checked, unknown keys answered with a
+did-you-mean. See the README's config reference."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mutwo_ir.budget import Budget, BudgetError, parse_budget
+
+#: The pipeline run when neither the config nor the command line names one.
+DEFAULT_PIPELINE = "stats"
+SOURCES = ("torchvision", "transformers", "python")
+DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Key:
+    types: tuple[type, ...]
+    what: str  #: the expected value, in words
+
+
+_NUMBER = (int, float)
+TOP_KEYS = {
+    "model": Key((dict,), "a mapping with source, name and config"),
+    "batch_size": Key((int,), "a positive integer"),
+    "input": Key((dict,), "a mapping (image_size, channels, num_classes, seq_len)"),
+    "optimizer": Key((dict,), "a mapping with name, lr and options"),
+    "device": Key((str,), "one of auto, cpu, cuda"),
+    "budget": Key((int, float, str), "a fraction like 0.5 or bytes like '6GiB'"),
+    "passes": Key((str,), "a pipeline like 'stats,dce'"),
+    "seed": Key((int,), "an integer"),
+}
+MODEL_KEYS = {
+    "source": Key((str,), "one of " + ", ".join(SOURCES)),
+    "name": Key((str,), "a model name or 'module:function'"),
+    "config": Key((dict,), "a mapping of keyword arguments"),
+    "weights": Key((str,), "a local path to pretrained weights (transformers)"),
+}
+INPUT_KEYS = {
+    "image_size": Key((int,), "a positive integer"),
+    "channels": Key((int,), "a positive integer"),
+    "num_classes": Key((int,), "a positive integer"),
+    "seq_len": Key((int,), "a positive integer"),
+}
+OPTIMIZER_KEYS = {
+    "name": Key((str,), "one of " + ", ".join(OPTIMIZERS)),
+    "lr": Key(_NUMBER, "a positive number"),
+    "momentum": Key(_NUMBER, "a number"),
+    "dampening": Key(_NUMBER, "a number"),
+    "nesterov": Key((bool,), "true or false"),
+    "weight_decay": Key(_NUMBER, "a number"),
+    "betas": Key((list,), "a list of two numbers"),
+    "eps": Key(_NUMBER, "a number"),
+    "amsgrad": Key((bool,), "true or false"),
+    "maximize": Key((bool,), "true or false"),
+}
+
+
+@dataclass
+class ModelSpec:
+    source: str
+    name: str
+    config: dict[str, Any] = field(default_factory=dict)
+    weights: str | None = None
+
+
+@dataclass
+class Config:
+    """A validated config. ``name`` is the file's stem, used for the default output folder."""
+
+    name: str
+    path: Path
+    model: ModelSpec
+    batch_size: int = 2
+    input: dict[str, int] = field(default_factory=dict)
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "adam", "lr": 1e-3})
+    device: str = "auto"
+    budget: Budget | None = None
+    passes: str = DEFAULT_PIPELINE
+    seed: int = 0
+
+
+def _check_keys(section: str, data: dict[str, Any], schema: dict[str, Key]) -> None:
+    for key, value in data.items():
+        if key not in schema:
+            close = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(schema)}"
+            raise ConfigError(f"unknown key '{section}{key}'; {hint}")
+        spec = schema[key]
+        if spec.types == _NUMBER and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                data[key] = value = float(value)
+            except ValueError:
+                pass
+        # bool is an int subclass: a boolean is only accepted where the schema says so.
+        ok = isinstance(value, spec.types) and not (isinstance(value, bool) and bool not in spec.types)
+        if not ok:
+            raise ConfigError(f"'{section}{key}' must be {spec.what}, got {value!r}")
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file "
+                          "such as examples/tiny_mlp.yaml")  # fmt: skip
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path} is not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a UTF-8 text file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a YAML mapping with at least a 'model' key")
+    return parse_config(data, path)
+
+
+def parse_config(data: dict[str, Any], path: Path) -> Config:
+    """Validate a config mapping; see :func:`load_config`."""
+    _check_keys("", data, TOP_KEYS)
+    if "model" not in data:
+        raise ConfigError(f"{path} has no 'model' key; add model: {{source: torchvision, name: resnet18}}")
+    model = data["model"]
+    _check_keys("model.", model, MODEL_KEYS)
+    for required in ("source", "name"):
+        if required not in model:
+            raise ConfigError(f"'model.{required}' is missing; it must be {MODEL_KEYS[required].what}")
+    if model["source"] not in SOURCES:
+        raise ConfigError(f"unknown model source {model['source']!r}; use one of {', '.join(SOURCES)}")
+    inputs = data.get("input", {})
+    _check_keys("input.", inputs, INPUT_KEYS)
+    for key, value in inputs.items():
+        if value <= 0:
+            raise ConfigError(f"'input.{key}' must be a positive integer, got {value}")
+    optimizer = {"name": "adam", "lr": 1e-3, **data.get("optimizer", {})}
+    _check_keys("optimizer.", optimizer, OPTIMIZER_KEYS)
+    if optimizer["name"] not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer['name']!r}; use one of {', '.join(OPTIMIZERS)}")
+    if optimizer["lr"] <= 0:
+        raise ConfigError(f"'optimizer.lr' must be positive, got {optimizer['lr']}")
+    config = Config(
+        name=path.stem, path=path,
+        model=ModelSpec(model["source"], model["name"], dict(model.get("config", {})), model.get("weights")),
+        input=dict(inputs), optimizer=optimizer,
+    )  # fmt: skip
+    apply_overrides(config, batch_size=data.get("batch_size"), device=data.get("device"),
+                    budget=data.get("budget"), passes=data.get("passes"), seed=data.get("seed"))  # fmt: skip
+    return config
+
+
+def apply_overrides(config: Config, *, batch_size: int | None = None, device: str | None = None,
+                    budget: float | str | None = None, passes: str | None = None,
+                    seed: int | None = None) -> Config:  # fmt: skip
+    """Apply values from the file or the command line, checking each."""
+    if batch_size is not None:
+        if batch_size <= 0:
+            raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
+        config.batch_size = batch_size
+    if device is not None:
+        if device not in DEVICES:
+            raise ConfigError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
+        config.device = device
+    if budget is not None:
+        try:
+            config.budget = parse_budget(budget)
+        except BudgetError as error:
+            raise ConfigError(str(error)) from None
+    if passes is not None:
+        config.passes = passes
+    if seed is not None:
+        config.seed = seed
+    return config

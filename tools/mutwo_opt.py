@@ -1,0 +1,256 @@
+"""``mutwo-opt``: capture a model's training iteration and run a pipeline of passes over it.
+
+    mutwo-opt [-p/--passes LIST] [-o/--out DIR] [--device auto|cpu|cuda] [--batch-size N]
+              [--budget B] [--check] [--list-passes] [--load-passes M] [--no-verify]
+              [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot] [--time-passes]
+              CONFIG.yaml
+
+Exit codes: 0 success; 1 a pass or verification failed, or --check found a difference;
+2 bad usage, config or pipeline. Every error is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from mutwo_ir import from_fx, to_fx
+from mutwo_ir.graph import Graph
+from mutwo_ir.pass_base import PassContext, write_atomic
+from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
+from mutwo_ir.printer import print_graph
+from mutwo_ir.registry import PassRegistry, RegistryError
+from mutwo_ir.verifier import VerificationError, verify
+from runtime.capture import CapturedStep, StepBinding, capture
+from runtime.equivalence import EquivalenceReport, compare_graphs
+from runtime.optim import UnsupportedOptimizerError
+from runtime.tracing import CaptureError
+from tools.config import Config, ConfigError, apply_overrides, load_config
+from tools.workloads import build_optimizer, build_workload
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad usage, config or pipeline: exit code 2."""
+
+
+class Failure(Exception):
+    """A pass, verification or the equivalence check failed: exit code 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see mutwo-opt --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mutwo-opt", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", help="YAML config describing the model (see the README)")
+    parser.add_argument("-p", "--passes", help="pipeline, e.g. 'stats,dce' (default: the config's 'passes')")
+    parser.add_argument("-o", "--out", help="output folder (default: mutwo-out/<config name>)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: the config's)")
+    parser.add_argument("--batch-size", type=int, help="override the config's batch size")
+    parser.add_argument("--budget", help="memory budget: a fraction of the unoptimized peak (0.5) or bytes (6GiB)")
+    parser.add_argument("--seed", type=int, help="override the config's seed")
+    parser.add_argument("--check", action="store_true",
+                        help="run the original and final graphs for 3 iterations and compare every number")
+    parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
+    parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
+                        help="register the passes defined in a module or .py file (repeatable)")
+    parser.add_argument("--no-verify", action="store_true", help="do not verify the IR after every pass")
+    parser.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass")
+    parser.add_argument("--print-ir-after", default="", metavar="P,...", help="print the IR after these passes")
+    parser.add_argument("--dump-dot", action="store_true", help="write NN-<pass>-before.dot and -after.dot")
+    parser.add_argument("--time-passes", action="store_true", help="print the time each pass took")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    return parser
+
+
+class MutwoOpt:
+    """The steps of one mutwo-opt run, in order; :meth:`run` strings them together."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.registry = PassRegistry()
+        self.started = time.perf_counter()
+
+    def log(self, message: str) -> None:
+        if not self.args.quiet:
+            print(f"mutwo-opt: {message}", file=sys.stderr, flush=True)
+
+    # -- steps -----------------------------------------------------------------------------
+    def load_passes(self) -> None:
+        for target in self.args.load_passes:
+            try:
+                names = self.registry.load(target)
+            except RegistryError as error:
+                raise UsageError(str(error)) from None
+            self.log(f"loaded passes {', '.join(names)} from {target}")
+
+    def load_config(self) -> Config:
+        if not self.args.config:
+            raise UsageError("no config file given; usage: mutwo-opt [options] CONFIG.yaml (see mutwo-opt --help)")
+        try:
+            config = load_config(self.args.config)
+            apply_overrides(config, batch_size=self.args.batch_size, device=self.args.device,
+                            budget=self.args.budget, passes=self.args.passes, seed=self.args.seed)  # fmt: skip
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
+        return config
+
+    def resolve_device(self, config: Config) -> torch.device:
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("CUDA was requested but no GPU is visible to torch; use --device cpu or auto")
+        if config.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(config.device)
+
+    def build_pipeline(self, config: Config) -> PassManager:
+        try:
+            passes = self.registry.build_pipeline(config.passes)
+        except RegistryError as error:
+            raise UsageError(str(error)) from None
+        unknown = [p for p in self.args.print_ir_after.split(",") if p and p not in self.registry.names()]
+        if unknown:
+            raise UsageError(f"--print-ir-after names unknown pass '{unknown[0]}'; see mutwo-opt --list-passes")
+        instrumentation = Instrumentation(
+            verify=not self.args.no_verify, print_ir_after_all=self.args.print_ir_after_all,
+            print_ir_after=frozenset(p for p in self.args.print_ir_after.split(",") if p),
+            dump_dot=self.args.dump_dot, time_passes=self.args.time_passes,
+        )  # fmt: skip
+        return PassManager(passes, instrumentation)
+
+    def prepare_out_dir(self, config: Config) -> Path:
+        out = Path(self.args.out) if self.args.out else Path("mutwo-out") / config.name
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".mutwo-probe-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as error:
+            raise UsageError(f"output folder {str(out)!r} is not writable ({error.strerror}); "
+                             "choose another with -o DIR") from None  # fmt: skip
+        return out
+
+    def capture(self, config: Config, device: torch.device) -> tuple[Graph, CapturedStep, StepBinding, list[Any]]:
+        self.log(f"building {config.model.source} model '{config.model.name}' (batch {config.batch_size}, {device})")
+        try:
+            workload = build_workload(config)
+            model = workload.model.to(device)
+            batch = _to_device(workload.batch, device)
+            optimizer = build_optimizer(config, model)
+            self.log("capturing one training iteration (forward, backward, optimizer step)")
+            captured, binding = capture(model, optimizer, batch, workload.loss_fn)
+        except (ConfigError, CaptureError, UnsupportedOptimizerError) as error:
+            raise UsageError(str(error)) from None
+        graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+        graph.meta.update(model=config.model.name, batch_size=config.batch_size, device=str(device))
+        verify(graph)
+        inputs = binding.flat_inputs(batch) + list(captured.constants.values())
+        self.log(f"captured {len(graph)} nodes in {time.perf_counter() - self.started:.1f} s")
+        return graph, captured, binding, inputs
+
+    def check(self, original: Graph, final: Graph, inputs: list[Any]) -> EquivalenceReport:
+        self.log("checking the final graph against the original for 3 iterations")
+        report = compare_graphs(original, final, inputs, iterations=3)
+        self.log(report.summary())
+        return report
+
+    def write_outputs(self, out: Path, config: Config, device: torch.device, original: Graph, final: Graph,
+                      result: PipelineResult | None, report: EquivalenceReport | None, error: str | None) -> None:
+        write_atomic(out / "input.ir.txt", print_graph(original))
+        write_atomic(out / "final.ir.txt", print_graph(final))
+        write_atomic(out / "final_graph.py", to_fx(final).code)
+        summary = {
+            "model": config.model.name,
+            "source": config.model.source,
+            "config": str(config.path),
+            "batch_size": config.batch_size,
+            "device": str(device),
+            "torch_version": torch.__version__,
+            "pipeline": [r.name for r in result.records] if result else [],
+            "nodes_before": _counts(original),
+            "nodes_after": _counts(final),
+            "pass_seconds": result.timings() if result else {},
+            "total_seconds": round(time.perf_counter() - self.started, 3),
+            "peak_bytes_before": None,  # the simulator (analyses issue) fills these in
+            "peak_bytes_after": None,
+            "measured_peak_bytes_before": None,
+            "measured_peak_bytes_after": None,
+            "recomputed": len({n.origin for n in final if n.origin is not None}),
+            "equivalent": None if report is None else report.equivalent,
+            "error": error,
+        }
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+    # -- the whole run ---------------------------------------------------------------------
+    def run(self) -> int:
+        self.load_passes()
+        if self.args.list_passes:
+            print(self.registry.describe_all())
+            return EXIT_OK
+        config = self.load_config()
+        device = self.resolve_device(config)
+        manager = self.build_pipeline(config)
+        out = self.prepare_out_dir(config)
+        graph, _, _, inputs = self.capture(config, device)
+        original = graph.copy()
+        ctx = PassContext(out_dir=out, device=str(device), log=self.log)
+        ctx.services["budget"] = config.budget
+        result: PipelineResult | None = None
+        error: str | None = None
+        try:
+            result = manager.run(graph, ctx)
+        except PipelineFailure as failure:
+            error = str(failure)
+        report = self.check(original, graph, inputs) if self.args.check and error is None else None
+        self.write_outputs(out, config, device, original, graph, result, report, error)
+        if error is not None:
+            raise Failure(error)
+        if report is not None and not report.equivalent:
+            raise Failure(report.summary())
+        self.log(f"wrote {out}/ (summary.json, input.ir.txt, final.ir.txt, final_graph.py)")
+        return EXIT_OK
+
+
+def _counts(graph: Graph) -> dict[str, Any]:
+    return {"total": len(graph), "by_phase": dict(sorted(Counter(n.phase.value for n in graph).items())),
+            "by_kind": dict(sorted(Counter(n.kind.value for n in graph).items()))}  # fmt: skip
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, batch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run mutwo-opt; returns the exit code (tests call this in-process)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return MutwoOpt(args).run()
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    except UsageError as error:
+        print(f"mutwo-opt: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except (Failure, VerificationError) as error:
+        print(f"mutwo-opt: failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("mutwo-opt: interrupted; files already written are complete, the rest were not written",
+              file=sys.stderr)  # fmt: skip
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
