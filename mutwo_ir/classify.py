@@ -33,7 +33,10 @@ def classify(graph: Graph) -> None:
 def state_kind_of_update(graph: Graph, node: Node) -> NodeKind | None:
     """The kind of the persistent state that ``node`` updates in place, if it does."""
     meta = node.tensor
-    if meta is None or meta.storage.creator == node.id or not node.mutated_operands:
+    if meta is None or meta.storage.creator == node.id:
+        return None
+    if not any(t is not None and t.storage == meta.storage for written in node.mutated_operands
+               for t in written.tensors):  # fmt: skip
         return None
     if not graph.has_node(meta.storage.creator):
         return None

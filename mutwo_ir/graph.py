@@ -119,6 +119,15 @@ class Graph:
         """
         if before is not None and after is not None:
             raise GraphError("give at most one of before= and after=")
+        # Check everything before changing anything: a refused node leaves no trace.
+        for operand in pytree.tree_leaves((args, kwargs or {})):
+            if isinstance(operand, Node) and operand.graph is not self:
+                raise GraphError(f"operand {operand!r} of new node {name!r} is not in this graph")
+        insert_at = len(self._nodes)
+        if before is not None:
+            insert_at = self.position(before)
+        elif after is not None:
+            insert_at = self.position(after) + 1
         new_id = self._next_id if node_id is None else node_id
         if new_id in self._by_id:
             raise GraphError(f"node id %{new_id} is already used")
@@ -132,17 +141,9 @@ class Graph:
             id=new_id, name=self._fresh_name(name), op=op, target=target, kind=kind, phase=phase,
             tensors=tensors, is_tuple=is_tuple, label=label, origin=origin,
         )  # fmt: skip
-        for operand in pytree.tree_leaves((args, kwargs or {})):
-            if isinstance(operand, Node) and operand.graph is not self:
-                raise GraphError(f"operand {operand!r} of new node {name!r} is not in this graph")
         node.graph = self
         node.set_operands(tuple(args), dict(kwargs or {}))
-        if before is not None:
-            self._nodes.insert(self.position(before), node)
-        elif after is not None:
-            self._nodes.insert(self.position(after) + 1, node)
-        else:
-            self._nodes.append(node)
+        self._nodes.insert(insert_at, node)
         self._by_id[new_id] = node
         self._index = None
         self.mark_changed()
@@ -180,6 +181,9 @@ class Graph:
 
     def replace_uses_after(self, old: Node, new: Node, point: Node) -> int:
         """Make every user of ``old`` placed after ``point`` read ``new`` instead; returns how many."""
+        for node in (old, new, point):
+            if node.graph is not self:
+                raise GraphError(f"{node!r} is not in this graph")
         start = self.position(point)
         changed = 0
         for user in list(old.users):
@@ -192,6 +196,8 @@ class Graph:
 
     def erase(self, node: Node) -> None:
         """Remove a node that nothing uses."""
+        if node.graph is not self:
+            raise GraphError(f"cannot erase {node!r}: it is not in this graph")
         if node.users:
             users = ", ".join(repr(u) for u in node.users)
             raise GraphError(f"cannot erase {node!r}: it is still used by {users}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mutwo_ir.classify import state_kind_of_update
 from mutwo_ir.graph import Graph
 from mutwo_ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase
 from mutwo_ir.printer import format_node
@@ -73,7 +74,7 @@ def check_users(graph: Graph) -> None:
         for user in node.users:
             if node not in user.operands:
                 _fail(graph, "operand-user-consistency", node, f"{user!r} is listed as a user but does not read it")
-            if user.graph is not graph:
+            if not graph.has_node(user.id) or graph.node(user.id) is not user:
                 _fail(graph, "operand-user-consistency", node, f"user {user!r} is not in the graph")
 
 
@@ -85,8 +86,6 @@ def check_placeholders_and_output(graph: Graph) -> None:
               f"the graph has {len(outputs)} output nodes; it needs exactly one")  # fmt: skip
     if nodes[-1] is not outputs[0]:
         _fail(graph, "single-output", outputs[0], "the output node is not the last node")
-    if outputs[0].users:
-        _fail(graph, "single-output", outputs[0], "the output node has users")
     seen_computation = False
     for node in nodes:
         if node.op not in ("placeholder", "call_function", "output"):
@@ -123,12 +122,9 @@ def check_kinds(graph: Graph) -> None:
             if node.phase is not Phase.BACKWARD:
                 _fail(graph, "kind-phase-consistency", node, f"a gradient must be in the backward phase, "
                                                              f"not {node.phase.value}")  # fmt: skip
-        elif kind in STATE_KINDS:
-            meta = node.tensor
-            owner = graph.node(meta.storage.creator) if meta is not None and graph.has_node(meta.storage.creator) else None
-            if owner is None or owner.op != "placeholder" or owner.kind is not kind or not node.mutated_operands:
-                _fail(graph, "kind-phase-consistency", node,
-                      f"a computed node of kind {kind.value} must update a {kind.value} placeholder in place")  # fmt: skip
+        elif kind in STATE_KINDS and state_kind_of_update(graph, node) is not kind:
+            _fail(graph, "kind-phase-consistency", node,
+                  f"a computed node of kind {kind.value} must update a {kind.value} placeholder in place")
 
 
 def check_storages(graph: Graph) -> None:

@@ -1,0 +1,96 @@
+"""The memory simulator: bytes live after every node of the whole iteration.
+
+It walks the execution order on top of the persistent state (parameters, buffers, optimizer
+state, the batch): a storage's bytes are added at its creator and removed after its last use
+(see :mod:`mutwo_ir.liveness`), and a node's transient workspace, where a profile measured one,
+counts while that node runs. On CUDA, sizes are rounded up as the caching allocator rounds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.liveness import KIND_PRECEDENCE, Liveness, compute_liveness
+from mutwo_ir.node import NodeKind
+
+#: The CUDA caching allocator hands out blocks in multiples of 512 bytes.
+CUDA_BLOCK = 512
+
+
+def allocation_size(nbytes: int, device: str) -> int:
+    """Bytes an allocation of ``nbytes`` takes on ``device``."""
+    if device.startswith("cuda"):
+        return 0 if nbytes == 0 else -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+    return nbytes
+
+
+@dataclass
+class MemorySimulation:
+    """The simulated memory of one iteration on one device."""
+
+    device: str
+    curve: list[int]  #: bytes live while node i runs (its inputs, outputs and workspace)
+    persistent_bytes: int
+    peak_bytes: int
+    peak_rank: int
+    peak_node: int  #: id of the node at the peak
+    peak_phase: str
+    breakdown: dict[str, int]  #: bytes live at the peak by kind (and 'workspace')
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "device": self.device, "persistent_bytes": self.persistent_bytes, "peak_bytes": self.peak_bytes,
+            "peak_rank": self.peak_rank, "peak_node": self.peak_node, "peak_phase": self.peak_phase,
+            "breakdown_at_peak": self.breakdown, "curve": self.curve,
+        }  # fmt: skip
+
+
+def main_device(graph: Graph) -> str:
+    """The device of the parameters (the memory that matters); CPU scalars on a GPU run are ignored."""
+    for node in graph.placeholders:
+        if node.kind is NodeKind.PARAMETER and node.tensor is not None:
+            return node.tensor.device
+    devices = [t.device for n in graph.placeholders for t in n.tensors if t is not None]
+    return devices[0] if devices else "cpu"
+
+
+def simulate(
+    graph: Graph,
+    liveness: Liveness | None = None,
+    workspace: Mapping[int, int] | None = None,
+    device: str | None = None,
+) -> MemorySimulation:
+    """Simulate ``graph``; ``workspace`` maps node ids to transient bytes measured by a profile."""
+    liveness = liveness if liveness is not None and liveness.version == graph.version else compute_liveness(graph)
+    device = device or main_device(graph)
+    workspace = workspace or {}
+    sizes = {key: allocation_size(record.bytes, device) if record.device == device else 0
+             for key, record in liveness.storages.items()}  # fmt: skip
+    persistent = sum(sizes[key] for key, record in liveness.storages.items() if record.persistent)
+    nodes = graph.nodes
+    curve: list[int] = []
+    live = persistent
+    peak, peak_rank = -1, 0
+    for rank, node in enumerate(nodes):
+        live += sum(sizes[key] for key in liveness.allocated_at.get(rank, ()))
+        during = live + workspace.get(node.id, 0)
+        curve.append(during)
+        if during > peak:
+            peak, peak_rank = during, rank
+        live -= sum(sizes[key] for key in liveness.freed_after.get(rank, ()))
+    breakdown = _breakdown(liveness, sizes, peak_rank)
+    extra = workspace.get(nodes[peak_rank].id, 0) if nodes else 0
+    if extra:
+        breakdown["workspace"] = extra
+    return MemorySimulation(device, curve, persistent, max(peak, 0), peak_rank, nodes[peak_rank].id if nodes else -1,
+                            nodes[peak_rank].phase.value if nodes else "", breakdown)  # fmt: skip
+
+
+def _breakdown(liveness: Liveness, sizes: Mapping[object, int], rank: int) -> dict[str, int]:
+    totals = {kind.value: 0 for kind in KIND_PRECEDENCE}
+    for key, record in liveness.storages.items():
+        if record.persistent or record.created <= rank <= record.last_use:
+            totals[record.kind.value] += sizes[key]
+    return totals
