@@ -153,6 +153,15 @@ class AnalysisCache:
         self._results[analysis.describe()] = (graph.version, result)
         return result
 
+    def compute(self, graph: Graph, key: str, function: Callable[[Graph], Any]) -> Any:
+        """``function(graph)``, cached under ``key`` for the current version of the graph."""
+        cached = self._results.get(key)
+        if cached is not None and cached[0] == graph.version:
+            return cached[1]
+        result = function(graph)
+        self._results[key] = (graph.version, result)
+        return result
+
     def cached(self, key: str, graph: Graph) -> bool:
         entry = self._results.get(key)
         return entry is not None and entry[0] == graph.version

@@ -26,6 +26,9 @@ ENTRY_POINT_GROUP = "mutwo.passes"
 BUILTIN_PASSES: dict[str, str] = {
     "stats": "passes.stats:StatsPass",
     "dce": "passes.dce:DeadCodeEliminationPass",
+    "liveness": "passes.liveness:LivenessPass",
+    "memory": "passes.memory:MemoryPass",
+    "profile": "passes.profile:ProfilePass",
 }
 
 #: Names that stand for several passes.

@@ -24,6 +24,8 @@ import torch
 
 from mutwo_ir import from_fx, to_fx
 from mutwo_ir.graph import Graph
+from mutwo_ir.liveness import compute_liveness
+from mutwo_ir.memory import simulate
 from mutwo_ir.pass_base import PassContext, write_atomic
 from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo_ir.printer import print_graph
@@ -32,8 +34,10 @@ from mutwo_ir.verifier import VerificationError, verify
 from runtime.capture import CapturedStep, StepBinding, capture
 from runtime.equivalence import EquivalenceReport, compare_graphs
 from runtime.optim import UnsupportedOptimizerError
+from runtime.profiler import Profile, fingerprint, measure_iterations, profile_graph
 from runtime.tracing import CaptureError
 from tools.config import Config, ConfigError, apply_overrides, load_config
+from tools.reports import memory_timeline, write_reports
 from tools.workloads import build_optimizer, build_workload
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -63,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--check", action="store_true",
                         help="run the original and final graphs for 3 iterations and compare every number")
+    parser.add_argument("--profile-from", metavar="FILE",
+                        help="reuse a profile.json written by the profile pass for this same graph")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -116,7 +122,8 @@ class MutwoOpt:
 
     def build_pipeline(self, config: Config) -> PassManager:
         try:
-            passes = self.registry.build_pipeline(config.passes)
+            available = {"profile"} if self.args.profile_from else set()
+            passes = self.registry.build_pipeline(config.passes, available)
         except RegistryError as error:
             raise UsageError(str(error)) from None
         unknown = [p for p in self.args.print_ir_after.split(",") if p and p not in self.registry.names()]
@@ -159,6 +166,33 @@ class MutwoOpt:
         self.log(f"captured {len(graph)} nodes in {time.perf_counter() - self.started:.1f} s")
         return graph, captured, binding, inputs
 
+    def load_profile(self, graph: Graph) -> Profile | None:
+        if not self.args.profile_from:
+            return None
+        path = Path(self.args.profile_from)
+        try:
+            profile = Profile.from_json(json.loads(path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise UsageError(f"--profile-from: no such file {str(path)!r}") from None
+        except (ValueError, KeyError, TypeError) as error:
+            raise UsageError(f"--profile-from: {path} is not a profile.json written by the profile pass "
+                             f"({type(error).__name__}: {error})") from None  # fmt: skip
+        if profile.fingerprint != fingerprint(graph):
+            raise UsageError(f"--profile-from: {path} was measured on a different graph (fingerprint "
+                             f"{profile.fingerprint}, this graph {fingerprint(graph)}); run the profile pass "
+                             "again for this model, batch size and device")  # fmt: skip
+        return profile
+
+    def measure(self, original: Graph, final: Graph, inputs: list[Any], device: torch.device) -> dict[str, Any]:
+        """Measured peaks and iteration times of both graphs; on CUDA only (the simulator covers CPU)."""
+        if device.type != "cuda":
+            return {}
+        self.log("measuring whole iterations of the original and final graphs")
+        before = measure_iterations(to_fx(original), inputs)
+        after = before if final is original else measure_iterations(to_fx(final), inputs)
+        return {"measured_peak_bytes_before": before.peak_bytes, "measured_peak_bytes_after": after.peak_bytes,
+                "iteration_seconds_before": before.seconds, "iteration_seconds_after": after.seconds}
+
     def check(self, original: Graph, final: Graph, inputs: list[Any]) -> EquivalenceReport:
         self.log("checking the final graph against the original for 3 iterations")
         report = compare_graphs(original, final, inputs, iterations=3)
@@ -166,8 +200,17 @@ class MutwoOpt:
         return report
 
     def write_outputs(self, out: Path, config: Config, device: torch.device, original: Graph, final: Graph,
-                      result: PipelineResult | None, report: EquivalenceReport | None, error: str | None) -> None:
+                      result: PipelineResult | None, report: EquivalenceReport | None, error: str | None,
+                      ctx: PassContext, measured: dict[str, Any]) -> None:  # fmt: skip
         write_atomic(out / "input.ir.txt", print_graph(original))
+        profile = ctx.artifacts.get("profile")
+        workspace = profile.workspace() if profile is not None else None
+        before = simulate(original, workspace=workspace)
+        after = simulate(final, workspace=workspace)
+        title = f"{config.model.name}, batch {config.batch_size}, {device}"
+        reports = write_reports(out, final, after, compute_liveness(final), profile, title)
+        if final is not original:
+            memory_timeline(out / "memory_timeline_input.png", original, before, profile, f"{title} (input)")
         write_atomic(out / "final.ir.txt", print_graph(final))
         write_atomic(out / "final_graph.py", to_fx(final).code)
         summary = {
@@ -182,10 +225,17 @@ class MutwoOpt:
             "nodes_after": _counts(final),
             "pass_seconds": result.timings() if result else {},
             "total_seconds": round(time.perf_counter() - self.started, 3),
-            "peak_bytes_before": None,  # the simulator (analyses issue) fills these in
-            "peak_bytes_after": None,
-            "measured_peak_bytes_before": None,
-            "measured_peak_bytes_after": None,
+            "peak_bytes_before": before.peak_bytes,
+            "peak_bytes_after": after.peak_bytes,
+            "peak_node_after": after.peak_node,
+            "peak_phase_after": after.peak_phase,
+            "peak_breakdown_after": after.breakdown,
+            "persistent_bytes": after.persistent_bytes,
+            "measured_peak_bytes_before": measured.get("measured_peak_bytes_before"),
+            "measured_peak_bytes_after": measured.get("measured_peak_bytes_after"),
+            "iteration_seconds_before": measured.get("iteration_seconds_before"),
+            "iteration_seconds_after": measured.get("iteration_seconds_after"),
+            "reports": reports,
             "recomputed": len({n.origin for n in final if n.origin is not None}),
             "equivalent": None if report is None else report.equivalent,
             "error": error,
@@ -204,8 +254,14 @@ class MutwoOpt:
         out = self.prepare_out_dir(config)
         graph, _, _, inputs = self.capture(config, device)
         original = graph.copy()
+        captured_version = graph.version
         ctx = PassContext(out_dir=out, device=str(device), log=self.log)
         ctx.services["budget"] = config.budget
+        ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup,
+                                                                         progress=self.log)  # fmt: skip
+        profile = self.load_profile(graph)
+        if profile is not None:
+            ctx.artifacts["profile"] = profile
         result: PipelineResult | None = None
         error: str | None = None
         try:
@@ -213,7 +269,9 @@ class MutwoOpt:
         except PipelineFailure as failure:
             error = str(failure)
         report = self.check(original, graph, inputs) if self.args.check and error is None else None
-        self.write_outputs(out, config, device, original, graph, result, report, error)
+        final = graph if graph.version != captured_version else original
+        measured = self.measure(original, final, inputs, device) if error is None else {}
+        self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured)
         if error is not None:
             raise Failure(error)
         if report is not None and not report.equivalent:

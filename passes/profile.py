@@ -1,0 +1,82 @@
+"""The ``profile`` analysis: per-node time and memory measured on the machine."""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.liveness import Liveness
+from mutwo_ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
+from passes.liveness import liveness_of
+
+
+def node_table(graph: Graph, profile: Any) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["id", "name", "op", "kind", "phase", "owned_bytes", "seconds", "allocated_before",
+                     "allocated_after", "peak", "workspace"])  # fmt: skip
+    for node in graph:
+        p = profile.nodes.get(node.id)
+        writer.writerow([node.id, node.name, node.op_name, node.kind.value, node.phase.value, node.owned_bytes,
+                         p.seconds if p else "", p.allocated_before if p else "", p.allocated_after if p else "",
+                         p.peak if p else "", p.workspace if p else ""])  # fmt: skip
+    return out.getvalue()
+
+
+def activation_table(graph: Graph, profile: Any, liveness: Liveness) -> str:
+    """Activations with their size, lifetime, inactive time and the time to recompute their producer."""
+    nodes = graph.nodes
+    elapsed = [0.0]
+    for node in nodes:
+        elapsed.append(elapsed[-1] + profile.seconds(node.id))
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["storage", "producer", "op", "bytes", "created", "last_forward_use", "first_backward_use",
+                     "lifetime_nodes", "inactive_seconds", "recompute_seconds_estimate"])  # fmt: skip
+    for record in sorted(liveness.activations(), key=lambda r: -r.bytes):
+        producer = graph.node(record.key.creator)
+        start, end = record.inactive_interval or (record.created, record.created)
+        inactive = elapsed[end] - elapsed[start + 1] if end > start else 0.0
+        writer.writerow([str(record.key), producer.name, producer.op_name, record.bytes, record.created,
+                         record.last_forward_use, record.first_backward_use, record.last_use - record.created,
+                         f"{inactive:.6g}", f"{profile.seconds(producer.id):.6g}"])  # fmt: skip
+    return out.getvalue()
+
+
+@dataclass(frozen=True)
+class ProfilePass(Pass):
+    """Measure every node's time and memory on the machine (median of runs after warm-up).
+
+    On CUDA: CUDA events per node, allocated bytes before and after and the peak inside each op
+    (its workspace); whole iterations are timed separately without per-node synchronisation. On
+    CPU: wall-clock per node, memory from the simulator. Writes profile.json, nodes.csv and
+    activations.csv; ``mutwo-opt --profile-from profile.json`` reloads it.
+    """
+
+    name = "profile"
+    provides = ("profile",)
+    runs: int = option(3, "measured runs per node (the median is kept)")
+    warmup: int = option(1, "runs discarded before measuring")
+
+    def __post_init__(self) -> None:
+        if self.runs < 1 or self.warmup < 0:
+            raise ValueError("runs must be at least 1 and warmup at least 0")
+
+    def run(self, graph: Graph, ctx: PassContext) -> Any:
+        profiler = ctx.services.get("profiler")
+        if profiler is None:
+            raise PassFailure("profile needs the runtime's profiler; run it through mutwo-opt or put one in "
+                              "ctx.services['profiler']")  # fmt: skip
+        profile = profiler(graph, runs=self.runs, warmup=self.warmup)
+        ctx.artifacts["profile"] = profile
+        ctx.save_json("profile.json", profile.to_json())
+        if ctx.out_dir is not None:
+            write_atomic(ctx.out_dir / "nodes.csv", node_table(graph, profile))
+            write_atomic(ctx.out_dir / "activations.csv", activation_table(graph, profile, liveness_of(graph, ctx)))
+        total = sum(p.seconds for p in profile.nodes.values())
+        ctx.log(f"profile: {len(profile.nodes)} nodes, {total * 1e3:.1f} ms summed over nodes"
+                + (f", iteration {profile.iteration.seconds * 1e3:.1f} ms" if profile.iteration else ""))
+        return profile

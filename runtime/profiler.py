@@ -1,0 +1,210 @@
+"""Measuring a graph on the machine: per-node time and memory, and whole iterations.
+
+Per node, an ``fx.Interpreter`` runs the lowered graph one node at a time. On CUDA, each node is
+bracketed by CUDA events (no synchronisation between nodes, which would inflate times) and the
+caching allocator's statistics, read on the host, give the bytes allocated before and after the
+node and the peak inside it; the transient workspace is that peak minus what is allocated after.
+On CPU, nodes are timed with the wall clock and memory comes from the simulator. Whole
+iterations are timed separately, through the generated code, without per-node instrumentation.
+
+Everything runs on clones of the inputs, so profiling never trains the real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.memory import allocation_size
+from mutwo_ir.printer import _value_type
+from mutwo_ir.to_fx import NODE_ID_META, to_fx
+
+
+@dataclass
+class NodeProfile:
+    """Measurements of one node (median over runs); memory fields are None on CPU."""
+
+    seconds: float
+    allocated_before: int | None = None
+    allocated_after: int | None = None
+    peak: int | None = None
+    workspace: int = 0
+
+
+@dataclass
+class IterationMeasurement:
+    """Whole iterations through the generated code: median time and the peak of the graph's own memory."""
+
+    seconds: float
+    peak_bytes: int | None
+    runs: int
+
+
+@dataclass
+class Profile:
+    device: str
+    fingerprint: str  #: of the graph it was measured on; a reloaded profile must match
+    nodes: dict[int, NodeProfile]
+    runs: int
+    iteration: IterationMeasurement | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def seconds(self, node_id: int) -> float:
+        profile = self.nodes.get(node_id)
+        return profile.seconds if profile is not None else 0.0
+
+    def workspace(self) -> dict[int, int]:
+        return {node_id: p.workspace for node_id, p in self.nodes.items() if p.workspace}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device, "fingerprint": self.fingerprint, "runs": self.runs, "meta": self.meta,
+            "iteration": asdict(self.iteration) if self.iteration else None,
+            "nodes": {str(node_id): asdict(p) for node_id, p in sorted(self.nodes.items())},
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        iteration = data.get("iteration")
+        return cls(
+            device=data["device"], fingerprint=data["fingerprint"], runs=data["runs"], meta=data.get("meta", {}),
+            iteration=IterationMeasurement(**iteration) if iteration else None,
+            nodes={int(k): NodeProfile(**v) for k, v in data["nodes"].items()},
+        )  # fmt: skip
+
+
+def fingerprint(graph: Graph) -> str:
+    """A hash of every node's id, op and type: equal exactly when a profile applies to the graph."""
+    digest = hashlib.sha256()
+    for node in graph:
+        digest.update(f"{node.id} {node.op_name} {_value_type(node)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
+    """Bytes the distinct storages of ``tensors`` on ``device`` take in the allocator."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device == device:
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = allocation_size(storage.nbytes(), str(device))
+    return sum(seen.values())
+
+
+class _TimingInterpreter(fx.Interpreter):
+    def __init__(self, module: fx.GraphModule, cuda: bool) -> None:
+        super().__init__(module, garbage_collect_values=True)
+        self.cuda = cuda
+        self.records: list[tuple[int, Any, Any, int | None, int | None, int | None]] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        node_id = n.meta[NODE_ID_META]
+        if self.cuda:
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = super().run_node(n)
+            end.record()
+            self.records.append((node_id, start, end, before, torch.cuda.memory_allocated(),
+                                 torch.cuda.max_memory_allocated()))  # fmt: skip
+        else:
+            start_time = time.perf_counter()
+            result = super().run_node(n)
+            self.records.append((node_id, start_time, time.perf_counter(), None, None, None))
+        return result
+
+
+def profile_graph(
+    graph: Graph,
+    inputs: list[torch.Tensor],
+    *,
+    runs: int = 3,
+    warmup: int = 1,
+    iteration_runs: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Measure every node of ``graph`` (median of ``runs`` after ``warmup``) and whole iterations."""
+    if runs < 1:
+        raise ValueError("profile needs at least one measured run")
+    module = to_fx(graph)
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
+                  torch.device("cpu"))  # fmt: skip
+    cuda = device.type == "cuda"
+    state = [t.clone() for t in inputs]
+    samples: dict[int, list[float]] = {}
+    memory: dict[int, tuple[int, int, int]] = {}
+    for run in range(warmup + runs):
+        interpreter = _TimingInterpreter(module, cuda)
+        with torch.no_grad():
+            interpreter.run(*state)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if progress is not None:
+            progress(f"profile run {run + 1}/{warmup + runs}{' (warm-up)' if run < warmup else ''}")
+        if run < warmup:
+            continue
+        for node_id, start, end, before, after, peak in interpreter.records:
+            seconds = start.elapsed_time(end) / 1e3 if cuda else end - start
+            samples.setdefault(node_id, []).append(seconds)
+            if cuda:
+                memory[node_id] = (before, after, peak)
+    nodes: dict[int, NodeProfile] = {}
+    for node_id, values in samples.items():
+        profile = NodeProfile(statistics.median(values))
+        if node_id in memory:
+            before, after, peak = memory[node_id]
+            profile.allocated_before, profile.allocated_after, profile.peak = before, after, peak
+            profile.workspace = max(0, peak - max(before, after))
+        nodes[node_id] = profile
+    del state
+    iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs else None
+    return Profile(str(device), fingerprint(graph), nodes, runs, iteration,
+                   meta={"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None})
+
+
+def measure_iterations(module: fx.GraphModule, inputs: list[torch.Tensor], *, runs: int = 10,
+                       warmup: int = 3) -> IterationMeasurement:  # fmt: skip
+    """Median time of whole iterations of ``module`` on clones of ``inputs``, and on CUDA the peak
+    of the iteration's own memory: the allocator's peak minus what was allocated before that is not
+    one of the iteration's inputs."""
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
+                  torch.device("cpu"))  # fmt: skip
+    cuda = device.type == "cuda"
+    state = [t.clone() for t in inputs]
+    times: list[float] = []
+    peak: int | None = None
+    with torch.no_grad():
+        for run in range(warmup + runs):
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                baseline = torch.cuda.memory_allocated(device) - device_bytes(state, device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                outputs = module(*state)
+                end.record()
+                del outputs
+                torch.cuda.synchronize(device)
+                seconds = start.elapsed_time(end) / 1e3
+                run_peak = torch.cuda.max_memory_allocated(device) - baseline
+            else:
+                begin = time.perf_counter()
+                outputs = module(*state)
+                del outputs
+                seconds, run_peak = time.perf_counter() - begin, None
+            if run >= warmup:
+                times.append(seconds)
+                if run_peak is not None:
+                    peak = run_peak if peak is None else max(peak, run_peak)
+    return IterationMeasurement(statistics.median(times), peak, runs)

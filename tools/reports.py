@@ -1,0 +1,133 @@
+"""Reports written into the output folder from the simulator and the profile: plots and tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mutwo_ir.graph import Graph
+from mutwo_ir.liveness import Liveness
+from mutwo_ir.memory import MemorySimulation
+from mutwo_ir.node import Phase
+from mutwo_ir.pass_base import write_atomic
+
+MIB = 2**20
+PHASE_COLOURS = {Phase.FORWARD: "#e8f1fa", Phase.BACKWARD: "#fdf0e6", Phase.OPTIMIZER: "#eef7ea"}
+
+
+def _save(figure: Any, path: Path) -> Path:
+    """Save through a temporary file and a rename, so a plot is never half-written."""
+    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    figure.savefig(temporary, dpi=110)
+    temporary.replace(path)
+    return path
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def memory_timeline(path: Path, graph: Graph, simulation: MemorySimulation, profile: Any = None,
+                    title: str = "") -> Path:  # fmt: skip
+    """The simulated memory after every node and, where a CUDA profile has it, the measured
+    allocated memory, with the forward, backward and optimizer regions shaded and the peak marked."""
+    plt = _pyplot()
+    nodes = graph.nodes
+    figure, axes = plt.subplots(figsize=(12, 4.5))
+    start = 0
+    for index in range(1, len(nodes) + 1):
+        if index == len(nodes) or nodes[index].phase is not nodes[start].phase:
+            phase = nodes[start].phase
+            axes.axvspan(start, index - 1, color=PHASE_COLOURS[phase], label=phase.value)
+            start = index
+    axes.plot(range(len(simulation.curve)), [b / MIB for b in simulation.curve], color="#1f77b4", lw=1.2,
+              label="simulated")  # fmt: skip
+    if profile is not None and any(p.allocated_after is not None for p in profile.nodes.values()):
+        baseline = _measured_baseline(graph, simulation, profile)
+        points = [(i, (profile.nodes[n.id].peak - baseline) / MIB) for i, n in enumerate(nodes)
+                  if n.id in profile.nodes and profile.nodes[n.id].peak is not None]  # fmt: skip
+        axes.plot([p[0] for p in points], [p[1] for p in points], color="#d62728", lw=0.8, alpha=0.8,
+                  label="measured (peak inside each op)")  # fmt: skip
+    axes.annotate(f"peak {simulation.peak_bytes / MIB:.0f} MiB\n%{simulation.peak_node} ({simulation.peak_phase})",
+                  xy=(simulation.peak_rank, simulation.peak_bytes / MIB), xytext=(10, -30),
+                  textcoords="offset points", arrowprops={"arrowstyle": "->"})  # fmt: skip
+    axes.set_xlabel("node (execution order)")
+    axes.set_ylabel("MiB")
+    axes.set_title(title or "memory over one training iteration")
+    axes.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)
+    return path
+
+
+def _measured_baseline(graph: Graph, simulation: MemorySimulation, profile: Any) -> int:
+    """Allocated bytes that are not this iteration's (the real model beside the profiling clones):
+    measured minus simulated at the first profiled node, where only persistent state is live."""
+    for rank, node in enumerate(graph.nodes):
+        measured = profile.nodes.get(node.id)
+        if measured is not None and measured.allocated_before is not None:
+            before = simulation.curve[rank - 1] if rank else simulation.persistent_bytes
+            return measured.allocated_before - before
+    return 0
+
+
+def peak_breakdown(path: Path, simulation: MemorySimulation, title: str = "") -> Path:
+    """A bar per kind of what is live at the peak."""
+    plt = _pyplot()
+    items = [(k, v / MIB) for k, v in simulation.breakdown.items() if v]
+    figure, axes = plt.subplots(figsize=(7, 3.5))
+    axes.barh([k for k, _ in items], [v for _, v in items], color="#4c72b0")
+    for y, (_, value) in enumerate(items):
+        axes.text(value, y, f" {value:.1f}", va="center", fontsize=8)
+    axes.set_xlabel("MiB live at the peak")
+    axes.set_title(title or f"at the peak: {simulation.peak_bytes / MIB:.1f} MiB ({simulation.peak_phase})")
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)
+    return path
+
+
+def activation_report(graph: Graph, liveness: Liveness, profile: Any = None, top: int = 15) -> str:
+    """Markdown tables of the largest activations by size and by inactive time."""
+    activations = liveness.activations()
+    seconds = [profile.seconds(n.id) if profile is not None else 0.0 for n in graph]
+    elapsed = [0.0]
+    for value in seconds:
+        elapsed.append(elapsed[-1] + value)
+
+    def inactive(record: Any) -> tuple[int, float]:
+        start, end = record.inactive_interval or (record.created, record.created)
+        return end - start, elapsed[end] - elapsed[start + 1] if end > start else 0.0
+
+    def table(rows: list[Any]) -> list[str]:
+        lines = ["| storage | producer | MiB | inactive nodes | inactive ms |", "|---|---|---|---|---|"]
+        for record in rows:
+            nodes, time_ = inactive(record)
+            producer = graph.node(record.key.creator)
+            lines.append(f"| {record.key} | {producer.op_name} | {record.bytes / MIB:.2f} | {nodes} | "
+                         f"{time_ * 1e3:.2f} |")  # fmt: skip
+        return lines
+
+    by_size = sorted(activations, key=lambda r: -r.bytes)[:top]
+    by_time = sorted(activations, key=lambda r: -inactive(r)[1 if profile is not None else 0])[:top]
+    total = sum(r.bytes for r in activations)
+    lines = [f"# Activations: {len(activations)}, {total / MIB:.1f} MiB in all", "",
+             f"## Largest {len(by_size)} by size", "", *table(by_size), "",
+             f"## Largest {len(by_time)} by inactive {'time' if profile is not None else 'span (nodes)'}", "",
+             *table(by_time), ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_reports(out: Path, graph: Graph, simulation: MemorySimulation, liveness: Liveness, profile: Any,
+                  title: str) -> list[str]:  # fmt: skip
+    """Write every report for ``graph``; returns the file names."""
+    memory_timeline(out / "memory_timeline.png", graph, simulation, profile, title)
+    peak_breakdown(out / "peak_breakdown.png", simulation, f"{title}: live at the peak")
+    write_atomic(out / "activations.md", activation_report(graph, liveness, profile))
+    return ["memory_timeline.png", "peak_breakdown.png", "activations.md"]
