@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ def parse_budget(value: float | int | str) -> Budget:
 
 
 def _fraction_or_bytes(number: float, unit: str, text: str) -> Budget:
+    if not math.isfinite(number):
+        raise BudgetError(f"budget must be a finite number, got {text}")
     if str(text).strip().startswith("-") or number <= 0:
         raise BudgetError(f"budget must be positive, got {text}")
     if not unit and number <= 1:

@@ -18,6 +18,7 @@ import os
 import re
 import types
 import typing
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,8 @@ def _type_name(hint: Any) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in args)
+    if hint is type(None):
+        return "None"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -134,46 +137,48 @@ def _convert(pass_name: str, key: str, text: str, hint: Any) -> Any:
 
 
 class AnalysisCache:
-    """Results of analysis passes, valid for one version of the graph.
+    """Results of analyses, valid for one graph at one version.
 
-    A result is returned again while ``graph.version`` is unchanged; a transform keeps the
-    results it declares in ``preserves`` (they are re-stamped with the new version) and
-    everything else is dropped.
+    A result is returned again while the same graph's ``version`` is unchanged; a transform
+    keeps the results it declares in ``preserves`` (they are re-stamped with the new version)
+    and everything else is dropped. Results are kept per graph object, so a copy of a graph
+    (which restarts its version) never sees the original's results.
     """
 
     def __init__(self) -> None:
-        self._results: dict[str, tuple[int, Any]] = {}
+        self._results: weakref.WeakKeyDictionary[Graph, dict[str, tuple[int, Any]]] = weakref.WeakKeyDictionary()
+
+    def _entries(self, graph: Graph) -> dict[str, tuple[int, Any]]:
+        entries = self._results.get(graph)
+        if entries is None:
+            entries = self._results[graph] = {}
+        return entries
 
     def get(self, graph: Graph, analysis: Pass, ctx: PassContext) -> Any:
-        """The result of ``analysis`` on the current graph, computing it if needed."""
-        cached = self._results.get(analysis.describe())
-        if cached is not None and cached[0] == graph.version:
-            return cached[1]
-        result = analysis.run(graph, ctx)
-        self._results[analysis.describe()] = (graph.version, result)
-        return result
+        """The result of the analysis pass ``analysis`` on the current graph, computing it if needed."""
+        return self.compute(graph, analysis.describe(), lambda g: analysis.run(g, ctx))
 
     def compute(self, graph: Graph, key: str, function: Callable[[Graph], Any]) -> Any:
         """``function(graph)``, cached under ``key`` for the current version of the graph."""
-        cached = self._results.get(key)
+        entries = self._entries(graph)
+        cached = entries.get(key)
         if cached is not None and cached[0] == graph.version:
             return cached[1]
         result = function(graph)
-        self._results[key] = (graph.version, result)
+        entries[key] = (graph.version, result)
         return result
 
     def cached(self, key: str, graph: Graph) -> bool:
-        entry = self._results.get(key)
+        entry = self._entries(graph).get(key)
         return entry is not None and entry[0] == graph.version
 
     def after_transform(self, graph: Graph, version_before: int, preserves: tuple[str, ...]) -> None:
         if graph.version == version_before:
             return
-        kept = {}
-        for key, (version, result) in self._results.items():
-            if version == version_before and key.split("{")[0] in preserves:
-                kept[key] = (graph.version, result)
-        self._results = kept
+        entries = self._entries(graph)
+        kept = {key: (graph.version, result) for key, (version, result) in entries.items()
+                if version == version_before and key.split("{")[0] in preserves}  # fmt: skip
+        self._results[graph] = kept
 
 
 @dataclass

@@ -71,17 +71,24 @@ def _parse_options(text: str, position: int, name: str) -> tuple[int, dict[str, 
             raise PipelineSyntaxError(f"unclosed '{{' in the options of pass '{name}'")
         if text[position] == "}":
             return position + 1, options
-        position += 1  # the comma
+        if text[position] != ",":
+            raise PipelineSyntaxError(f"expected ',' or '}}' after option '{key}' of pass '{name}'")
+        position += 1
 
 
 def _parse_value(text: str, position: int, name: str) -> tuple[str, int]:
     length = len(text)
+    while position < length and text[position].isspace():
+        position += 1
     if position < length and text[position] in "'\"":
         quote = text[position]
         end = text.find(quote, position + 1)
         if end < 0:
             raise PipelineSyntaxError(f"unclosed quote in the options of pass '{name}'")
-        return text[position + 1:end], end + 1
+        after = end + 1
+        while after < length and text[after].isspace():
+            after += 1
+        return text[position + 1:end], after
     start = position
     while position < length and text[position] not in ",}":
         position += 1

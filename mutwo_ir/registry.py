@@ -58,8 +58,9 @@ class PassRegistry:
         if not (inspect.isclass(cls) and issubclass(cls, Pass)) or not KEBAB.match(cls.name or ""):
             raise RegistryError(f"{cls!r} is not a Pass subclass with a kebab-case name")
         existing = self._classes.get(cls.name)
-        if existing is not None and existing is not cls:
-            raise RegistryError(f"two passes are named '{cls.name}': {existing.__module__} and {cls.__module__}")
+        if (existing is not None and existing is not cls) or (existing is None and cls.name in self._loaders):
+            where = existing.__module__ if existing is not None else "a built-in or installed pass"
+            raise RegistryError(f"two passes are named '{cls.name}': {where} and {cls.__module__}; rename yours")
         self._classes[cls.name] = cls
         self._loaders.pop(cls.name, None)
         return cls
@@ -98,7 +99,12 @@ class PassRegistry:
             loader = self._loaders.get(name)
             if loader is None:
                 raise RegistryError(self._unknown(name))
-            cls = loader()
+            try:
+                cls = loader()
+            except Exception as error:  # a broken plugin must not take every run down with a traceback
+                raise RegistryError(f"pass '{name}' could not be loaded: {type(error).__name__}: {error}") from None
+            if not (inspect.isclass(cls) and issubclass(cls, Pass)):
+                raise RegistryError(f"pass '{name}' does not name a Pass subclass")
             if cls.name != name:
                 raise RegistryError(f"pass registered as '{name}' calls itself '{cls.name}'")
             self._classes[name] = cls

@@ -9,7 +9,9 @@ the graph) are compared: bitwise on CPU, within stated tolerances on CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +58,27 @@ class EquivalenceReport:
             return f"equivalent over {self.iterations} iterations ({self.compared} tensors compared, {mode})"
         head = f"NOT equivalent ({len(self.mismatches)} mismatches, {mode}); first: {self.mismatches[0]}"
         return head
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """Deterministic kernels (cuDNN, cuBLAS, scatter-adds) for the duration of a check.
+
+    Without them, CUDA reductions and convolution algorithms may differ in the last bit from run
+    to run, and Adam turns last-bit differences of near-zero gradients into differences of the
+    learning rate's size. ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS starts: the CLI
+    sets it at startup.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                torch.backends.cudnn.benchmark)  # fmt: skip
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[1], previous[2]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool) -> bool:

@@ -149,6 +149,10 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     _check_keys("optimizer.", optimizer, OPTIMIZER_KEYS)
     if optimizer["name"] not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer['name']!r}; use one of {', '.join(OPTIMIZERS)}")
+    betas = optimizer.get("betas")
+    if betas is not None and (len(betas) != 2 or not all(isinstance(b, _NUMBER) and not isinstance(b, bool)
+                                                         for b in betas)):  # fmt: skip
+        raise ConfigError(f"'optimizer.betas' must be a list of two numbers like [0.9, 0.999], got {betas!r}")
     if optimizer["lr"] <= 0:
         raise ConfigError(f"'optimizer.lr' must be positive, got {optimizer['lr']}")
     config = Config(

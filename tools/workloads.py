@@ -125,8 +125,8 @@ def _python(config: Config) -> Workload:
         raise ConfigError(f"'{target}' has no function '{function_name}'; check model.name")
     try:
         made = factory(config.batch_size, **config.model.config)
-    except TypeError as error:
-        raise ConfigError(f"calling {spec}(batch_size, **config) failed: {error}") from None
+    except Exception as error:  # the user's code: any failure is reported in one line
+        raise ConfigError(f"calling {spec}(batch_size, **config) failed: {type(error).__name__}: {error}") from None
     if not (isinstance(made, tuple) and len(made) == 3):
         raise ConfigError(f"{spec} must return (model, batch, loss_fn), it returned {type(made).__name__}")
     model, batch, loss_fn = made
@@ -174,5 +174,5 @@ def build_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         return cls(params, **options)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, IndexError) as error:
         raise ConfigError(f"optimizer {config.optimizer['name']}: {error}") from None

@@ -1,0 +1,545 @@
+"""A catalogue of bad inputs to ``mutwo-opt``, each driven in-process through :func:`tools.mutwo_opt.main`.
+
+Every case checks the exit code (2 for bad usage, config or pipeline), that stderr is exactly one
+``mutwo-opt: error: ...`` line with no traceback, that the line names both the problem and the fix,
+and that nothing was written to the output folder. Configs are tiny: a python-source model written
+into ``tmp_path`` (a single Linear layer), so each case runs in well under a second once torch is
+imported.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import mutwo_ir.registry as registry_module
+from mutwo_ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
+from tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY_MODEL = '''\
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        return self.fc(x)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        if x.sum() > 0:
+            return self.fc(x)
+        return self.fc(-x)
+
+
+def loss(output, batch):
+    return F.cross_entropy(output, batch[1])
+
+
+def _batch(batch_size):
+    return (torch.randn(batch_size, 4), torch.randint(0, 3, (batch_size,)))
+
+
+def make(batch_size):
+    return Tiny(), _batch(batch_size), loss
+
+
+def only_model(batch_size):
+    return Tiny()
+
+
+def branchy(batch_size):
+    return Branchy(), _batch(batch_size), loss
+
+
+def explodes(batch_size):
+    raise RuntimeError("the dataset server is down")
+'''
+
+#: Passes for --load-passes: a typed option, and a requirement nobody before it provides.
+TEST_PASSES = '''\
+from dataclasses import dataclass
+
+from mutwo_ir.pass_base import Pass, option
+
+
+@dataclass(frozen=True)
+class CountedPass(Pass):
+    """Return its int option (test pass)."""
+
+    name = "counted"
+    times: int = option(1, "how many times")
+
+    def run(self, graph, ctx):
+        return self.times
+
+
+@dataclass(frozen=True)
+class NeedsPlanPass(Pass):
+    """Needs a plan (test pass)."""
+
+    name = "needs-plan"
+    requires = ("plan",)
+
+    def run(self, graph, ctx):
+        return None
+
+
+@dataclass(frozen=True)
+class MakesPlanPass(Pass):
+    """Provides a plan (test pass)."""
+
+    name = "makes-plan"
+    provides = ("plan",)
+
+    def run(self, graph, ctx):
+        ctx.artifacts["plan"] = []
+'''
+
+
+# -- helpers -------------------------------------------------------------------------------------
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """tmp_path holding tiny.py (the model factories) and test_cli_passes.py (extra passes)."""
+    (tmp_path / "tiny.py").write_text(TINY_MODEL)
+    (tmp_path / "test_cli_passes.py").write_text(TEST_PASSES)
+    return tmp_path
+
+
+def write_config(folder: Path, text: str, name: str = "case.yaml") -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def good_config(folder: Path) -> Path:
+    return write_config(folder, """\
+        model: {source: python, name: tiny.py:make}
+        batch_size: 2
+        optimizer: {name: sgd, lr: 0.1}
+        passes: stats
+        """, "good.yaml")  # fmt: skip
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line(err: str, kind: str = "error") -> str:
+    """The single stderr line, checked to be a ``mutwo-opt: <kind>:`` line with no traceback."""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected exactly one line on stderr, got:\n{err}"
+    assert lines[0].startswith(f"mutwo-opt: {kind}: "), lines[0]
+    return lines[0]
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+def expect_usage_error(capsys: pytest.CaptureFixture[str], out: Path, *argv: str | Path) -> str:
+    code, stdout, err = run_cli(capsys, "-q", "-o", out, *argv)
+    line = one_line(err)
+    assert code == EXIT_USAGE, line
+    assert stdout == ""
+    assert_nothing_written(out)
+    return line
+
+
+# -- a control: the tiny config itself works ----------------------------------------------------
+def test_the_tiny_config_used_by_the_catalogue_runs(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = workdir / "out"
+    code, _, err = run_cli(capsys, "-q", "-o", out, good_config(workdir))
+    assert code == EXIT_OK, err
+    assert err == ""
+    assert (out / "summary.json").is_file()
+
+
+# -- the config file -----------------------------------------------------------------------------
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out", tmp_path / "nope.yaml")
+    assert "nope.yaml" in line and "does not exist" in line
+    assert "pass the path of a YAML file" in line
+
+
+def test_no_config_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out")
+    assert "no config file given" in line
+    assert "CONFIG.yaml" in line and "--help" in line
+
+
+def test_yaml_syntax_error_names_the_line(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(workdir, "model: {source: python, name: tiny.py:make\nbatch_size: [2\n")
+    line = expect_usage_error(capsys, workdir / "out", config)
+    assert "is not valid YAML" in line
+    assert "line 2" in line and "column" in line
+
+
+def test_config_that_is_a_list(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(workdir, "- model\n- batch_size\n")
+    line = expect_usage_error(capsys, workdir / "out", config)
+    assert "must hold a YAML mapping" in line
+    assert "'model'" in line
+
+
+# (config text, words the message must contain)
+CONFIG_ERRORS = {
+    "unknown-top-level-key": (
+        "model: {source: python, name: tiny.py:make}\nbatch_szie: 2\n",
+        ["unknown key 'batch_szie'", "did you mean 'batch_size'?"],
+    ),
+    "unknown-nested-key": (
+        "model: {source: python, nmae: tiny.py:make}\n",
+        ["unknown key 'model.nmae'", "did you mean 'name'?"],
+    ),
+    "wrong-type": (
+        'model: {source: python, name: tiny.py:make}\nbatch_size: "two"\n',
+        ["'batch_size' must be a positive integer", "'two'"],
+    ),
+    "unknown-model-source": (
+        "model: {source: pytorch, name: tiny.py:make}\n",
+        ["unknown model source 'pytorch'", "use one of torchvision, transformers, python"],
+    ),
+    "unknown-optimizer-key": (
+        "model: {source: python, name: tiny.py:make}\noptimizer: {name: adam, lr: 0.01, fused: true}\n",
+        ["unknown key 'optimizer.fused'", "valid keys:", "betas"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ERRORS))
+def test_config_errors(case: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text, words = CONFIG_ERRORS[case]
+    line = expect_usage_error(capsys, workdir / "out", write_config(workdir, text))
+    for word in words:
+        assert word in line
+
+
+# -- building the model --------------------------------------------------------------------------
+MODEL_ERRORS = {
+    "unknown-torchvision-model": (
+        "model: {source: torchvision, name: resnet1522}\n",
+        ["unknown torchvision model 'resnet1522'", "did you mean 'resnet152'"],
+    ),
+    "non-classification-torchvision-model": (
+        "model: {source: torchvision, name: fasterrcnn_resnet50_fpn}\n",
+        ["'fasterrcnn_resnet50_fpn' is not an image classifier", "use source: python"],
+    ),
+    "unknown-transformers-class": (
+        "model: {source: transformers, name: BertForMaskedLMM}\n",
+        ["unknown transformers model class 'BertForMaskedLMM'", "did you mean 'BertForMaskedLM'"],
+    ),
+    "python-file-not-found": (
+        "model: {source: python, name: nothere.py:make}\n",
+        ["model file 'nothere.py' does not exist", "looked beside the config"],
+    ),
+    "python-function-not-found": (
+        "model: {source: python, name: tiny.py:nothere}\n",
+        ["'tiny.py' has no function 'nothere'", "check model.name"],
+    ),
+    "python-factory-returns-a-model": (
+        "model: {source: python, name: tiny.py:only_model}\n",
+        ["tiny.py:only_model must return (model, batch, loss_fn)", "it returned Tiny"],
+    ),
+    "python-name-without-function": (
+        "model: {source: python, name: tiny.py}\n",
+        ["'tiny.py' must be", "'path/to/file.py:function'"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_ERRORS))
+def test_model_errors(case: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text, words = MODEL_ERRORS[case]
+    line = expect_usage_error(capsys, workdir / "out", write_config(workdir, text))
+    for word in words:
+        assert word in line
+
+
+def test_forward_with_data_dependent_control_flow(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(workdir, "model: {source: python, name: tiny.py:branchy}\n")
+    line = expect_usage_error(capsys, workdir / "out", config)
+    lineno = TINY_MODEL.splitlines().index("        if x.sum() > 0:") + 1
+    assert "data-dependent control flow" in line
+    assert f"tiny.py:{lineno}" in line  # the file and the line of the branch
+    assert "if x.sum() > 0:" in line
+    assert "torch.where" in line  # the fix
+
+
+def test_python_factory_that_raises(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(workdir, "model: {source: python, name: tiny.py:explodes}\n")
+    line = expect_usage_error(capsys, workdir / "out", config)
+    assert "tiny.py:explodes" in line and "the dataset server is down" in line
+
+
+# -- the optimizer -------------------------------------------------------------------------------
+OPTIMIZER_ERRORS = {
+    "sgd-dampening": (
+        "{name: sgd, lr: 0.01, momentum: 0.9, dampening: 0.5}",
+        ["SGD with dampening", "set dampening=0"],
+    ),
+    "sgd-negative-momentum": (
+        "{name: sgd, lr: 0.01, momentum: -1}",
+        ["optimizer sgd", "Invalid momentum value: -1"],
+    ),
+    "sgd-nesterov-without-momentum": (
+        "{name: sgd, lr: 0.01, nesterov: true}",
+        ["optimizer sgd", "Nesterov momentum requires a momentum"],
+    ),
+    "unknown-optimizer": (
+        "{name: lion, lr: 0.01}",
+        ["unknown optimizer 'lion'", "use one of sgd, adam, adamw"],
+    ),
+    "non-positive-lr": (
+        "{name: adam, lr: 0}",
+        ["'optimizer.lr' must be positive", "got 0"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPTIMIZER_ERRORS))
+def test_unsupported_optimizer_options(case: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    options, words = OPTIMIZER_ERRORS[case]
+    config = write_config(workdir, f"model: {{source: python, name: tiny.py:make}}\noptimizer: {options}\n")
+    line = expect_usage_error(capsys, workdir / "out", config)
+    for word in words:
+        assert word in line
+
+
+def test_adam_betas_with_one_element(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(workdir, "model: {source: python, name: tiny.py:make}\n"
+                                   "optimizer: {name: adam, lr: 0.01, betas: [0.9]}\n")  # fmt: skip
+    line = expect_usage_error(capsys, workdir / "out", config)
+    assert "betas" in line and "two numbers" in line
+
+
+# -- command-line overrides ----------------------------------------------------------------------
+def test_batch_size_zero(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--batch-size", "0", good_config(workdir))
+    assert "batch size must be a positive integer, got 0" in line
+
+
+def test_batch_size_not_an_integer(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--batch-size", "two", good_config(workdir))
+    assert "--batch-size" in line and "invalid int value: 'two'" in line
+    assert "see mutwo-opt --help" in line
+
+
+@pytest.mark.parametrize("argv", [["--budget", "-0.5"], ["--budget=-1GiB"]], ids=["fraction", "bytes"])
+def test_negative_budget(argv: list[str], workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", *argv, good_config(workdir))
+    assert "budget must be positive" in line
+    assert argv[-1].removeprefix("--budget=") in line
+
+
+def test_budget_with_unknown_unit(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--budget", "6XB", good_config(workdir))
+    assert "unknown unit 'XB'" in line and "use B, KiB, MiB, GiB" in line
+
+
+def test_infinite_budget(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--budget", "1e999", good_config(workdir))
+    assert "budget" in line
+
+
+def test_unknown_device_choice(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "gpu", good_config(workdir))
+    assert "invalid choice: 'gpu'" in line and "'cuda'" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is valid here")
+def test_cuda_requested_without_a_gpu(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cuda", good_config(workdir))
+    assert "CUDA was requested but no GPU is visible" in line
+    assert "use --device cpu or auto" in line
+
+
+def test_output_folder_under_a_regular_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = workdir / "file.txt"
+    blocker.write_text("keep me\n")
+    line = expect_usage_error(capsys, blocker / "out", good_config(workdir))
+    assert f"output folder '{blocker / 'out'}' is not writable" in line
+    assert "choose another with -o DIR" in line
+    assert blocker.read_text() == "keep me\n"
+
+
+# -- the pipeline ----------------------------------------------------------------------------
+def test_unknown_pass_suggests_and_lists(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "-p", "stat", good_config(workdir))
+    assert "unknown pass 'stat'" in line
+    assert "did you mean 'stats'?" in line
+    valid = line.split("valid passes: ", 1)[1].split(", ")
+    assert set(BUILTIN_PASSES) <= set(valid)
+
+
+def test_unknown_pass_in_the_config(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(workdir, "model: {source: python, name: tiny.py:make}\npasses: stats,dcee\n")
+    line = expect_usage_error(capsys, workdir / "out", config)
+    assert "unknown pass 'dcee'" in line and "did you mean 'dce'?" in line
+
+
+def test_bad_pass_option_name(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "-p", "stats{foo=1}", good_config(workdir))
+    assert "pass 'stats' has no option 'foo'" in line
+    assert "its options: none" in line
+
+
+def test_bad_value_for_a_typed_option(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", workdir / "test_cli_passes.py",
+                              "-p", "counted{times=abc}", good_config(workdir))  # fmt: skip
+    assert "pass 'counted': option 'times' must be int, got 'abc'" in line
+
+
+def test_good_value_for_a_typed_option_is_accepted(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = workdir / "out"
+    code, _, err = run_cli(capsys, "-q", "-o", out, "--load-passes", workdir / "test_cli_passes.py",
+                           "-p", "counted{times=3}", good_config(workdir))  # fmt: skip
+    assert code == EXIT_OK, err
+    assert '"counted{times=3}"' in (out / "summary.json").read_text()
+
+
+@pytest.mark.parametrize(("pipeline", "words"), [
+    ("stats,,dce", ["bad pipeline", "empty pass name at character 7"]),
+    ("stats{", ["bad pipeline", "unclosed '{'", "pass 'stats'"]),
+    ("stats,", ["bad pipeline", "ends with a comma"]),
+    ("stats}", ["bad pipeline", "unexpected '}'"]),
+    ("stats{a=1,a=2}", ["bad pipeline", "option 'a'", "given twice"]),
+], ids=["empty-name", "unclosed-brace", "trailing-comma", "stray-brace", "duplicate-option"])  # fmt: skip
+def test_malformed_pipeline(pipeline: str, words: list[str], workdir: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    line = expect_usage_error(capsys, workdir / "out", "-p", pipeline, good_config(workdir))
+    for word in words:
+        assert word in line
+
+
+def test_unmet_pass_requirement(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", workdir / "test_cli_passes.py",
+                              "-p", "stats,needs-plan", good_config(workdir))  # fmt: skip
+    assert "pass 'needs-plan' needs plan, which no earlier pass provides" in line
+    assert "run makes-plan before it" in line  # the fix: the pass that provides it
+
+
+def test_requirement_provided_later_is_still_unmet(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", workdir / "test_cli_passes.py",
+                              "-p", "needs-plan,makes-plan", good_config(workdir))  # fmt: skip
+    assert "needs plan, which no earlier pass provides" in line
+
+
+def test_print_ir_after_an_unknown_pass(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--print-ir-after", "dec", good_config(workdir))
+    assert "--print-ir-after names unknown pass 'dec'" in line and "--list-passes" in line
+
+
+def test_load_passes_of_a_missing_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", workdir / "missing_passes.py",
+                              good_config(workdir))  # fmt: skip
+    assert "--load-passes" in line and "no such file" in line and "missing_passes.py" in line
+
+
+def test_load_passes_of_a_file_that_fails_to_import(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = workdir / "broken_passes.py"
+    broken.write_text("import definitely_not_a_module_mutwo\n")
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", broken, good_config(workdir))
+    assert "importing it failed" in line and "definitely_not_a_module_mutwo" in line
+
+
+# -- failures (exit 1) ---------------------------------------------------------------------------
+def test_a_pass_that_raises_exits_1_and_records_the_error(workdir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    failing = workdir / "failing_passes.py"
+    failing.write_text(textwrap.dedent('''\
+        from dataclasses import dataclass
+        from mutwo_ir.pass_base import Pass, PassFailure
+
+        @dataclass(frozen=True)
+        class Refuses(Pass):
+            """Always fails (test pass)."""
+            name = "refuses"
+            def run(self, graph, ctx):
+                raise PassFailure("no plan fits the budget\\nsecond line")
+        '''))
+    out = workdir / "out"
+    code, _, err = run_cli(capsys, "-q", "-o", out, "--load-passes", failing, "-p", "stats,refuses",
+                           good_config(workdir))  # fmt: skip
+    line = one_line(err, "failed")
+    assert code == EXIT_FAILURE
+    assert "pass 'refuses' failed after [stats]: no plan fits the budget" in line
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["error"].startswith("pass 'refuses' failed after [stats]")
+    assert summary["equivalent"] is None
+
+
+# -- --list-passes and --help --------------------------------------------------------------------
+def test_list_passes_prints_every_pass_with_its_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "--list-passes")
+    assert code == EXIT_OK
+    assert err == ""
+    registry = PassRegistry()
+    lines = out.splitlines()
+    for name in registry.names():
+        cls = registry.get(name)
+        summary = cls.summary()
+        assert summary, f"pass {name} has no summary"
+        kind = "[transform]" if cls.is_transform else "[analysis]"
+        matching = [line for line in lines if line.split()[:1] == [name]]
+        assert len(matching) == 1, out
+        assert kind in matching[0] and summary in matching[0]
+    assert {"stats", "dce"} <= set(registry.names())
+
+
+def test_list_passes_includes_loaded_passes_and_their_options(workdir: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    code, out, _ = run_cli(capsys, "-q", "--load-passes", workdir / "test_cli_passes.py", "--list-passes")
+    assert code == EXIT_OK
+    assert "Return its int option (test pass)." in out
+    assert "    times: int = 1  how many times" in out
+    assert "needs-plan" in out and "makes-plan" in out
+
+
+def test_a_broken_entry_point_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    class BrokenEntryPoint:
+        name = "broken-plugin"
+
+        def load(self) -> type:
+            raise ImportError("No module named 'mutwo_plugin_gone'")
+
+    monkeypatch.setattr(registry_module, "entry_points",
+                        lambda group: [BrokenEntryPoint()] if group == ENTRY_POINT_GROUP else [])  # fmt: skip
+    code, _, err = run_cli(capsys, "--list-passes")
+    line = one_line(err)
+    assert code == EXIT_USAGE
+    assert "broken-plugin" in line and "mutwo_plugin_gone" in line
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "--help")
+    assert code == EXIT_OK
+    assert out.startswith("usage: mutwo-opt")
+    for flag in ("--passes", "--list-passes", "--load-passes", "--check", "--budget", "--dump-dot"):
+        assert flag in out
+    assert err == ""
+
+
+def test_unknown_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out", "--frobnicate", "x.yaml")
+    assert "unrecognized arguments: --frobnicate" in line and "--help" in line
