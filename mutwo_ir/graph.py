@@ -31,6 +31,7 @@ class Graph:
         self._index: dict[Node, int] | None = None
         self._by_id: dict[int, Node] = {}
         self._names: set[str] = set()
+        self._name_suffix: dict[str, int] = {}  # next suffix to try per base name: naming stays linear
         self._next_id = 0
         self.version = 0  #: bumped by every mutation; cached analyses compare against it
         self.meta: dict[str, Any] = {}  #: facts about the whole iteration (model, batch size...)
@@ -87,10 +88,11 @@ class Graph:
         self.version += 1
 
     def _fresh_name(self, base: str) -> str:
-        name, suffix = base, 1
+        name, suffix = base, self._name_suffix.get(base, 1)
         while name in self._names:
             name = f"{base}_{suffix}"
             suffix += 1
+        self._name_suffix[base] = suffix
         self._names.add(name)
         return name
 

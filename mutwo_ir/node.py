@@ -182,11 +182,18 @@ class Node:
 
     @property
     def mutated_operands(self) -> list[Node]:
-        """Operands an aten op writes to in place (from the schema's ``(a!)`` annotations)."""
+        """Operands an aten op writes to in place: the schema's ``(a!)`` annotations, plus the
+        running statistics that training-mode batch norms update without declaring it."""
         schema = getattr(self.target, "_schema", None)
         if schema is None:
             return []
         written: list[Node] = []
+        hidden = _UNDECLARED_WRITES.get(schema.name)
+        if hidden is not None:
+            positions, training_position = hidden
+            if training_position < len(self._args) and self._args[training_position] is True:
+                written.extend(self._args[p] for p in positions
+                               if p < len(self._args) and isinstance(self._args[p], Node))  # fmt: skip
         for index, argument in enumerate(schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
@@ -202,6 +209,16 @@ class Node:
 
     def __repr__(self) -> str:
         return f"%{self.id}({self.name})"
+
+
+#: Ops that update some arguments in place although their schema does not say so:
+#: schema name -> (positions of the written arguments, position of the ``training`` flag).
+_UNDECLARED_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten::native_batch_norm": ((3, 4), 5),
+    "aten::cudnn_batch_norm": ((3, 4), 5),
+    "aten::miopen_batch_norm": ((3, 4), 5),
+    "aten::_batch_norm_impl_index": ((3, 4), 5),
+}
 
 
 def target_name(target: Callable[..., Any] | str) -> str:

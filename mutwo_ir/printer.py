@@ -32,9 +32,8 @@ def _value_type(node: Node) -> str:
 
 
 def _memory(node: Node) -> str:
-    owned = node.owned_bytes
-    if owned or not node.tensors:
-        return f"{owned}B"
+    if node.owned_storages() or not node.tensors:
+        return f"{node.owned_bytes}B"
     owners = sorted({t.storage for t in node.tensors if t is not None and t.storage.creator != node.id})
     return "alias(" + ",".join(str(k) for k in owners) + ")"
 

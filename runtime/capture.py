@@ -115,7 +115,7 @@ class StepBinding:
         for name in self.trainable:
             state = self.optimizer.state[params[name]]
             flat += [state[s] for s in self.state_names(name)]
-        flat += [torch.tensor(float(g["lr"]), dtype=torch.float64) for g in self.optimizer.param_groups]
+        flat += [learning_rate(g) for g in self.optimizer.param_groups]
         flat += [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
         return flat
 
@@ -172,6 +172,15 @@ class StepBinding:
             return outputs
 
         return step
+
+
+def learning_rate(group: dict[str, Any]) -> torch.Tensor:
+    """A param group's learning rate as the 0-dim tensor fed to the graph: a Python number as
+    float64 on CPU (torch.optim computes with it in double precision), a tensor as it is."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        return lr.detach().reshape(()).clone()
+    return torch.tensor(float(lr), dtype=torch.float64)
 
 
 def _call_model(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],

@@ -41,7 +41,8 @@ class OptimizerSpec:
 def describe(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
     """Check that ``optimizer`` is supported and say which state each parameter carries."""
     # AdamW subclasses Adam in recent torch releases: test it first.
-    if isinstance(optimizer, torch.optim.AdamW):
+    if isinstance(optimizer, torch.optim.AdamW) or (isinstance(optimizer, torch.optim.Adam) and any(
+            g.get("decoupled_weight_decay") for g in optimizer.param_groups)):  # fmt: skip
         algorithm = "adamw"
     elif isinstance(optimizer, torch.optim.Adam):
         algorithm = "adam"
@@ -83,8 +84,9 @@ def state_names_for(spec: OptimizerSpec, group: dict[str, Any]) -> tuple[str, ..
 def init_state(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
     """Create missing per-parameter state exactly as torch.optim's first step would.
 
-    SGD's momentum buffer starts at zero: with dampening 0 (checked by :func:`describe`), the
-    first update ``0 * momentum + grad`` equals torch.optim's ``clone(grad)``.
+    SGD's momentum buffer starts at -0.0: with dampening 0 (checked by :func:`describe`), the
+    first update ``-0.0 * momentum + grad`` equals torch.optim's ``clone(grad)`` bit for bit,
+    signed zeros included (``-0.0 + g`` is ``g`` for every ``g``; ``+0.0 + -0.0`` would not be).
     """
     for group in optimizer.param_groups:
         names = state_names_for(spec, group)
@@ -95,7 +97,7 @@ def init_state(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
             if all(name in state for name in names):
                 continue
             if spec.algorithm == "sgd":
-                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.full_like(param, -0.0, memory_format=torch.preserve_format)
                 continue
             if group["capturable"]:
                 state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=param.device)
@@ -158,7 +160,9 @@ def _adam(group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state:
     step = step_t.to(device=lr.device, dtype=torch.float64)
     bias_correction1 = 1 - torch.pow(beta1, step)
     bias_correction2 = 1 - torch.pow(beta2, step)
-    step_size = lr / bias_correction1
+    # A tensor learning rate keeps its dtype in torch.optim (the bias correction is a Python
+    # number, which does not promote): divide in that dtype.
+    step_size = lr / bias_correction1.to(lr.dtype)
     bias_correction2_sqrt = bias_correction2.sqrt()
     if group["amsgrad"]:
         max_exp_avg_sq = state["max_exp_avg_sq"]
@@ -166,6 +170,11 @@ def _adam(group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state:
         denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     else:
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    # torch.optim: param.addcdiv_(exp_avg, denom, value=-step_size), computed as
-    # param + ((-step_size) * exp_avg) / denom in the parameter's dtype.
-    param.add_(exp_avg * (-step_size).to(param.dtype) / denom)
+    # torch.optim: param.addcdiv_(exp_avg, denom, value=-step_size). The CPU kernel computes
+    # param + ((-step_size) * exp_avg) / denom; the CUDA kernel fma(-step_size, exp_avg / denom,
+    # param), which addcmul_ with a scalar tensor reproduces.
+    neg_step_size = (-step_size).to(param.dtype)
+    if param.device.type == "cuda":
+        param.addcmul_(exp_avg / denom, neg_step_size)
+    else:
+        param.add_(exp_avg * neg_step_size / denom)

@@ -348,10 +348,6 @@ def test_optimizer_state_updates_are_in_place_in_the_optimizer_phase(case: Case)
     assert updated == {p.label for p in _placeholders(graph, NodeKind.OPTIMIZER_STATE)}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "aten.native_batch_norm's schema has no (a!) annotation on running_mean/running_var, so "
-    "Node.mutated_operands (mutwo_ir/node.py, built only from schema alias_info) misses the in-place "
-    "update of BatchNorm's running statistics that the captured graph really performs"))  # fmt: skip
 def test_batch_norm_lists_running_statistics_among_mutated_operands() -> None:
     case = _case("cnn", "sgd-momentum")
     norms = [n for n in case.graph if n.op_name.startswith("aten.native_batch_norm.")

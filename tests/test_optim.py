@@ -17,7 +17,7 @@ from torch import nn
 
 from mutwo_ir import from_fx
 from runtime import optim as functional_optim
-from runtime.capture import capture
+from runtime.capture import capture, learning_rate
 from runtime.optim import UnsupportedOptimizerError
 from runtime.step import GraphStep
 
@@ -82,8 +82,8 @@ def _set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
 
 
 def _lr_tensor(group: dict) -> torch.Tensor:
-    """The learning rate as runtime.capture feeds it: a 0-dim float64 tensor."""
-    return torch.tensor(float(group["lr"]), dtype=torch.float64)
+    """The learning rate as runtime.capture feeds it."""
+    return learning_rate(group)
 
 
 def _run_against_eager(make: MakeOptimizer, zero_every: int = 0) -> tuple[str | None, torch.optim.Optimizer]:
@@ -134,10 +134,6 @@ def test_update_matches_eager_with_exact_zero_gradients(config: str) -> None:
     assert difference is None, f"{config}: {difference}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime/optim.py init_state starts SGD's momentum buffer at +0.0 and relies on 0 * momentum + grad "
-    "== clone(grad); with maximize=True a zero gradient entry becomes -0.0, torch.optim keeps -0.0 in the "
-    "buffer, the graph gets +0.0: the momentum buffers differ bitwise (in the sign of zeros)"))  # fmt: skip
 def test_sgd_momentum_maximize_with_exact_zero_gradients_is_bitwise() -> None:
     difference, _ = _run_against_eager(
         lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9, maximize=True), zero_every=3
@@ -145,10 +141,6 @@ def test_sgd_momentum_maximize_with_exact_zero_gradients_is_bitwise() -> None:
     assert difference is None, difference
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime/optim.py describe classifies every torch.optim.Adam as 'adam' and ignores the param group's "
-    "decoupled_weight_decay=True (torch >= 2.6), so the update applies coupled L2 decay: the parameter "
-    "differs from eager from the first step on, silently, instead of being refused"))  # fmt: skip
 def test_adam_decoupled_weight_decay_matches_eager_or_is_refused() -> None:
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=1e-3, weight_decay=1e-2, decoupled_weight_decay=True)
@@ -160,10 +152,6 @@ def test_adam_decoupled_weight_decay_matches_eager_or_is_refused() -> None:
     assert difference is None, difference
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime/optim.py: a float32 tensor learning rate (torch.optim.Adam(lr=torch.tensor(1e-3))) is accepted, "
-    "but eager Adam then computes lr / bias_correction1 in float32 while the runtime (and capture, which "
-    "feeds float(lr) as float64) computes it in float64: parameters drift from eager after a few steps"))  # fmt: skip
 def test_adam_float32_tensor_learning_rate_matches_eager_or_is_refused() -> None:
     try:
         difference, _ = _run_against_eager(lambda params: torch.optim.Adam(params, lr=torch.tensor(1e-3)))

@@ -126,9 +126,6 @@ def test_printing_a_large_graph_is_fast() -> None:
     assert elapsed < 10.0, f"printing 20,002 nodes took {elapsed:.1f}s"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mutwo_ir/graph.py Graph._fresh_name tries base, base_1, base_2... from 1 every time, so creating "
-    "n nodes with the same base name costs O(n^2): 20,000 'relu' nodes take about a minute"))  # fmt: skip
 def test_building_with_repeated_names_is_not_quadratic() -> None:
     graph = Graph()
     meta = TensorMeta((4,), torch.float32, "cpu", StorageKey(-1), 16)
@@ -152,10 +149,6 @@ def test_clones_are_marked_with_their_origin() -> None:
     assert "clone-of" not in format_node(sub)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mutwo_ir/printer.py _memory: a node that allocates a 0-byte storage (aten.empty([0]), as the "
-    "captured BatchNorm emits) owns its storage but has owned_bytes == 0, so it is printed as "
-    "'alias()' with no owner instead of '0B'"))  # fmt: skip
 def test_zero_byte_allocation_prints_as_zero_bytes_not_alias() -> None:
     graph = Graph()
     empty = TensorMeta((0,), torch.uint8, "cpu", StorageKey(-1), 0)
@@ -166,7 +159,6 @@ def test_zero_byte_allocation_prints_as_zero_bytes_not_alias() -> None:
     assert " u8[0] 0B = " in line, line
 
 
-@pytest.mark.xfail(strict=True, reason="same printer defect as above, on the cnn's captured BatchNorm")
 def test_captured_zero_byte_allocations_are_not_printed_as_aliases() -> None:
     """The same defect where it occurs: the cnn's captured BatchNorm allocates empty([0]) tensors."""
     workload = models.cnn()
