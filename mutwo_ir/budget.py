@@ -17,31 +17,39 @@ class BudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Budget:
-    """Exactly one of ``fraction`` (of the unoptimized simulated peak) or ``bytes``."""
+    """Exactly one of ``fraction`` (of the unoptimized simulated peak), ``bytes``, or
+    ``minimum`` (the lowest peak recomputation can reach)."""
 
     fraction: float | None = None
     bytes: int | None = None
+    minimum: bool = False
 
     def resolve(self, unoptimized_peak: int) -> int:
-        """The budget in bytes, given the unoptimized peak."""
+        """The budget in bytes, given the unoptimized peak (0 for ``minimum``)."""
+        if self.minimum:
+            return 0
         if self.bytes is not None:
             return self.bytes
         assert self.fraction is not None
         return int(self.fraction * unoptimized_peak)
 
     def __str__(self) -> str:
+        if self.minimum:
+            return "min"
         return f"{self.fraction:g}" if self.fraction is not None else f"{self.bytes}B"
 
 
 def parse_budget(value: float | int | str) -> Budget:
-    """Parse ``0.5`` (a fraction) or ``"6GiB"``/``"512MB"``/``"1e9"`` (bytes)."""
+    """Parse ``0.5`` (a fraction), ``"6GiB"``/``"512MB"``/``"1e9"`` (bytes) or ``"min"``."""
+    if isinstance(value, str) and value.strip().lower() == "min":
+        return Budget(minimum=True)
     if isinstance(value, bool):
         raise BudgetError(f"budget must be a fraction like 0.5 or bytes like '6GiB', got {value!r}")
     if isinstance(value, (int, float)):
         return _fraction_or_bytes(float(value), "", str(value))
     match = _PATTERN.match(str(value))
     if not match:
-        raise BudgetError(f"budget {value!r} is neither a fraction like 0.5 nor bytes like '6GiB'")
+        raise BudgetError(f"budget {value!r} is neither a fraction like 0.5, bytes like '6GiB', nor 'min'")
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in _UNITS:
         raise BudgetError(f"budget {value!r} has unknown unit {match.group(2)!r}; use B, KiB, MiB, GiB, KB, MB or GB")

@@ -29,6 +29,7 @@ class Graph:
     def __init__(self) -> None:
         self._nodes: list[Node] = []
         self._index: dict[Node, int] | None = None
+        self._scans = 0  # lookups by scanning since the last mutation (see position())
         self._by_id: dict[int, Node] = {}
         self._names: set[str] = set()
         self._name_suffix: dict[str, int] = {}  # next suffix to try per base name: naming stays linear
@@ -59,7 +60,18 @@ class Graph:
         return node_id in self._by_id
 
     def position(self, node: Node) -> int:
-        """Index of ``node`` in execution order."""
+        """Index of ``node`` in execution order.
+
+        Between mutations, lookups use an index built on demand; right after a mutation a few
+        lookups scan the list instead (a C-level scan is far cheaper than rebuilding the index,
+        which matters when many nodes are inserted one after another).
+        """
+        if self._index is None and self._scans < 16:
+            self._scans += 1
+            try:
+                return self._nodes.index(node)
+            except ValueError:
+                raise GraphError(f"{node!r} is not in this graph") from None
         if self._index is None:
             self._index = {n: i for i, n in enumerate(self._nodes)}
         try:
@@ -147,7 +159,7 @@ class Graph:
         node.set_operands(tuple(args), dict(kwargs or {}))
         self._nodes.insert(insert_at, node)
         self._by_id[new_id] = node
-        self._index = None
+        self._index, self._scans = None, 0
         self.mark_changed()
         return node
 
@@ -208,25 +220,36 @@ class Graph:
         del self._by_id[node.id]
         self._names.discard(node.name)
         node.graph = None
-        self._index = None
+        self._index, self._scans = None, 0
         self.mark_changed()
 
     def copy(self) -> Graph:
-        """A deep copy with the same ids, names and metadata."""
+        """A deep copy with the same ids, names and metadata.
+
+        It builds the nodes directly rather than through :meth:`create_node`: the source graph
+        already satisfies what create_node checks, and copying is on the hot path of selection.
+        """
         clone = Graph()
         clone.meta = copy.deepcopy(self.meta)
         mapping: dict[Node, Node] = {}
+
+        def remap(leaf: Any) -> Any:
+            return mapping[leaf] if isinstance(leaf, Node) else leaf
+
         for node in self._nodes:
-            args, kwargs = pytree.tree_map(
-                lambda leaf: mapping[leaf] if isinstance(leaf, Node) else leaf, (node.args, node.kwargs)
-            )
-            mapping[node] = clone.create_node(
-                node.op, node.target, args, kwargs, name=node.name, kind=node.kind, phase=node.phase,
-                tensors=node.tensors, is_tuple=node.is_tuple, label=node.label, origin=node.origin,
-                node_id=node.id,
-            )  # fmt: skip
+            new = Node(id=node.id, name=node.name, op=node.op, target=node.target, kind=node.kind, phase=node.phase,
+                       tensors=node.tensors, is_tuple=node.is_tuple, label=node.label, origin=node.origin)
+            new._args = pytree.tree_map(remap, node._args) if node._args else ()
+            new._kwargs = pytree.tree_map(remap, node._kwargs) if node._kwargs else {}
+            new.graph = clone
+            for operand in new.operands:
+                operand.users[new] = None
+            mapping[node] = new
+            clone._nodes.append(new)
+            clone._by_id[new.id] = new
+        clone._names = set(self._names)
+        clone._name_suffix = dict(self._name_suffix)
         clone._next_id = self._next_id
-        clone.version = 0
         return clone
 
 

@@ -99,7 +99,7 @@ def compute_liveness(graph: Graph) -> Liveness:
                     last_use=output_rank if persistent else index, phase_of_creation=creator.phase,
                 )  # fmt: skip
                 storages[meta.storage] = record
-            if node.id not in record.holders:
+            if not record.holders or record.holders[-1] != node.id:  # a node's tensors come together
                 record.holders.append(node.id)
                 if KIND_PRECEDENCE.index(node.kind) < KIND_PRECEDENCE.index(record.kind):
                     record.kind = node.kind

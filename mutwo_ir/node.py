@@ -202,6 +202,12 @@ class Node:
         return written
 
     @property
+    def has_undeclared_writes(self) -> bool:
+        """A batch norm in training mode: it updates running statistics its schema does not mark."""
+        schema = getattr(self.target, "_schema", None)
+        return schema is not None and schema.name in _UNDECLARED_WRITES
+
+    @property
     def is_random(self) -> bool:
         """True for ops that draw from the random number generator (dropout, bernoulli, rand...)."""
         tags = getattr(self.target, "tags", ())

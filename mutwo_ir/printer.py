@@ -12,6 +12,7 @@ Placeholders show their label: ``= placeholder "fc.weight"``.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import Any
 
@@ -71,3 +72,11 @@ def print_graph(graph: Graph) -> str:
         out.write(format_node(node))
         out.write("\n")
     return out.getvalue()
+
+
+def fingerprint(graph: Graph) -> str:
+    """A hash of every node's id, op and type: equal exactly when a profile or plan applies to the graph."""
+    digest = hashlib.sha256()
+    for node in graph:
+        digest.update(f"{node.id} {node.op_name} {_value_type(node)}\n".encode())
+    return digest.hexdigest()[:16]

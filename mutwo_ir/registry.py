@@ -29,10 +29,13 @@ BUILTIN_PASSES: dict[str, str] = {
     "liveness": "passes.liveness:LivenessPass",
     "memory": "passes.memory:MemoryPass",
     "profile": "passes.profile:ProfilePass",
+    "select": "passes.select:SelectPass",
+    "extract": "passes.extract:ExtractPass",
+    "insert-recompute": "passes.insert_recompute:InsertRecomputePass",
 }
 
 #: Names that stand for several passes.
-BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {}
+BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {"rewrite": ("extract", "insert-recompute")}
 
 
 class RegistryError(ValueError):

@@ -12,7 +12,6 @@ Everything runs on clones of the inputs, so profiling never trains the real mode
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from torch import fx
 
 from mutwo_ir.graph import Graph
 from mutwo_ir.memory import allocation_size
-from mutwo_ir.printer import _value_type
+from mutwo_ir.printer import fingerprint
 from mutwo_ir.to_fx import NODE_ID_META, to_fx
 
 
@@ -79,14 +78,6 @@ class Profile:
             iteration=IterationMeasurement(**iteration) if iteration else None,
             nodes={int(k): NodeProfile(**v) for k, v in data["nodes"].items()},
         )  # fmt: skip
-
-
-def fingerprint(graph: Graph) -> str:
-    """A hash of every node's id, op and type: equal exactly when a profile applies to the graph."""
-    digest = hashlib.sha256()
-    for node in graph:
-        digest.update(f"{node.id} {node.op_name} {_value_type(node)}\n".encode())
-    return digest.hexdigest()[:16]
 
 
 def device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
@@ -168,7 +159,9 @@ def profile_graph(
             profile.workspace = max(0, peak - max(before, after))
         nodes[node_id] = profile
     del state
-    iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs else None
+    # On CPU the node times already add up to the iteration; only CUDA needs whole-iteration runs
+    # (launch gaps and the allocator show only there) and has a peak to measure.
+    iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs and cuda else None
     return Profile(str(device), fingerprint(graph), nodes, runs, iteration,
                    meta={"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None})
 

@@ -261,6 +261,8 @@ class MutwoOpt:
         captured_version = graph.version
         ctx = PassContext(out_dir=out, device=str(device), log=self.log)
         ctx.services["budget"] = config.budget
+        if device.type == "cuda":
+            ctx.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
         ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup,
                                                                          progress=self.log)  # fmt: skip
         profile = self.load_profile(graph)

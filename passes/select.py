@@ -1,0 +1,226 @@
+"""The ``select`` pass: choose which activations to recompute (μ-TWO), as a plan."""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mutwo_ir.budget import Budget, BudgetError, parse_budget
+from mutwo_ir.graph import Graph
+from mutwo_ir.liveness import Liveness
+from mutwo_ir.memory import MemorySimulation, allocation_size, simulate
+from mutwo_ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
+from mutwo_ir.printer import fingerprint
+from mutwo_ir.recompute import NotRecomputable, Recompute, insert_blocks
+from passes.liveness import liveness_of
+from passes.mu_two import Candidate, GreedyResult, greedy
+
+MIB = 2**20
+
+
+@dataclass
+class Plan:
+    """A recompute plan: what to recompute, what it saves and costs, and what it predicts."""
+
+    fingerprint: str
+    budget: str
+    budget_bytes: int
+    unoptimized_peak: int
+    predicted_peak: int
+    predicted_peak_node: int
+    predicted_peak_phase: str
+    base_seconds: float
+    added_seconds: float
+    entries: list[dict[str, Any]]
+    met: bool
+
+    def keys(self) -> list[tuple[int, int]]:
+        return [(e["storage_creator"], e["storage_output"]) for e in self.entries]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        return cls(**data)
+
+    def table(self) -> str:
+        lines = [f"{'storage':>10} {'producer':<34} {'MiB':>8} {'count':>5} {'added ms':>9}  sources"]
+        for e in self.entries:
+            sources = " ".join(f"%{s}" for s in e["sources"][:6]) + (" ..." if len(e["sources"]) > 6 else "")
+            lines.append(f"{e['storage']:>10} {e['op'][:34]:<34} {e['bytes'] / MIB:8.2f} {e['recompute_count']:5d} "
+                         f"{e['seconds'] * 1e3:9.3f}  {sources}")  # fmt: skip
+        lines.append(f"recompute {len(self.entries)} activations: predicted peak {self.predicted_peak / MIB:.1f} MiB "
+                     f"(unoptimized {self.unoptimized_peak / MIB:.1f} MiB, budget {self.budget_bytes / MIB:.1f} MiB), "
+                     f"+{self.added_seconds * 1e3:.1f} ms per iteration")  # fmt: skip
+        return "\n".join(lines)
+
+    def csv(self) -> str:
+        out = io.StringIO()
+        writer = csv.writer(out)
+        columns = ["storage", "node", "op", "bytes", "recompute_count", "seconds", "total_seconds", "ratio",
+                   "inactive_ranks", "sources"]  # fmt: skip
+        writer.writerow(columns)
+        for e in self.entries:
+            writer.writerow([e[c] if c != "sources" else " ".join(f"%{s}" for s in e[c]) for c in columns])
+        return out.getvalue()
+
+
+def resolve_budget(option_value: str | None, ctx: PassContext) -> Budget | None:
+    if option_value is not None:
+        try:
+            return parse_budget(option_value)
+        except BudgetError as error:
+            raise PassFailure(f"select: {error}") from None
+    return ctx.services.get("budget")
+
+
+def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict[int, int]) -> tuple[
+        MemorySimulation, torch.Tensor, dict[int, list[int]]]:  # fmt: skip
+    """Exact simulation of ``graph`` rewritten for ``keys`` (the rewrite applied to a copy), and
+    its curve projected onto the original ranks: a clone counts at the rank it is inserted before."""
+    rewritten = graph.copy()
+    blocks = Recompute(rewritten, liveness).plan(keys)
+    clones = insert_blocks(rewritten, blocks)
+    clone_workspace = dict(workspace)
+    for origin, copies in clones.items():
+        for clone_id in copies:
+            if origin in workspace:
+                clone_workspace[clone_id] = workspace[origin]
+    simulation = simulate(rewritten, workspace=clone_workspace)
+    projected = torch.zeros(len(liveness.rank), dtype=torch.int64)
+    pending = 0  # the highest curve value among clones waiting for the original node they precede
+    for node, value in zip(rewritten, simulation.curve, strict=True):
+        if node.origin is not None:
+            pending = max(pending, value)
+            continue
+        rank = liveness.rank[node.id]
+        projected[rank] = max(value, pending)
+        pending = 0
+    return simulation, projected, clones
+
+
+@dataclass(frozen=True)
+class SelectPass(Pass):
+    """Choose activations to recompute with μ-TWO's greedy policy until the peak fits the budget.
+
+    Candidates are activations that own storage and whose lineage can be replayed (no random op,
+    no side effect). Each has a recompute ratio = bytes / total recompute time from the profile;
+    the highest ratio among those idle at the current peak is taken, sources, times and counts
+    are updated as in the paper, and the peak is re-simulated incrementally. The final plan is
+    checked by simulating the rewritten graph exactly; that simulation is the predicted peak.
+    Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
+    mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv.
+    """
+
+    name = "select"
+    requires = ("profile",)
+    provides = ("plan",)
+    budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+
+    def run(self, graph: Graph, ctx: PassContext) -> Plan:
+        profile = ctx.artifacts["profile"]
+        liveness = liveness_of(graph, ctx)
+        workspace = profile.workspace()
+        base = simulate(graph, liveness, workspace)
+        budget = resolve_budget(self.budget, ctx)
+        if budget is None:
+            capacity = ctx.services.get("device_memory")
+            if capacity is None:
+                ctx.log("select: no budget and no device limit (CPU): nothing needs recomputing")
+                budget = Budget(bytes=max(base.peak_bytes, 1))
+            else:
+                budget = Budget(bytes=int(capacity))
+        budget_bytes = budget.resolve(base.peak_bytes)
+        recompute = Recompute(graph, liveness)
+        candidates = self._candidates(graph, liveness, recompute, profile, base.device)
+        ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {base.peak_bytes / MIB:.1f} MiB, "
+                f"budget {budget_bytes / MIB:.1f} MiB ({budget})")  # fmt: skip
+        curve = torch.tensor(base.curve, dtype=torch.int64)
+        sizes = {c.key: c.memory for c in candidates}
+
+        def peak_after(candidate: Candidate) -> tuple[int, int]:
+            curve[candidate.inactive_start + 1:candidate.first_backward_use] -= sizes[candidate.key]
+            rank = int(torch.argmax(curve))
+            return int(curve[rank]), rank
+
+        state = GreedyResult()
+        remaining = list(candidates)
+        exact: MemorySimulation = base
+        clones: dict[int, list[int]] = {}
+        for _attempt in range(8):  # the incremental estimate ignores transients: check exactly, tighten, go on
+            rank = int(torch.argmax(curve))
+            grew = greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
+            if state.chosen and (grew or not clones):
+                exact, projected, clones = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
+                curve.copy_(projected)  # go on from the exact curve: transients and extended sources included
+            if exact.peak_bytes <= budget_bytes or not grew:
+                break
+        plan = self._plan(graph, budget, budget_bytes, base, exact, state.chosen, clones, profile)
+        ctx.artifacts["plan"] = plan
+        ctx.save_json("plan.json", plan.to_json())
+        if ctx.out_dir is not None:
+            write_atomic(ctx.out_dir / "plan.csv", plan.csv())
+        ctx.log("select:\n" + plan.table())
+        if not plan.met:
+            raise PassFailure(self._unreachable(graph, plan, base, budget))
+        return plan
+
+    def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
+                    device: str) -> list[Candidate]:  # fmt: skip
+        elapsed = [0.0]
+        for node in graph:
+            elapsed.append(elapsed[-1] + profile.seconds(node.id))
+        candidates = []
+        for record in liveness.activations():
+            if record.device != device or record.bytes == 0:
+                continue
+            try:
+                block = recompute.plan_block(record.key, set(), {})
+            except NotRecomputable:
+                continue
+            start = record.last_forward_use if record.last_forward_use is not None else record.created
+            end = record.first_backward_use
+            assert end is not None
+            sources = {t.storage for s in block.sources for t in graph.node(s).tensors if t is not None}
+            candidates.append(Candidate(
+                key=record.key, memory=allocation_size(record.bytes, device), sources=sources,
+                recompute_time=sum(profile.seconds(n) for n in block.nodes), inactive_start=start,
+                first_backward_use=end, last_backward_use=record.last_backward_use or end,
+                inactive_time=elapsed[end] - elapsed[start + 1] if end > start else 0.0,
+            ))  # fmt: skip
+        return candidates
+
+    def _plan(self, graph: Graph, budget: Budget, budget_bytes: int, base: MemorySimulation,
+              exact: MemorySimulation, chosen: list[Candidate], clones: dict[int, list[int]], profile: Any) -> Plan:
+        entries = []
+        for candidate in chosen:
+            creator = graph.node(candidate.key.creator)
+            entries.append({
+                "storage": str(candidate.key), "storage_creator": candidate.key.creator,
+                "storage_output": candidate.key.output, "node": creator.id, "op": creator.op_name,
+                "bytes": candidate.memory, "recompute_count": candidate.recompute_count,
+                "seconds": candidate.recompute_time, "total_seconds": candidate.total_recompute_time,
+                "ratio": candidate.ratio, "inactive_ranks": candidate.first_backward_use - candidate.inactive_start,
+                "sources": sorted(k.creator for k in candidate.sources),
+            })  # fmt: skip
+        added = sum(profile.seconds(origin) * len(copies) for origin, copies in clones.items())
+        iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
+        return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
+                    exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum)
+
+    def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget) -> str:
+        node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
+        where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
+                f"{plan.predicted_peak_phase})"
+        if plan.predicted_peak_phase == "optimizer":
+            why = "the peak is in the optimizer step, where recomputing activations cannot help"
+        else:
+            why = "no remaining activation that is idle at that point can be recomputed"
+        return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
+                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({100 * plan.predicted_peak / base.peak_bytes:.0f}% "
+                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}; {why}")
