@@ -152,13 +152,17 @@ class SelectPass(Pass):
         remaining = list(candidates)
         exact: MemorySimulation = base
         clones: dict[int, list[int]] = {}
-        for _attempt in range(8):  # the incremental estimate ignores transients: check exactly, tighten, go on
-            rank = int(torch.argmax(curve))
-            grew = greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
-            if state.chosen and (grew or not clones):
-                exact, projected, clones = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
-                curve.copy_(projected)  # go on from the exact curve: transients and extended sources included
-            if exact.peak_bytes <= budget_bytes or not grew:
+        # Met, or unreachable: then go on to the lowest reachable peak, which the failure reports.
+        for target in (budget_bytes, 0):
+            for _attempt in range(8):  # the estimate ignores transients: check exactly, go on from the exact curve
+                rank = int(torch.argmax(curve))
+                grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state)
+                if state.chosen and (grew or not clones):
+                    exact, projected, clones = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
+                    curve.copy_(projected)
+                if exact.peak_bytes <= target or not grew:
+                    break
+            if exact.peak_bytes <= budget_bytes:
                 break
         plan = self._plan(graph, budget, budget_bytes, base, exact, state.chosen, clones, profile)
         ctx.artifacts["plan"] = plan

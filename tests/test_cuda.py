@@ -76,3 +76,29 @@ def test_cuda_simulated_peak_matches_measured() -> None:
     simulated = simulate(graph, workspace=profile.workspace())
     assert measured.peak_bytes is not None
     assert abs(simulated.peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes
+
+
+@pytest.mark.parametrize("make", [models.cnn, models.bert], ids=["cnn", "bert"])
+def test_cuda_rewrite_is_equivalent_and_fits_the_budget(make: object) -> None:
+    from mutwo_ir.budget import parse_budget
+    from mutwo_ir.pass_base import PassContext
+    from mutwo_ir.pass_manager import PassManager
+    from mutwo_ir.registry import PassRegistry
+
+    workload = _on_cuda(make(batch_size=32) if make is models.cnn else make(batch_size=16, seq_len=64))
+    optimizer = torch.optim.Adam(workload.model.parameters())
+    captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
+    graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+    original = graph.copy()
+    inputs = binding.flat_inputs(workload.batch)
+    ctx = PassContext()
+    ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup)
+    ctx.services["budget"] = parse_budget("min")
+    PassManager(PassRegistry().build_pipeline("profile,select,rewrite")).run(graph, ctx)
+    assert any(n.origin is not None for n in graph)
+    with deterministic_algorithms():
+        report = compare_graphs(original, graph, inputs)
+    assert report.bitwise and report.equivalent, report.summary()
+    measured = measure_iterations(to_fx(graph), inputs, runs=3, warmup=2)
+    predicted = ctx.artifacts["plan"].predicted_peak
+    assert measured.peak_bytes is not None and measured.peak_bytes <= 1.03 * predicted

@@ -31,6 +31,7 @@ from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure,
 from mutwo_ir.printer import print_graph
 from mutwo_ir.registry import PassRegistry, RegistryError
 from mutwo_ir.verifier import VerificationError, verify
+from passes.select import Plan
 from runtime.capture import CapturedStep, StepBinding, capture
 from runtime.equivalence import EquivalenceReport, compare_graphs, deterministic_algorithms
 from runtime.optim import UnsupportedOptimizerError
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run the original and final graphs for 3 iterations and compare every number")
     parser.add_argument("--profile-from", metavar="FILE",
                         help="reuse a profile.json written by the profile pass for this same graph")
+    parser.add_argument("--plan-from", metavar="FILE",
+                        help="reuse a plan.json written by the select pass for this same graph")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -122,7 +125,8 @@ class MutwoOpt:
 
     def build_pipeline(self, config: Config) -> PassManager:
         try:
-            available = {"profile"} if self.args.profile_from else set()
+            available = {name for name, given in (("profile", self.args.profile_from),
+                                                  ("plan", self.args.plan_from)) if given}  # fmt: skip
             passes = self.registry.build_pipeline(config.passes, available)
         except RegistryError as error:
             raise UsageError(str(error)) from None
@@ -165,22 +169,24 @@ class MutwoOpt:
         self.log(f"captured {len(graph)} nodes in {time.perf_counter() - self.started:.1f} s")
         return graph, captured, binding, inputs
 
-    def load_profile(self, graph: Graph) -> Profile | None:
-        if not self.args.profile_from:
+    def load_artifact(self, graph: Graph, option: str, filename: str, maker: str, cls: Any) -> Any:
+        """A profile.json or plan.json from an earlier run, refused unless it belongs to this graph."""
+        text = getattr(self.args, option.removeprefix("--").replace("-", "_"))
+        if not text:
             return None
-        path = Path(self.args.profile_from)
+        path = Path(text)
         try:
-            profile = Profile.from_json(json.loads(path.read_text(encoding="utf-8")))
+            artifact = cls.from_json(json.loads(path.read_text(encoding="utf-8")))
         except FileNotFoundError:
-            raise UsageError(f"--profile-from: no such file {str(path)!r}") from None
+            raise UsageError(f"{option}: no such file {str(path)!r}") from None
         except (ValueError, KeyError, TypeError) as error:
-            raise UsageError(f"--profile-from: {path} is not a profile.json written by the profile pass "
+            raise UsageError(f"{option}: {path} is not a {filename} written by the {maker} pass "
                              f"({type(error).__name__}: {error})") from None  # fmt: skip
-        if profile.fingerprint != fingerprint(graph):
-            raise UsageError(f"--profile-from: {path} was measured on a different graph (fingerprint "
-                             f"{profile.fingerprint}, this graph {fingerprint(graph)}); run the profile pass "
-                             "again for this model, batch size and device")  # fmt: skip
-        return profile
+        if artifact.fingerprint != fingerprint(graph):
+            raise UsageError(f"{option}: {path} belongs to a different graph (fingerprint {artifact.fingerprint}, "
+                             f"this graph {fingerprint(graph)}); run the {maker} pass again for this model, batch "
+                             "size and device")  # fmt: skip
+        return artifact
 
     def measure(self, original: Graph, final: Graph, inputs: list[Any], device: torch.device) -> dict[str, Any]:
         """Measured peaks and iteration times of both graphs; on CUDA only (the simulator covers CPU)."""
@@ -265,9 +271,11 @@ class MutwoOpt:
             ctx.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
         ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup,
                                                                          progress=self.log)  # fmt: skip
-        profile = self.load_profile(graph)
-        if profile is not None:
-            ctx.artifacts["profile"] = profile
+        for option, filename, maker, cls, key in (("--profile-from", "profile.json", "profile", Profile, "profile"),
+                                                  ("--plan-from", "plan.json", "select", Plan, "plan")):
+            artifact = self.load_artifact(graph, option, filename, maker, cls)
+            if artifact is not None:
+                ctx.artifacts[key] = artifact
         result: PipelineResult | None = None
         error: str | None = None
         try:
