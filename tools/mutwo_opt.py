@@ -242,7 +242,8 @@ class MutwoOpt:
             "iteration_seconds_before": measured.get("iteration_seconds_before"),
             "iteration_seconds_after": measured.get("iteration_seconds_after"),
             "reports": reports,
-            "recomputed": len({n.origin for n in final if n.origin is not None}),
+            "recomputed": len(ctx.artifacts.get("recompute-blocks", [])) if "recomputed" in ctx.artifacts else 0,
+            "cloned_nodes": sum(1 for n in final if n.origin is not None),
             "equivalent": None if report is None else report.equivalent,
             "error": error,
         }
