@@ -435,7 +435,7 @@ def test_unmet_pass_requirement(workdir: Path, capsys: pytest.CaptureFixture[str
     line = expect_usage_error(capsys, workdir / "out", "--load-passes", workdir / "test_cli_passes.py",
                               "-p", "stats,needs-plan", good_config(workdir))  # fmt: skip
     assert "pass 'needs-plan' needs plan, which no earlier pass provides" in line
-    assert "run makes-plan before it" in line  # the fix: the pass that provides it
+    assert "run makes-plan or select before it" in line  # the fix: the passes that provide it
 
 
 def test_requirement_provided_later_is_still_unmet(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -298,10 +298,10 @@ class MakesPlan(Pass):
 def test_requirements_are_checked_before_anything_runs() -> None:
     registry = PassRegistry()
     registry.register(NeedsPlan)
-    with pytest.raises(RegistryError, match="pass 'needs-plan' needs plan, which no earlier pass provides$"):
+    with pytest.raises(RegistryError, match="pass 'needs-plan' needs plan, which no earlier pass provides; run select before it$"):
         registry.build_pipeline("stats,needs-plan")
     registry.register(MakesPlan)
-    with pytest.raises(RegistryError, match="no earlier pass provides; run makes-plan before it"):
+    with pytest.raises(RegistryError, match="no earlier pass provides; run makes-plan or select before it"):
         registry.build_pipeline("needs-plan,makes-plan")
     assert [p.name for p in registry.build_pipeline("makes-plan,needs-plan")] == ["makes-plan", "needs-plan"]
     assert [p.name for p in registry.build_pipeline("needs-plan", available={"plan"})] == ["needs-plan"]
@@ -708,7 +708,7 @@ def test_cli_check_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.chdir(REPO)
     out = tmp_path / "out"
-    code = main(["--check", "-o", str(out), "examples/tiny_mlp.yaml"])
+    code = main(["--check", "-p", "stats,dce", "--batch-size", "8", "-o", str(out), "examples/tiny_mlp.yaml"])
     err = capsys.readouterr().err
     assert code == EXIT_OK, err
     assert "Traceback" not in err
@@ -756,7 +756,8 @@ def test_cli_dump_dot_and_print_ir_after(tmp_path: Path, monkeypatch: pytest.Mon
                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.chdir(REPO)
     out = tmp_path / "out"
-    code = main(["-q", "--dump-dot", "--print-ir-after", "dce", "-o", str(out), "examples/tiny_mlp.yaml"])
+    code = main(["-q", "-p", "stats,dce", "--dump-dot", "--print-ir-after", "dce", "-o", str(out),
+                 "examples/tiny_mlp.yaml"])  # fmt: skip
     captured = capsys.readouterr()
     assert code == EXIT_OK, captured.err
     assert captured.err == ""
