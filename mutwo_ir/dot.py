@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from pathlib import Path
 
 import pydot
 
 from mutwo_ir.graph import Graph
 from mutwo_ir.node import Node, NodeKind
+from mutwo_ir.pass_base import write_atomic
 
 #: Fill colour of each kind; the legend in the drawing repeats it.
 KIND_COLOURS: dict[NodeKind, str] = {
@@ -56,6 +58,4 @@ def to_dot(graph: Graph, highlight: Collection[int] = (), title: str = "") -> py
 
 def write_dot(graph: Graph, path: str, highlight: Collection[int] = (), title: str = "") -> None:
     """Write the dot source of :func:`to_dot` to ``path`` (rendering needs Graphviz, writing does not)."""
-    text = to_dot(graph, highlight, title).to_string()
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    write_atomic(Path(path), to_dot(graph, highlight, title).to_string())

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from mutwo_ir import from_fx, to_fx
+from mutwo_ir import to_fx
 from mutwo_ir.graph import Graph
 from mutwo_ir.liveness import compute_liveness
 from mutwo_ir.memory import simulate
@@ -30,12 +30,12 @@ from mutwo_ir.pass_base import PassContext, write_atomic
 from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo_ir.printer import print_graph
 from mutwo_ir.registry import PassRegistry, RegistryError
-from mutwo_ir.verifier import VerificationError, verify
+from mutwo_ir.verifier import VerificationError
 from passes.select import Plan
-from runtime.capture import CapturedStep, StepBinding, capture
+from runtime.api import CapturedGraph, capture_graph, pass_context
 from runtime.equivalence import EquivalenceReport, compare_graphs, deterministic_algorithms
 from runtime.optim import UnsupportedOptimizerError
-from runtime.profiler import Profile, fingerprint, measure_iterations, profile_graph
+from runtime.profiler import Profile, fingerprint, measure_iterations
 from runtime.tracing import CaptureError
 from tools.config import Config, ConfigError, apply_overrides, load_config
 from tools.reports import memory_timeline, write_reports
@@ -151,7 +151,7 @@ class MutwoOpt:
             raise UsageError(f"output folder {str(out)!r} is not writable ({reason}); choose another with -o DIR")
         return out
 
-    def capture(self, config: Config, device: torch.device) -> tuple[Graph, CapturedStep, StepBinding, list[Any]]:
+    def capture(self, config: Config, device: torch.device) -> CapturedGraph:
         self.log(f"building {config.model.source} model '{config.model.name}' (batch {config.batch_size}, {device})")
         try:
             workload = build_workload(config)
@@ -159,15 +159,12 @@ class MutwoOpt:
             batch = _to_device(workload.batch, device)
             optimizer = build_optimizer(config, model)
             self.log("capturing one training iteration (forward, backward, optimizer step)")
-            captured, binding = capture(model, optimizer, batch, workload.loss_fn)
+            lowered = capture_graph(model, optimizer, batch, workload.loss_fn)
         except (ConfigError, CaptureError, UnsupportedOptimizerError) as error:
             raise UsageError(str(error)) from None
-        graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
-        graph.meta.update(model=config.model.name, batch_size=config.batch_size, device=str(device))
-        verify(graph)
-        inputs = binding.flat_inputs(batch) + list(captured.constants.values())
-        self.log(f"captured {len(graph)} nodes in {time.perf_counter() - self.started:.1f} s")
-        return graph, captured, binding, inputs
+        lowered.graph.meta.update(model=config.model.name, batch_size=config.batch_size, device=str(device))
+        self.log(f"captured {len(lowered.graph)} nodes in {time.perf_counter() - self.started:.1f} s")
+        return lowered
 
     def load_artifact(self, graph: Graph, option: str, filename: str, maker: str, cls: Any) -> Any:
         """A profile.json or plan.json from an earlier run, refused unless it belongs to this graph."""
@@ -262,16 +259,12 @@ class MutwoOpt:
         device = self.resolve_device(config)
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
-        graph, _, _, inputs = self.capture(config, device)
+        lowered = self.capture(config, device)
+        graph, inputs = lowered.graph, lowered.inputs
         out.mkdir(parents=True, exist_ok=True)
         original = graph.copy()
         captured_version = graph.version
-        ctx = PassContext(out_dir=out, device=str(device), log=self.log)
-        ctx.services["budget"] = config.budget
-        if device.type == "cuda":
-            ctx.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
-        ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup,
-                                                                         progress=self.log)  # fmt: skip
+        ctx = pass_context(lowered, config.budget, out_dir=out, log=self.log)
         for option, filename, maker, cls, key in (("--profile-from", "profile.json", "profile", Profile, "profile"),
                                                   ("--plan-from", "plan.json", "select", Plan, "plan")):
             artifact = self.load_artifact(graph, option, filename, maker, cls)

@@ -1,0 +1,213 @@
+"""mutwo from your own training loop: one call turns a model, its optimizer, an example batch and
+a loss function into a training step that uses less memory and computes the same numbers.
+
+    from runtime.api import optimize
+
+    step = optimize(model, optimizer, example_batch, loss_fn, budget=0.5)
+    for batch in loader:
+        loss = step(batch)          # forward, backward and optimizer.step(), in one graph
+        scheduler.step()            # learning-rate schedulers work: the rate is read every call
+
+The step updates the real model's parameters and buffers and the real optimizer's state in
+place, so ``state_dict()``, checkpoints, schedulers and evaluation keep working. A batch of
+another shape (a smaller last batch) is captured and optimized again, and the step says so.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mutwo_ir import from_fx
+from mutwo_ir.budget import Budget, parse_budget
+from mutwo_ir.graph import Graph
+from mutwo_ir.pass_base import PassContext
+from mutwo_ir.pass_manager import PassManager, PipelineResult
+from mutwo_ir.registry import PassRegistry
+from mutwo_ir.verifier import verify
+from runtime.capture import CapturedStep, LossFn, StepBinding, capture
+from runtime.equivalence import EquivalenceReport, compare_graphs, deterministic_algorithms
+from runtime.profiler import profile_graph
+from runtime.step import GraphStep
+
+DEFAULT_PASSES = "profile,select,rewrite"
+
+
+class NotEquivalentError(RuntimeError):
+    """``check=True`` found that the optimized step computes different numbers."""
+
+
+@dataclass
+class Optimized:
+    """One captured and optimized iteration: the graphs before and after, and what the passes made."""
+
+    original: Graph
+    graph: Graph
+    captured: CapturedStep
+    binding: StepBinding
+    context: PassContext
+    result: PipelineResult
+    inputs: list[torch.Tensor]
+    report: EquivalenceReport | None = None
+
+    @property
+    def plan(self) -> Any:
+        return self.context.artifacts.get("plan")
+
+
+@dataclass
+class CapturedGraph:
+    """A captured iteration lowered to the IR and verified, with the inputs to run it on."""
+
+    graph: Graph
+    captured: CapturedStep
+    binding: StepBinding
+    inputs: list[torch.Tensor]
+
+    @property
+    def device(self) -> torch.device:
+        return next((t.device for t in self.inputs if t.device.type == "cuda"), torch.device("cpu"))
+
+
+def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                  loss_fn: LossFn) -> CapturedGraph:  # fmt: skip
+    """Capture one iteration (model, optimizer and batch already on their device) into verified IR."""
+    captured, binding = capture(model, optimizer, batch, loss_fn)
+    graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+    verify(graph)
+    return CapturedGraph(graph, captured, binding, binding.flat_inputs(batch) + list(captured.constants.values()))
+
+
+def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path | None = None,
+                 log: Callable[[str], None] = lambda message: None) -> PassContext:  # fmt: skip
+    """The context passes run in: the budget, and the runtime's profiler and device memory as services."""
+    device = lowered.device
+    context = PassContext(out_dir=out_dir, device=str(device), log=log)
+    context.services["budget"] = budget
+    context.services["profiler"] = lambda g, runs, warmup: profile_graph(g, lowered.inputs, runs=runs,
+                                                                         warmup=warmup, progress=log)  # fmt: skip
+    if device.type == "cuda":
+        context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
+    return context
+
+
+def optimize_graph(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    passes: str = DEFAULT_PASSES,
+    budget: Budget | None = None,
+    out_dir: Path | None = None,
+    check: bool = False,
+    log: Callable[[str], None] = lambda message: None,
+) -> Optimized:
+    """Capture the iteration, lower it, and run ``passes`` over it, as ``mutwo-opt`` does.
+
+    With ``check``, the optimized graph is compared with the captured one for 3 iterations from
+    cloned state (bitwise on CPU; with deterministic kernels on CUDA).
+    """
+    pipeline = PassRegistry().build_pipeline(passes)
+    lowered = capture_graph(model, optimizer, batch, loss_fn)
+    original = lowered.graph.copy()
+    context = pass_context(lowered, budget, out_dir=out_dir, log=log)
+    result = PassManager(pipeline).run(lowered.graph, context)
+    optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
+    if check:
+        with deterministic_algorithms():
+            optimized.report = compare_graphs(original, lowered.graph, lowered.inputs)
+    return optimized
+
+
+@dataclass
+class MutwoStep:
+    """A training step made by :func:`optimize`; call it with a batch, it returns the loss.
+
+    ``steps`` keeps one optimized graph per batch signature (shapes and dtypes); ``last`` is the
+    one used by the latest call. With ``keep_grads``, each parameter's ``.grad`` is set to the
+    step's gradient, as ``loss.backward()`` would (this keeps the gradients alive until the next
+    step, like eager training without ``zero_grad``).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    options: dict[str, Any]
+    keep_grads: bool = False
+    log: Callable[[str], None] = field(default=lambda message: None)
+    steps: dict[tuple[Any, ...], tuple[Optimized, GraphStep]] = field(default_factory=dict)
+    last: Optimized | None = None
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        key = _signature(batch)
+        if key not in self.steps:
+            if self.steps:
+                self.log(f"mutwo: a batch of another shape ({_describe(batch)}): capturing and optimizing "
+                         "the iteration again for it")  # fmt: skip
+            optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, **self.options)
+            if optimized.report is not None and not optimized.report.equivalent:
+                raise NotEquivalentError(optimized.report.summary())
+            self.steps[key] = (optimized, GraphStep(optimized.graph, optimized.captured, optimized.binding))
+        self.last, step = self.steps[key]
+        output = step(batch)
+        # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if self.keep_grads:
+            params = dict(self.model.named_parameters())
+            for name, grad in output.gradients.items():
+                params[name].grad = grad
+        return output.loss
+
+
+def optimize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    loss_fn: LossFn,
+    *,
+    budget: float | str | Budget | None = None,
+    passes: str = DEFAULT_PASSES,
+    check: bool = False,
+    keep_grads: bool = False,
+    out_dir: str | Path | None = None,
+    verbose: bool = False,
+) -> MutwoStep:
+    """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
+
+    ``budget``: a fraction of the unoptimized peak (0.5), bytes ("6GiB") or "min"; default: the
+    GPU's memory (on CPU nothing needs recomputing). ``passes``: the pipeline, as for mutwo-opt.
+    ``check``: compare the optimized step with the captured one before first use and raise
+    :class:`NotEquivalentError` on any difference. The model, optimizer state and batches must
+    be on the device to train on. ``example_batch`` is captured right away.
+    """
+    if budget is not None and not isinstance(budget, Budget):
+        budget = parse_budget(budget)
+    log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
+    options = {"passes": passes, "budget": budget, "check": check,
+               "out_dir": Path(out_dir) if out_dir is not None else None}  # fmt: skip
+    step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
+    optimized = optimize_graph(model, optimizer, example_batch, loss_fn, log=log, **options)
+    if optimized.report is not None and not optimized.report.equivalent:
+        raise NotEquivalentError(optimized.report.summary())
+    step.steps[_signature(example_batch)] = (optimized, GraphStep(optimized.graph, optimized.captured,
+                                                                  optimized.binding))  # fmt: skip
+    step.last = optimized
+    return step
+
+
+def _signature(batch: Any) -> tuple[Any, ...]:
+    leaves, spec = pytree.tree_flatten(batch)
+    return (str(spec),) + tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else t
+                                for t in leaves)  # fmt: skip
+
+
+def _describe(batch: Any) -> str:
+    shapes = [tuple(t.shape) for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    return ", ".join(str(s) for s in shapes)

@@ -1,0 +1,126 @@
+"""mutwo in a user's own training loop (runtime.api.optimize): 50 iterations with a learning-rate
+scheduler bitwise equal to eager torch.optim on CPU, a checkpoint continued in a fresh process,
+and batches of another shape."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.api import optimize
+from tests import models
+
+REPO = Path(__file__).resolve().parent.parent
+ITERATIONS = 50
+SETUPS = {
+    "cnn": (lambda: models.cnn(batch_size=16), "min"),
+    "bert": (lambda: models.bert(batch_size=4, seq_len=16), "min"),
+}
+
+
+def _make(name: str):
+    make, _ = SETUPS[name]
+    workload = make()
+    optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    return workload, optimizer, scheduler
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else (_equal_states(x, y) if isinstance(x, dict)
+               else x == y) for x, y in zip(a.values(), b.values(), strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_fifty_iterations_with_a_scheduler_are_bitwise_equal_to_eager(name: str) -> None:
+    (mine, my_opt, my_sched), (eager, eager_opt, eager_sched) = _make(name), _make(name)
+    step = optimize(mine.model, my_opt, mine.batch, mine.loss_fn, budget=SETUPS[name][1])
+    assert step.last is not None and step.last.plan.entries, "the budget should make select recompute something"
+    for iteration in range(ITERATIONS):
+        torch.manual_seed(1000 + iteration)
+        loss = step(mine.batch)
+        my_sched.step()
+        torch.manual_seed(1000 + iteration)
+        expected = models.eager_step(eager, eager_opt)
+        eager_sched.step()
+        assert torch.equal(loss, expected), f"loss differs at iteration {iteration}"
+    assert my_opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"] < 1e-2
+    assert _equal_states(mine.model.state_dict(), eager.model.state_dict())
+    assert _equal_states(my_opt.state_dict()["state"], eager_opt.state_dict()["state"])
+
+
+CONTINUE = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {repo!r})
+    from runtime.api import optimize
+    from tests.test_api import _make
+    workload, optimizer, scheduler = _make("cnn")
+    state = torch.load({checkpoint!r})
+    workload.model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    step = optimize(workload.model, optimizer, workload.batch, workload.loss_fn, budget="min")
+    for iteration in range({start}, {stop}):
+        torch.manual_seed(1000 + iteration)
+        step(workload.batch)
+        scheduler.step()
+    torch.save({{"model": workload.model.state_dict(), "optimizer": optimizer.state_dict()}}, {result!r})
+""")
+
+
+def test_a_checkpoint_saved_half_way_continues_identically_in_a_fresh_process(tmp_path: Path) -> None:
+    workload, optimizer, scheduler = _make("cnn")
+    step = optimize(workload.model, optimizer, workload.batch, workload.loss_fn, budget="min")
+    half = ITERATIONS // 2
+    for iteration in range(ITERATIONS):
+        if iteration == half:
+            checkpoint = tmp_path / "half.pt"
+            torch.save({"model": workload.model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict()}, checkpoint)  # fmt: skip
+        torch.manual_seed(1000 + iteration)
+        step(workload.batch)
+        scheduler.step()
+    result = tmp_path / "continued.pt"
+    script = CONTINUE.format(repo=str(REPO), checkpoint=str(checkpoint), start=half, stop=ITERATIONS,
+                             result=str(result))  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    continued = torch.load(result)
+    assert _equal_states(continued["model"], workload.model.state_dict())
+    assert _equal_states(continued["optimizer"]["state"], optimizer.state_dict()["state"])
+
+
+def test_a_smaller_last_batch_is_captured_again_and_said(capsys: pytest.CaptureFixture[str]) -> None:
+    (mine, my_opt, _), (eager, eager_opt, _) = _make("cnn"), _make("cnn")
+    step = optimize(mine.model, my_opt, mine.batch, mine.loss_fn, budget="min", verbose=True)
+    capsys.readouterr()
+    small = (mine.batch[0][:5], mine.batch[1][:5])
+    torch.manual_seed(0)
+    loss = step(small)
+    assert "a batch of another shape" in capsys.readouterr().err
+    eager.batch = (eager.batch[0][:5], eager.batch[1][:5])
+    torch.manual_seed(0)
+    assert torch.equal(loss, models.eager_step(eager, eager_opt))
+    assert len(step.steps) == 2
+
+
+def test_keep_grads_sets_parameter_gradients_like_backward() -> None:
+    (mine, my_opt, _), (eager, eager_opt, _) = _make("cnn"), _make("cnn")
+    step = optimize(mine.model, my_opt, mine.batch, mine.loss_fn, keep_grads=True)
+    torch.manual_seed(0)
+    step(mine.batch)
+    torch.manual_seed(0)
+    models.eager_step(eager, eager_opt)
+    for (name, p), q in zip(mine.model.named_parameters(), eager.model.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_check_runs_the_equivalence_check_before_first_use() -> None:
+    workload, optimizer, _ = _make("cnn")
+    step = optimize(workload.model, optimizer, workload.batch, workload.loss_fn, budget="min", check=True)
+    assert step.last is not None and step.last.report is not None and step.last.report.equivalent
