@@ -28,7 +28,7 @@ def _commands() -> list[tuple[str, str]]:
 
 def test_pass_reference_is_generated_from_the_registry() -> None:
     expected = render()
-    assert (DOCS / "passes.md").read_text(encoding="utf-8") == expected, "run: python -m tools.pass_docs > docs/passes.md"
+    assert (DOCS / "passes.md").read_text(encoding="utf-8") == expected, "regenerate: python -m tools.pass_docs"
 
 
 def test_docs_have_commands_to_run() -> None:

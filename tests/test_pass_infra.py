@@ -298,7 +298,8 @@ class MakesPlan(Pass):
 def test_requirements_are_checked_before_anything_runs() -> None:
     registry = PassRegistry()
     registry.register(NeedsPlan)
-    with pytest.raises(RegistryError, match="pass 'needs-plan' needs plan, which no earlier pass provides; run select before it$"):
+    message = "pass 'needs-plan' needs plan, which no earlier pass provides; run select before it$"
+    with pytest.raises(RegistryError, match=message):
         registry.build_pipeline("stats,needs-plan")
     registry.register(MakesPlan)
     with pytest.raises(RegistryError, match="no earlier pass provides; run makes-plan or select before it"):
