@@ -13,6 +13,7 @@ its docstring is its help, and class attributes say what it needs and gives:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -88,7 +89,9 @@ class Pass:
         for key, text in raw.items():
             if key not in known:
                 valid = ", ".join(sorted(known)) or "none"
-                raise PassOptionError(f"pass '{cls.name}' has no option '{key}' (its options: {valid})")
+                close = difflib.get_close_matches(key, list(known), n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise PassOptionError(f"pass '{cls.name}' has no option '{key}'; {hint}its options: {valid}")
             values[key] = _convert(cls.name, key, text, hints[key])
         try:
             instance = cls(**values)
@@ -98,9 +101,14 @@ class Pass:
 
     def describe(self) -> str:
         """``name{opt=value,...}`` with the options that differ from their defaults."""
-        changed = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+        changed = [f"{f.name}={_quote(getattr(self, f.name))}" for f in dataclasses.fields(self)
                    if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default]  # fmt: skip
         return self.name + ("{" + ",".join(changed) + "}" if changed else "")
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    return f'"{text}"' if any(c in text for c in ",{}=") else text
 
 
 def option(default: Any, help: str) -> Any:

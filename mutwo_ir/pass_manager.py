@@ -29,8 +29,8 @@ class PipelineFailure(RuntimeError):
         node = getattr(cause, "node", None)
         where = f" at {format_node(node)}" if node is not None and node.graph is not None else ""
         first_line = (str(cause).splitlines() or [type(cause).__name__])[0]
-        done = ",".join(pipeline_so_far) or "(none)"
-        super().__init__(f"pass '{pass_name}' failed after [{done}]: {first_line}{where}")
+        after = f"after [{','.join(pipeline_so_far)}]" if pipeline_so_far else "as the first pass"
+        super().__init__(f"pass '{pass_name}' failed {after}: {first_line}{where}")
 
 
 @dataclass
@@ -98,7 +98,8 @@ class PassManager:
             seconds = time.perf_counter() - start
             changed = graph.version != version
             if changed and not pass_.is_transform:
-                raise PipelineFailure(pass_.name, done, PassFailure("an analysis pass changed the graph"))
+                raise PipelineFailure(pass_.name, done, PassFailure(
+                    "an analysis pass changed the graph; declare is_transform = True on a pass that changes it"))
             ctx.analyses.after_transform(graph, version, pass_.preserves)
             if inst.verify:
                 try:

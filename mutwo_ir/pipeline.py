@@ -1,8 +1,9 @@
 """Pipeline strings: ``profile,select{budget=0.5},rewrite``.
 
 Items are separated by commas outside braces; an item is a pass name optionally followed by
-``{key=value,...}``. Values may be quoted with single or double quotes to contain commas or
-braces.
+``{key=value,...}``. A value may be a comma list (``{ops=relu,gelu,top=3}``: a comma starts a new
+option only when ``key=`` follows it); quote it with single or double quotes to hold braces or
+an ``=``.
 """
 
 from __future__ import annotations
@@ -89,7 +90,15 @@ def _parse_value(text: str, position: int, name: str) -> tuple[str, int]:
         while after < length and text[after].isspace():
             after += 1
         return text[position + 1:end], after
+    # An unquoted value runs to the next '}' or to the next ',' that starts another key=value,
+    # so a comma list like {ops=relu,gelu} needs no quotes.
     start = position
-    while position < length and text[position] not in ",}":
+    while position < length and text[position] != "}":
+        if text[position] == ",":
+            following = text[position + 1:]
+            next_item = following[:min((i for i in (following.find(","), following.find("}")) if i >= 0),
+                                       default=len(following))]  # fmt: skip
+            if "=" in next_item or not next_item.strip():
+                break
         position += 1
     return text[start:position].strip(), position

@@ -58,8 +58,11 @@ class PassRegistry:
     # -- registration ----------------------------------------------------------------------
     def register(self, cls: type[Pass]) -> type[Pass]:
         """Register a Pass subclass under its ``name``; usable as a decorator."""
-        if not (inspect.isclass(cls) and issubclass(cls, Pass)) or not KEBAB.match(cls.name or ""):
-            raise RegistryError(f"{cls!r} is not a Pass subclass with a kebab-case name")
+        if not (inspect.isclass(cls) and issubclass(cls, Pass)):
+            raise RegistryError(f"{cls!r} is not a subclass of mutwo_ir.pass_base.Pass")
+        if not KEBAB.match(cls.name or ""):
+            raise RegistryError(f"pass class {cls.__name__} has name {cls.name!r}; a pass name is kebab-case, "
+                                "like 'my-pass'")  # fmt: skip
         existing = self._classes.get(cls.name)
         if (existing is not None and existing is not cls) or (existing is None and cls.name in self._loaders):
             where = existing.__module__ if existing is not None else "a built-in or installed pass"
@@ -116,7 +119,7 @@ class PassRegistry:
     def _unknown(self, name: str) -> str:
         valid = self.names() + sorted(self.aliases)
         close = difflib.get_close_matches(name, valid, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
+        hint = f"did you mean '{close[0]}'? " if close else "passes of your own need --load-passes FILE; "
         return f"unknown pass '{name}'; {hint}valid passes: {', '.join(sorted(valid))}"
 
     # -- pipelines -------------------------------------------------------------------------

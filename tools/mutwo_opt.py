@@ -91,6 +91,7 @@ class MutwoOpt:
         self.args = args
         self.registry = PassRegistry()
         self.started = time.perf_counter()
+        self.wall_started = time.time() - 1  # file times have coarse resolution on some filesystems
 
     def log(self, message: str) -> None:
         if not self.args.quiet:
@@ -211,9 +212,14 @@ class MutwoOpt:
         before = simulate(original, workspace=workspace)
         after = simulate(final, workspace=workspace)
         title = f"{config.model.name}, batch {config.batch_size}, {device}"
-        reports = write_reports(out, final, after, compute_liveness(final), profile, title)
+        final_liveness = compute_liveness(final)
+        reports = write_reports(out, final, after, final_liveness, profile, title)
         if final is not original:
             memory_timeline(out / "memory_timeline_input.png", original, before, profile, f"{title} (input)")
+            reports.append("memory_timeline_input.png")
+        # Recomputed: activations of the input whose backward readers now read a clone instead.
+        recomputed = {r.key for r in compute_liveness(original).activations()} - {
+            r.key for r in final_liveness.activations()}  # fmt: skip
         write_atomic(out / "final.ir.txt", print_graph(final))
         write_atomic(out / "final_graph.py", to_fx(final).code)
         summary = {
@@ -239,11 +245,15 @@ class MutwoOpt:
             "iteration_seconds_before": measured.get("iteration_seconds_before"),
             "iteration_seconds_after": measured.get("iteration_seconds_after"),
             "reports": reports,
-            "recomputed": len(ctx.artifacts.get("recompute-blocks", [])) if "recomputed" in ctx.artifacts else 0,
+            "recomputed": len(recomputed),
             "cloned_nodes": sum(1 for n in final if n.origin is not None),
             "equivalent": None if report is None else report.equivalent,
             "error": error,
         }
+        # The folder is not emptied between runs: list what this run wrote.
+        summary["files"] = sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
+                                  and p.stat().st_mtime >= self.wall_started) + ["summary.json"]  # fmt: skip
+        summary["files"] = sorted(set(summary["files"]))
         write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     # -- the whole run ---------------------------------------------------------------------
