@@ -154,39 +154,35 @@ class Recompute:
         sources: dict[int, None] = {}
         from_clones: dict[int, int] = {}
 
-        def walk(node: Node, reader_rank: int | None) -> None:
+        def clone(node: Node) -> None:
+            """Recompute ``node``: replay it from its operands, each kept, reused or recomputed."""
+            if not replayable(node):
+                raise NotRecomputable(f"{node!r} ({node.op_name}) is needed but can neither be kept nor replayed")
+            node_rank = self.rank[node.id]
+            for operand in node.operands:
+                self._check_unchanged(operand, node_rank)
+                walk(operand)
+            to_clone[node.id] = None
+
+        def walk(node: Node) -> None:
             if node.id in to_clone or node.id in sources:
                 return
             window = live_clones.get(node.id)
             if window is not None and window[0] <= at <= window[1]:
                 sources[node.id] = None
                 from_clones[node.id] = window[2].creator
-                return
-            if self._is_source(node, chosen, reader_rank, at):
+            elif self._is_source(node, chosen, at):
                 sources[node.id] = None
-                return
-            if not replayable(node):
-                raise NotRecomputable(f"{node!r} ({node.op_name}) is needed but can neither be kept nor replayed")
-            node_rank = self.rank[node.id]
-            for operand in node.operands:
-                self._check_unchanged(operand, node_rank)
-                walk(operand, node_rank)
-            to_clone[node.id] = None
+            else:
+                clone(node)
 
         for target in targets:
-            walk_target = target
-            if not replayable(walk_target):
-                raise NotRecomputable(f"{target!r} ({target.op_name}) cannot be replayed")
-            node_rank = self.rank[target.id]
-            for operand in target.operands:
-                self._check_unchanged(operand, node_rank)
-                walk(operand, node_rank)
-            to_clone[target.id] = None
+            clone(target)
         ordered = sorted(to_clone, key=self.rank.__getitem__)
         return Block(storage, point.id, ordered, [t.id for t in targets], sorted(sources, key=self.rank.__getitem__),
                      from_clones)  # fmt: skip
 
-    def _is_source(self, node: Node, chosen: set[StorageKey], reader_rank: int | None, at: int) -> bool:
+    def _is_source(self, node: Node, chosen: set[StorageKey], at: int) -> bool:
         if node.op == "placeholder":
             return True
         storages = [t.storage for t in node.tensors if t is not None]

@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from tools import workloads
 
-@dataclass
-class Workload:
-    """A model with its batch, loss and optimizer factory, rebuilt identically on each call."""
-
-    model: nn.Module
-    batch: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-
-
-class Classifier(nn.Module):
-    """Wraps a network so that it takes ``(inputs, labels)`` batches."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.net(inputs)
-
-
-def cross_entropy(output: torch.Tensor, batch: Any) -> torch.Tensor:
-    return F.cross_entropy(output, batch[1])
+# The tests build the same kind of workloads as the CLI: one set of wrappers for both.
+Workload = workloads.Workload
+Classifier = workloads.ImageClassifier
+cross_entropy = workloads.classification_loss
 
 
 def mlp(seed: int = 0, batch_size: int = 4) -> Workload:

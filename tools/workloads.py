@@ -28,17 +28,18 @@ class Workload:
 
 
 class ImageClassifier(nn.Module):
-    """Lets a torchvision classifier take ``(images, labels)`` batches."""
+    """Lets a classifier take ``(inputs, labels)`` batches (the labels are for the loss)."""
 
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
         self.net = net
 
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.net(images)
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
 
 
-def _classification_loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
+def classification_loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
+    """Cross-entropy of the logits against ``batch[1]``."""
     return F.cross_entropy(output, batch[1])
 
 
@@ -74,7 +75,7 @@ def _torchvision(config: Config) -> Workload:
     size, channels = config.input.get("image_size", 224), config.input.get("channels", 3)
     images = torch.randn(config.batch_size, channels, size, size)
     labels = torch.randint(0, num_classes, (config.batch_size,))
-    return Workload(ImageClassifier(net), (images, labels), _classification_loss)
+    return Workload(ImageClassifier(net), (images, labels), classification_loss)
 
 
 def _transformers(config: Config) -> Workload:
