@@ -150,21 +150,25 @@ class SelectPass(Pass):
 
         state = GreedyResult()
         remaining = list(candidates)
-        exact: MemorySimulation = base
-        clones: dict[int, list[int]] = {}
+        # The best exactly simulated plan so far: a later choice can raise the exact peak (its
+        # block's clones are live at once), and then the plan falls back to this one.
+        best: tuple[MemorySimulation, list[Candidate], dict[int, list[int]]] = (base, [], {})
         # Met, or unreachable: then go on to the lowest reachable peak, which the failure reports.
         for target in (budget_bytes, 0):
             for _attempt in range(8):  # the estimate ignores transients: check exactly, go on from the exact curve
                 rank = int(torch.argmax(curve))
                 grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state)
-                if state.chosen and (grew or not clones):
+                if grew:
                     exact, projected, clones = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
                     curve.copy_(projected)
-                if exact.peak_bytes <= target or not grew:
+                    if exact.peak_bytes < best[0].peak_bytes:
+                        best = (exact, list(state.chosen), clones)
+                if best[0].peak_bytes <= target or not grew:
                     break
-            if exact.peak_bytes <= budget_bytes:
+            if best[0].peak_bytes <= budget_bytes:
                 break
-        plan = self._plan(graph, budget, budget_bytes, base, exact, state.chosen, clones, profile)
+        exact, chosen, clones = best
+        plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, clones, profile)
         ctx.artifacts["plan"] = plan
         ctx.save_json("plan.json", plan.to_json())
         if ctx.out_dir is not None:

@@ -286,9 +286,14 @@ class MutwoOpt:
             result = manager.run(graph, ctx)
         except PipelineFailure as failure:
             error = str(failure)
-        report = self.check(original, graph, inputs) if self.args.check and error is None else None
         final = graph if graph.version != captured_version else original
-        measured = self.measure(original, final, inputs, device) if error is None else {}
+        try:
+            report = self.check(original, graph, inputs) if self.args.check and error is None else None
+            measured = self.measure(original, final, inputs, device) if error is None else {}
+        except RuntimeError as crash:  # a graph that cannot run: say so in one line, never a traceback
+            first = (str(crash).strip().splitlines() or [type(crash).__name__])[0]
+            raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "
+                          "predicted other strides than the kernels produce: please report it)") from None
         self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured)
         if error is not None:
             raise Failure(error)
