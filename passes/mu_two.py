@@ -106,8 +106,10 @@ def greedy(
     peak_after: Callable[[Candidate], tuple[int, int]],
     current_peak: tuple[int, int],
     state: GreedyResult,
+    max_steps: int | None = None,
 ) -> bool:
-    """Choose recomputations until the peak is at most ``budget`` or nothing lowers it.
+    """Choose recomputations until the peak is at most ``budget``, nothing lowers it, or
+    ``max_steps`` were taken.
 
     ``remaining`` loses the chosen candidates and ``state`` gains them, so a caller can go on
     with a lower budget. ``peak_after(candidate)`` records that the candidate is dropped and
@@ -116,7 +118,8 @@ def greedy(
     peak, peak_rank = current_peak
     state.peak = peak
     grew = False
-    while peak > budget:
+    steps = 0
+    while peak > budget and (max_steps is None or steps < max_steps):
         useful = [c for c in remaining if c.idle_at(peak_rank)]
         if not useful:
             break
@@ -128,5 +131,6 @@ def greedy(
         peak, peak_rank = peak_after(best)
         state.peak = peak
         state.steps += 1
+        steps += 1
         grew = True
     return grew

@@ -154,10 +154,15 @@ class SelectPass(Pass):
         # block's clones are live at once), and then the plan falls back to this one.
         best: tuple[MemorySimulation, list[Candidate], dict[int, list[int]]] = (base, [], {})
         # Met, or unreachable: then go on to the lowest reachable peak, which the failure reports.
+        # Towards a budget, the estimate leads and exact checks correct it; towards the lowest
+        # peak (target 0), an exact check every few choices finds where more recomputation
+        # stops paying off.
+        chunk = max(4, len(candidates) // 8)
         for target in (budget_bytes, 0):
-            for _attempt in range(8):  # the estimate ignores transients: check exactly, go on from the exact curve
+            for _attempt in range(8 if target else 64):  # the estimate ignores transients: check exactly
                 rank = int(torch.argmax(curve))
-                grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state)
+                grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state,
+                              None if target else chunk)  # fmt: skip
                 if grew:
                     exact, projected, clones = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
                     curve.copy_(projected)

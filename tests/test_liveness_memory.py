@@ -633,7 +633,7 @@ def test_profile_json_round_trip_and_fingerprint(mlp_profile: profiler_module.Pr
     data = json.loads(json.dumps(mlp_profile.to_json()))
     again = profiler_module.Profile.from_json(data)
     assert again == mlp_profile
-    assert again.iteration is not None and again.iteration.runs == 2
+    assert again.iteration is None  # on CPU the node times make the iteration; only CUDA measures whole ones
     assert again.to_json() == mlp_profile.to_json()
     # the fingerprint is stable for an equal graph and changes when a node is added
     original = profiler_module.fingerprint(graph)

@@ -14,6 +14,9 @@ update running statistics, every clone is in the backward phase after the last f
 before the first backward reader of the value it recomputes, and the forward originals of the
 recomputed storages lose all their backward readers.
 
+A last test checks that 'min' reaches at least as low as a fraction budget
+that succeeds, on an EfficientNet-B0 with a fixed profile.
+
 CLI runs are cached per (model, budget) for the module, so each configuration is captured, profiled
 and checked once even though several tests look at its outputs.
 """
@@ -28,19 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mutwo_ir import from_fx
 from mutwo_ir.budget import parse_budget
 from mutwo_ir.dot import HIGHLIGHT_COLOUR
 from mutwo_ir.graph import Graph
 from mutwo_ir.node import Phase
-from mutwo_ir.pass_base import PassContext
-from mutwo_ir.pass_manager import Instrumentation, PassManager
+from mutwo_ir.pass_base import PassContext, PassFailure
+from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo_ir.registry import PassRegistry
 from mutwo_ir.verifier import verify
 from runtime.capture import capture
-from runtime.profiler import profile_graph
+from runtime.profiler import NodeProfile, Profile, fingerprint, profile_graph
 from tools.config import load_config
 from tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
 from tools.workloads import build_optimizer, build_workload
@@ -150,7 +152,9 @@ class Run:
 
     @property
     def summary(self) -> dict[str, Any]:
-        return json.loads((self.out / "summary.json").read_text(encoding="utf-8"))
+        path = self.out / "summary.json"
+        assert path.is_file(), f"no summary.json: {self.describe()}"
+        return json.loads(path.read_text(encoding="utf-8"))
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -208,7 +212,10 @@ def _assert_success(run: Run) -> None:
     assert plan["unoptimized_peak"] == before
     final_ir = (run.out / "final.ir.txt").read_text(encoding="utf-8")
     assert "clone-of(%" in final_ir
-    assert final_ir.count("clone-of(%") == sum(len(v) for v in json.loads((run.out / "clones.json").read_text()).values())
+    clones = json.loads((run.out / "clones.json").read_text(encoding="utf-8"))
+    assert final_ir.count("clone-of(%") == sum(len(v) for v in clones.values()) == summary["cloned_nodes"]
+    # Every storage the plan chose is recomputed: it is no longer an activation read by the backward.
+    assert summary["recomputed"] == len(plan["entries"]), (summary["recomputed"], len(plan["entries"]))
 
 
 def _assert_unreachable(run: Run) -> re.Match[str]:
@@ -232,7 +239,7 @@ def _assert_unreachable(run: Run) -> re.Match[str]:
     assert plan["predicted_peak"] <= before
     # Nothing was rewritten: the outputs describe the captured graph.
     assert summary["error"] is not None and "is unreachable" in summary["error"]
-    assert summary["equivalent"] is None and summary["recomputed"] == 0
+    assert summary["equivalent"] is None and summary["recomputed"] == 0 and summary["cloned_nodes"] == 0
     assert summary["peak_bytes_after"] == before
     return match
 
@@ -257,7 +264,7 @@ def test_budget(model: str, budget: str, cli: Any, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_tighter_budget_recomputes_no_less(model: str, cli: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tighter_budgets_never_give_higher_peaks(model: str, cli: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Among successful runs, a tighter budget never gives a higher peak than a looser one."""
     peaks = {}
     for budget in BUDGETS:
@@ -267,7 +274,7 @@ def test_tighter_budget_recomputes_no_less(model: str, cli: Any, capsys: pytest.
     assert "0.9" in peaks and "min" in peaks
     ordered = [peaks[b] for b in BUDGETS if b in peaks]
     before = cli(model, "0.9", capsys).summary["peak_bytes_before"]
-    for looser, tighter in zip(ordered, ordered[1:]):
+    for looser, tighter in zip(ordered, ordered[1:], strict=False):
         assert tighter <= looser + 0.02 * before, (model, peaks)
 
 
@@ -313,21 +320,40 @@ def test_dot_dump_highlights_clones(model: str, cli: Any, capsys: pytest.Capture
 
 
 # == the clones in the IR =======================================================================
-def _run_in_process(config_path: Path, budget: str) -> tuple[Graph, Graph, PassContext]:
-    """Capture the config's workload as mutwo-opt does and run the pipeline under the pass manager."""
+def _capture(config_path: Path) -> tuple[Graph, list[Any]]:
+    """The config's workload captured as mutwo-opt captures it, and its inputs in slot order."""
     config = load_config(config_path)
     workload = build_workload(config)
     optimizer = build_optimizer(config, workload.model)
     captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
-    inputs = binding.flat_inputs(workload.batch) + list(captured.constants.values())
-    original = graph.copy()
+    verify(graph)
+    return graph, binding.flat_inputs(workload.batch) + list(captured.constants.values())
+
+
+def _fixed_profile(graph: Graph) -> Profile:
+    """The same time for every node: select's choices then do not depend on the machine."""
+    return Profile("cpu", fingerprint(graph), {n.id: NodeProfile(1e-6) for n in graph if n.op == "call_function"}, 1)
+
+
+def _pipeline(original: Graph, inputs: list[Any], budget: str, *, fixed_profile: bool = False) -> tuple[
+        Graph, PassContext]:  # fmt: skip
+    """Run the pipeline on a copy of ``original`` under the pass manager (raises PipelineFailure)."""
+    graph = original.copy()
     ctx = PassContext()
-    ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup,
-                                                                     iteration_runs=0)  # fmt: skip
+    if fixed_profile:
+        ctx.services["profiler"] = lambda g, runs, warmup: _fixed_profile(g)
+    else:
+        ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup,
+                                                                         iteration_runs=0)  # fmt: skip
     ctx.services["budget"] = parse_budget(budget)
-    passes = PassRegistry().build_pipeline(PIPELINE)
-    PassManager(passes, Instrumentation(verify=True)).run(graph, ctx)
+    PassManager(PassRegistry().build_pipeline(PIPELINE), Instrumentation(verify=True)).run(graph, ctx)
+    return graph, ctx
+
+
+def _run_in_process(config_path: Path, budget: str) -> tuple[Graph, Graph, PassContext]:
+    original, inputs = _capture(config_path)
+    graph, ctx = _pipeline(original, inputs, budget)
     return original, graph, ctx
 
 
@@ -419,3 +445,27 @@ def test_unreachable_budget_message(model: str, workdir: Path, capsys: pytest.Ca
     assert float(match.group(3)) > float(match.group(2))
     assert "pass 'select' failed" in captured.err
     assert not (out / "clones.json").exists()  # nothing after select ran
+
+
+# == 'min' is the lowest peak select finds ======================================================
+EFFICIENTNET = """\
+    model: {source: torchvision, name: efficientnet_b0, config: {num_classes: 10}}
+    batch_size: 16
+    input: {image_size: 64, num_classes: 10}
+    optimizer: {name: adam, lr: 0.001}
+    """
+
+
+def test_min_is_at_most_any_reachable_budget(workdir: Path) -> None:
+    config = workdir / "efficientnet.yaml"
+    config.write_text(textwrap.dedent(EFFICIENTNET), encoding="utf-8")
+    original, inputs = _capture(config)
+    fraction, fraction_ctx = _pipeline(original, inputs, "0.6", fixed_profile=True)
+    reached = fraction_ctx.artifacts["plan"].predicted_peak
+    assert reached <= 0.6 * fraction_ctx.artifacts["plan"].unoptimized_peak
+    _minimum, min_ctx = _pipeline(original, inputs, "min", fixed_profile=True)
+    with pytest.raises(PipelineFailure) as failure:
+        _pipeline(original, inputs, "0.55", fixed_profile=True)
+    assert isinstance(failure.value.cause, PassFailure) and "is unreachable" in str(failure.value)
+    lowest = min_ctx.artifacts["plan"].predicted_peak
+    assert lowest <= reached, f"'min' reaches {lowest} B but budget 0.6 reached {reached} B"
