@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +101,3 @@ def _classify(graph: Graph, gradient_labels: Sequence[str]) -> None:
             grad.label = label
     classify(graph)
 
-
-def is_getitem(node: Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem

@@ -10,6 +10,7 @@ the output returns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mutwo_ir.graph import Graph
@@ -38,14 +39,13 @@ class StorageLiveness:
     first_backward_use: int | None = None
     last_backward_use: int | None = None
     returned: bool = False
+    phase_of_creation: Phase = Phase.FORWARD
 
     @property
     def is_activation(self) -> bool:
         """Allocated by a forward computation and read again by the backward."""
         return (not self.persistent and self.first_backward_use is not None
                 and self.phase_of_creation is Phase.FORWARD)  # fmt: skip
-
-    phase_of_creation: Phase = Phase.FORWARD
 
     @property
     def inactive_interval(self) -> tuple[int, int] | None:
@@ -72,6 +72,21 @@ class Liveness:
 
     def activations(self) -> list[StorageLiveness]:
         return [s for s in self.storages.values() if s.is_activation]
+
+
+def elapsed_seconds(graph: Graph, seconds: Callable[[int], float]) -> list[float]:
+    """``elapsed[i]``: the summed time of the first ``i`` nodes, given each node id's time."""
+    elapsed = [0.0]
+    for node in graph:
+        elapsed.append(elapsed[-1] + seconds(node.id))
+    return elapsed
+
+
+def idle_seconds(record: StorageLiveness, elapsed: list[float]) -> float:
+    """Time an activation sits idle: the nodes strictly between its last forward use and its
+    first backward use (0 for anything that is not an activation)."""
+    start, end = record.inactive_interval or (record.created, record.created)
+    return elapsed[end] - elapsed[start + 1] if end > start else 0.0
 
 
 def compute_ranks(graph: Graph) -> dict[int, int]:

@@ -21,9 +21,9 @@ later block needs it is known when that block is planned.
 
 from __future__ import annotations
 
-import operator
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -263,10 +263,10 @@ def _follow_storage(holder: Node, clone: Node, readers: list[Node]) -> None:
             continue
         seen.add(node.id)
         node.tensors = tuple(
-            None if t is None else TensorMeta(t.shape, t.dtype, t.device, *mapping.get(t.storage, (t.storage,
-                                                                                                 t.storage_bytes)))
+            t if t is None or t.storage not in mapping
+            else replace(t, storage=mapping[t.storage][0], storage_bytes=mapping[t.storage][1])
             for t in node.tensors
-        )  # fmt: skip
+        )
         pending.extend(node.users)
 
 
@@ -282,20 +282,13 @@ def _clone(graph: Graph, original: Node, remap: dict[Node, Node], point: Node) -
         clone.target = replacement
         # The out-of-place form allocates its own storage instead of writing its operand.
         clone.tensors = tuple(
-            None if t is None else TensorMeta(t.shape, t.dtype, t.device, StorageKey(clone.id, i),
-                                              graph_storage_bytes(t))
+            None if t is None else replace(t, storage=StorageKey(clone.id, i), storage_bytes=fresh_storage_bytes(t))
             for i, t in enumerate(clone.tensors)
-        )  # fmt: skip
+        )
     return clone
 
 
-def graph_storage_bytes(meta: TensorMeta) -> int:
+def fresh_storage_bytes(meta: TensorMeta) -> int:
     """Bytes a fresh contiguous tensor of ``meta``'s shape and dtype takes."""
-    count = 1
-    for size in meta.shape:
-        count *= size
-    return count * torch.empty((), dtype=meta.dtype).element_size()
+    return math.prod(meta.shape) * meta.dtype.itemsize
 
-
-def is_getitem(node: Node) -> bool:
-    return node.target is operator.getitem

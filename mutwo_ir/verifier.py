@@ -6,6 +6,7 @@ node between its neighbours in the text form.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from mutwo_ir.classify import state_kind_of_update
@@ -135,7 +136,7 @@ def check_storages(graph: Graph) -> None:
                 continue
             key = meta.storage
             if key.creator == node.id:
-                if node.op == "call_function" and _is_getitem(node):
+                if node.op == "call_function" and node.target is operator.getitem:
                     _fail(graph, "alias-storage", node, "a getitem cannot allocate storage")
                 if meta.storage_bytes < 0:
                     _fail(graph, "alias-storage", node, f"output {index} has a negative size")
@@ -154,12 +155,6 @@ def check_origins(graph: Graph) -> None:
     for node in graph:
         if node.origin is not None and node.op != "call_function":
             _fail(graph, "recompute-origin", node, "only computed nodes can be recompute clones")
-
-
-def _is_getitem(node: Node) -> bool:
-    import operator
-
-    return node.target is operator.getitem
 
 
 CHECKS: tuple[Callable[[Graph], None], ...] = (

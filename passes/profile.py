@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness
+from mutwo_ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo_ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from passes.liveness import liveness_of
 
@@ -28,21 +28,16 @@ def node_table(graph: Graph, profile: Any) -> str:
 
 def activation_table(graph: Graph, profile: Any, liveness: Liveness) -> str:
     """Activations with their size, lifetime, inactive time and the time to recompute their producer."""
-    nodes = graph.nodes
-    elapsed = [0.0]
-    for node in nodes:
-        elapsed.append(elapsed[-1] + profile.seconds(node.id))
+    elapsed = elapsed_seconds(graph, profile.seconds)
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(["storage", "producer", "op", "bytes", "created", "last_forward_use", "first_backward_use",
                      "lifetime_nodes", "inactive_seconds", "recompute_seconds_estimate"])  # fmt: skip
     for record in sorted(liveness.activations(), key=lambda r: -r.bytes):
         producer = graph.node(record.key.creator)
-        start, end = record.inactive_interval or (record.created, record.created)
-        inactive = elapsed[end] - elapsed[start + 1] if end > start else 0.0
         writer.writerow([str(record.key), producer.name, producer.op_name, record.bytes, record.created,
                          record.last_forward_use, record.first_backward_use, record.last_use - record.created,
-                         f"{inactive:.6g}", f"{profile.seconds(producer.id):.6g}"])  # fmt: skip
+                         f"{idle_seconds(record, elapsed):.6g}", f"{profile.seconds(producer.id):.6g}"])  # fmt: skip
     return out.getvalue()
 
 

@@ -11,7 +11,7 @@ import torch
 
 from mutwo_ir.budget import Budget, BudgetError, parse_budget
 from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness
+from mutwo_ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo_ir.memory import MemorySimulation, allocation_size, simulate
 from mutwo_ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo_ir.printer import fingerprint
@@ -185,9 +185,7 @@ class SelectPass(Pass):
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
                     device: str) -> list[Candidate]:  # fmt: skip
-        elapsed = [0.0]
-        for node in graph:
-            elapsed.append(elapsed[-1] + profile.seconds(node.id))
+        elapsed = elapsed_seconds(graph, profile.seconds)
         candidates = []
         for record in liveness.activations():
             if record.device != device or record.bytes == 0:
@@ -204,7 +202,7 @@ class SelectPass(Pass):
                 key=record.key, memory=allocation_size(record.bytes, device), sources=sources,
                 recompute_time=sum(profile.seconds(n) for n in block.nodes), inactive_start=start,
                 first_backward_use=end, last_backward_use=record.last_backward_use or end,
-                inactive_time=elapsed[end] - elapsed[start + 1] if end > start else 0.0,
+                inactive_time=idle_seconds(record, elapsed),
             ))  # fmt: skip
         return candidates
 

@@ -32,8 +32,8 @@ from mutwo_ir.pass_manager import PassManager, PipelineResult
 from mutwo_ir.registry import PassRegistry
 from mutwo_ir.verifier import verify
 from runtime.capture import CapturedStep, LossFn, StepBinding, capture
-from runtime.equivalence import EquivalenceReport, compare_graphs, deterministic_algorithms
-from runtime.profiler import profile_graph
+from runtime.equivalence import EquivalenceReport, check_graphs
+from runtime.profiler import device_of, profile_graph
 from runtime.step import GraphStep
 
 DEFAULT_PASSES = "profile,select,rewrite"
@@ -72,7 +72,7 @@ class CapturedGraph:
 
     @property
     def device(self) -> torch.device:
-        return next((t.device for t in self.inputs if t.device.type == "cuda"), torch.device("cpu"))
+        return device_of(self.inputs)
 
 
 def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
@@ -121,8 +121,7 @@ def optimize_graph(
     result = PassManager(pipeline).run(lowered.graph, context)
     optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
     if check:
-        with deterministic_algorithms():
-            optimized.report = compare_graphs(original, lowered.graph, lowered.inputs)
+        optimized.report = check_graphs(original, lowered.graph, lowered.inputs)
     return optimized
 
 
@@ -145,7 +144,8 @@ class MutwoStep:
     steps: dict[tuple[Any, ...], tuple[Optimized, GraphStep]] = field(default_factory=dict)
     last: Optimized | None = None
 
-    def __call__(self, batch: Any) -> torch.Tensor:
+    def prepare(self, batch: Any) -> GraphStep:
+        """The optimized step for ``batch``'s signature, captured and optimized on first sight."""
         key = _signature(batch)
         if key not in self.steps:
             if self.steps:
@@ -156,7 +156,10 @@ class MutwoStep:
                 raise NotEquivalentError(optimized.report.summary())
             self.steps[key] = (optimized, GraphStep(optimized.graph, optimized.captured, optimized.binding))
         self.last, step = self.steps[key]
-        output = step(batch)
+        return step
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        output = self.prepare(batch)(batch)
         # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.keep_grads:
@@ -193,12 +196,7 @@ def optimize(
     options = {"passes": passes, "budget": budget, "check": check,
                "out_dir": Path(out_dir) if out_dir is not None else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
-    optimized = optimize_graph(model, optimizer, example_batch, loss_fn, log=log, **options)
-    if optimized.report is not None and not optimized.report.equivalent:
-        raise NotEquivalentError(optimized.report.summary())
-    step.steps[_signature(example_batch)] = (optimized, GraphStep(optimized.graph, optimized.captured,
-                                                                  optimized.binding))  # fmt: skip
-    step.last = optimized
+    step.prepare(example_batch)
     return step
 
 

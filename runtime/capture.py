@@ -27,11 +27,11 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 
+from mutwo_ir.from_fx import PHASE_META
 from mutwo_ir.node import NodeKind, Phase
 from runtime import optim as functional_optim
 from runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
 
-PHASE_META = "mutwo_phase"
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 

@@ -142,3 +142,10 @@ def compare_graphs(
         if progress is not None:
             progress(iteration)
     return report
+
+
+def check_graphs(reference: Graph, candidate: Graph, inputs: list[torch.Tensor],
+                 iterations: int = 3) -> EquivalenceReport:  # fmt: skip
+    """:func:`compare_graphs` with deterministic kernels: what ``--check`` and ``optimize(check=True)`` run."""
+    with deterministic_algorithms():
+        return compare_graphs(reference, candidate, inputs, iterations=iterations)

@@ -80,6 +80,12 @@ class Profile:
         )  # fmt: skip
 
 
+def device_of(tensors: list[torch.Tensor]) -> torch.device:
+    """The GPU the tensors train on, or the CPU (CPU scalars such as learning rates do not count)."""
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
+                torch.device("cpu"))  # fmt: skip
+
+
 def device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
     """Bytes the distinct storages of ``tensors`` on ``device`` take in the allocator."""
     seen: dict[int, int] = {}
@@ -129,8 +135,7 @@ def profile_graph(
     if runs < 1:
         raise ValueError("profile needs at least one measured run")
     module = to_fx(graph)
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
-                  torch.device("cpu"))  # fmt: skip
+    device = device_of(inputs)
     cuda = device.type == "cuda"
     state = [t.clone() for t in inputs]
     samples: dict[int, list[float]] = {}
@@ -171,8 +176,7 @@ def measure_iterations(module: fx.GraphModule, inputs: list[torch.Tensor], *, ru
     """Median time of whole iterations of ``module`` on clones of ``inputs``, and on CUDA the peak
     of the iteration's own memory: the allocator's peak minus what was allocated before that is not
     one of the iteration's inputs."""
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
-                  torch.device("cpu"))  # fmt: skip
+    device = device_of(inputs)
     cuda = device.type == "cuda"
     state = [t.clone() for t in inputs]
     times: list[float] = []

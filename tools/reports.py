@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness
+from mutwo_ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo_ir.memory import MemorySimulation
 from mutwo_ir.node import Phase
 from mutwo_ir.pass_base import write_atomic
@@ -96,14 +96,11 @@ def peak_breakdown(path: Path, simulation: MemorySimulation, title: str = "") ->
 def activation_report(graph: Graph, liveness: Liveness, profile: Any = None, top: int = 15) -> str:
     """Markdown tables of the largest activations by size and by inactive time."""
     activations = liveness.activations()
-    seconds = [profile.seconds(n.id) if profile is not None else 0.0 for n in graph]
-    elapsed = [0.0]
-    for value in seconds:
-        elapsed.append(elapsed[-1] + value)
+    elapsed = elapsed_seconds(graph, profile.seconds if profile is not None else lambda node_id: 0.0)
 
     def inactive(record: Any) -> tuple[int, float]:
         start, end = record.inactive_interval or (record.created, record.created)
-        return end - start, elapsed[end] - elapsed[start + 1] if end > start else 0.0
+        return end - start, idle_seconds(record, elapsed)
 
     def table(rows: list[Any]) -> list[str]:
         lines = ["| storage | producer | MiB | inactive nodes | inactive ms |", "|---|---|---|---|---|"]
