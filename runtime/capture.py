@@ -35,6 +35,10 @@ from runtime.tracing import CaptureError, compiler_tracing, explain_capture_fail
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
+class StaleCaptureError(RuntimeError):
+    """The live model or optimizer no longer matches what the step was captured from."""
+
+
 @dataclass(frozen=True)
 class InputSlot:
     """What the runtime feeds one placeholder: its kind and qualified name."""
@@ -71,6 +75,8 @@ class StepBinding:
     buffer_names: list[str]
     trainable: list[str]  #: names of the parameters the optimizer updates, in group order
     group_of: dict[str, int]  #: trainable parameter name -> index of its param group
+    foreach_layout: list[list[str]] = field(default_factory=list)  #: buckets of the multi-tensor update
+    checked_steps: list[int] = field(default_factory=list)  #: ids of the step tensors last checked
 
     @classmethod
     def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> StepBinding:
@@ -127,6 +133,51 @@ class StepBinding:
             flat[index] = flat[index].requires_grad_(name in trainable)
         return flat
 
+    # -- the optimizer's multi-tensor form --------------------------------------------------
+    def foreach_buckets(self) -> list[list[str]]:
+        """The trainable parameters updated together by one multi-tensor update, read from the
+        live model and optimizer: per param group taking torch.optim's foreach form, one bucket
+        per device, dtype and (for Adam) step count, whose bias corrections are then one number.
+
+        The graph keeps each bucket's step counts equal (it steps them together); the bucket
+        layout is remembered so that :meth:`check_foreach_buckets` can tell when someone else
+        changed them.
+        """
+        params = dict(self.model.named_parameters())
+        buckets: dict[tuple[Any, ...], list[str]] = {}
+        for index, group in enumerate(self.optimizer.param_groups):
+            names = [n for n in self.trainable if self.group_of[n] == index]
+            if not functional_optim.uses_foreach(group, [params[n] for n in names]):
+                continue
+            for name in names:
+                param = params[name]
+                key: tuple[Any, ...] = (index, param.device, param.dtype)
+                if self.spec.algorithm != "sgd":
+                    key += (float(self.optimizer.state[param]["step"]),)
+                buckets.setdefault(key, []).append(name)
+        self.foreach_layout = list(buckets.values())
+        self.checked_steps = []
+        return self.foreach_layout
+
+    def check_foreach_buckets(self) -> None:
+        """Raise :class:`StaleCaptureError` if an Adam bucket's step counts are no longer equal
+        (optimizer state replaced, say by ``load_state_dict`` from another run)."""
+        layout = self.foreach_layout
+        if self.spec.algorithm == "sgd" or not layout:
+            return
+        params = dict(self.model.named_parameters())
+        steps = [[self.optimizer.state[params[n]]["step"] for n in bucket] for bucket in layout]
+        identities = [id(t) for bucket in steps for t in bucket]
+        if identities == self.checked_steps:  # the graph itself keeps its own step tensors equal
+            return
+        for bucket, tensors in zip(layout, steps, strict=True):
+            if len({float(t) for t in tensors}) > 1:
+                raise StaleCaptureError(
+                    f"the optimizer's step counts of {bucket[0]} and the parameters updated with it are no "
+                    "longer equal (was the optimizer state replaced?); capture the step again"
+                )
+        self.checked_steps = identities
+
     # -- the traced function ---------------------------------------------------------------
     def step_function(self, batch: Any, gradient_labels: list[str]) -> Callable[..., tuple[torch.Tensor, ...]]:
         leaves, batch_spec = pytree.tree_flatten(batch)
@@ -135,6 +186,8 @@ class StepBinding:
         state_layout = [(n, self.state_names(n)) for n in self.trainable]
         n_state = sum(len(s) for _, s in state_layout)
         n_groups = len(self.optimizer.param_groups)
+        buckets = self.foreach_buckets()
+        in_buckets = {name for bucket in buckets for name in bucket}
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
             params = dict(zip(self.param_names, flat[:n_params], strict=True))
@@ -160,13 +213,21 @@ class StepBinding:
             grads = torch.autograd.grad(loss, wanted, allow_unused=True)
             _end_phase(Phase.BACKWARD)
             with torch.no_grad():
-                for name, grad in zip(self.trainable, grads, strict=True):
-                    if grad is None:  # torch.optim skips parameters without a gradient
-                        continue
-                    gradient_labels.append(name)
-                    group_index = self.group_of[name]
-                    functional_optim.update(self.spec, self.optimizer.param_groups[group_index], params[name],
-                                            grad, states[name], lrs[group_index])  # fmt: skip
+                grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
+                # torch.optim skips parameters without a gradient.
+                gradient_labels.extend(name for name in self.trainable if name in grad_of)
+                for name in self.trainable:
+                    if name in grad_of and name not in in_buckets:
+                        group_index = self.group_of[name]
+                        functional_optim.update(self.spec, self.optimizer.param_groups[group_index], params[name],
+                                                grad_of[name], states[name], lrs[group_index])  # fmt: skip
+                for bucket in buckets:
+                    names = [name for name in bucket if name in grad_of]
+                    if names:
+                        group_index = self.group_of[names[0]]
+                        functional_optim.update_foreach(
+                            self.spec, self.optimizer.param_groups[group_index], [params[n] for n in names],
+                            [grad_of[n] for n in names], [states[n] for n in names], lrs[group_index])
                 outputs = (loss.detach(), *[g for g in grads if g is not None])
             _end_phase(Phase.OPTIMIZER)
             return outputs

@@ -12,6 +12,12 @@ iteration is bitwise equal to eager ``torch.optim``:
   ``add_(g, alpha=-lr)`` by ``addcmul_(g, -lr)`` and ``addcdiv_(m, d, value=-s)`` by
   ``add_(m * -s / d)``.
 
+On CUDA, where torch.optim defaults to its multi-tensor (``foreach``) form, :func:`update_foreach`
+updates a whole bucket of parameters with ``torch._foreach_*`` ops instead, as torch.optim's
+``_multi_tensor_*`` functions do: a handful of kernels per bucket rather than a dozen per
+parameter, which would make the captured step launch-bound. :func:`uses_foreach` picks the form
+torch.optim would pick for the group.
+
 Constants that do not change between iterations (betas, eps, momentum, weight decay) stay
 constants of the graph: changing them in ``param_groups`` needs a new capture.
 """
@@ -111,6 +117,21 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def uses_foreach(group: dict[str, Any], params: list[torch.Tensor]) -> bool:
+    """Whether to update ``group`` with :func:`update_foreach`, as eager torch.optim would.
+
+    ``foreach=True`` takes it; ``foreach=None`` is torch.optim's default, foreach when every
+    parameter is a CUDA tensor, unless the learning rate is a tensor. ``capturable`` groups keep
+    their step counts on the device and take the single-tensor form here.
+    """
+    if group.get("foreach") is False or group.get("capturable"):
+        return False
+    if group.get("foreach"):
+        return True
+    return (not isinstance(group["lr"], torch.Tensor) and bool(params)
+            and all(p.device.type == "cuda" for p in params))  # fmt: skip
+
+
 def update(
     spec: OptimizerSpec,
     group: dict[str, Any],
@@ -178,3 +199,117 @@ def _adam(group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state:
         param.addcmul_(exp_avg / denom, neg_step_size)
     else:
         param.add_(exp_avg * neg_step_size / denom)
+
+
+def update_foreach(
+    spec: OptimizerSpec,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    lr: torch.Tensor,
+) -> None:
+    """Update a bucket of parameters of one group, device and dtype in place, as torch.optim's
+    ``_multi_tensor_sgd`` / ``_multi_tensor_adam`` do; ``lr`` is a 0-dim float64 CPU tensor.
+
+    For Adam, every parameter of the bucket must have the same step count (the capture buckets
+    them so): the bias corrections are then one number for the bucket, applied with one kernel.
+    """
+    if spec.algorithm == "sgd":
+        _sgd_foreach(group, params, grads, states, lr)
+    else:
+        _adam_foreach(group, params, grads, states, lr, decoupled=spec.algorithm == "adamw")
+
+
+def _sgd_foreach(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                 states: list[dict[str, torch.Tensor]], lr: torch.Tensor) -> None:  # fmt: skip
+    momentum, weight_decay = group["momentum"], group["weight_decay"]
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    if weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    if momentum != 0:
+        bufs = [state["momentum_buffer"] for state in states]
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads, alpha=1 - group["dampening"])
+        # Out of place: torch.optim adds into the .grad tensors, which the graph returns.
+        grads = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
+    torch.ops.mutwo.foreach_add_scaled_(params, grads, -lr)
+
+
+def _adam_foreach(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                  states: list[dict[str, torch.Tensor]], lr: torch.Tensor, *, decoupled: bool) -> None:  # fmt: skip
+    beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
+    weight_decay, eps = group["weight_decay"], group["eps"]
+    steps = [state["step"] for state in states]
+    exp_avgs = [state["exp_avg"] for state in states]
+    exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    torch._foreach_add_(steps, 1)
+    if weight_decay != 0:
+        if decoupled:
+            # A CPU 0-dim scalar is read with .item(), like torch.optim's Python number.
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    # The bucket shares one step count: Python-number arithmetic on it, in float64 tensors.
+    step = steps[0].to(dtype=torch.float64)
+    bias_correction1 = 1 - torch.pow(beta1, step)
+    bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+    neg_step_size = -(lr / bias_correction1)
+    if group["amsgrad"]:
+        max_exp_avg_sqs = [state["max_exp_avg_sq"] for state in states]
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        denoms = torch._foreach_sqrt(max_exp_avg_sqs)
+    else:
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch.ops.mutwo.foreach_div_(denoms, bias_correction2_sqrt)
+    torch._foreach_add_(denoms, eps)
+    torch.ops.mutwo.foreach_addcdiv_(params, exp_avgs, denoms, neg_step_size)
+
+
+# The multi-tensor updates that take a step-dependent Python number in torch.optim are custom ops:
+# aten's tensor-scalar overloads of them cannot be traced with fake tensors (their fake kernels
+# move the scalar to the meta device, then refuse it) or round differently. Their scalar is a
+# 0-dim CPU tensor, read on the host, so no device synchronisation happens.
+
+
+@torch.library.custom_op("mutwo::foreach_add_scaled_", mutates_args=("params",))
+def foreach_add_scaled_(params: list[torch.Tensor], tensors: list[torch.Tensor], alpha: torch.Tensor) -> None:
+    """``params[i] += alpha * tensors[i]``, exactly as torch.optim's ``_foreach_add_(params, grads, alpha=-lr)``."""
+    torch._foreach_add_(params, tensors, alpha=alpha.item())
+
+
+@foreach_add_scaled_.register_fake
+def _foreach_add_scaled_fake(params: list[torch.Tensor], tensors: list[torch.Tensor], alpha: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("mutwo::foreach_div_", mutates_args=("tensors",))
+def foreach_div_(tensors: list[torch.Tensor], value: torch.Tensor) -> None:
+    """``tensors[i] /= value``, exactly as torch.optim's ``_foreach_div_(denoms, [bias_correction2_sqrt, ...])``
+    (on CUDA, aten's one-scalar overload multiplies by the reciprocal instead, which rounds differently)."""
+    torch._foreach_div_(tensors, [value.item()] * len(tensors))
+
+
+@foreach_div_.register_fake
+def _foreach_div_fake(tensors: list[torch.Tensor], value: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("mutwo::foreach_addcdiv_", mutates_args=("params",))
+def foreach_addcdiv_(params: list[torch.Tensor], tensor1: list[torch.Tensor], tensor2: list[torch.Tensor],
+                     value: torch.Tensor) -> None:  # fmt: skip
+    """``params[i] += value * tensor1[i] / tensor2[i]``, exactly as torch.optim's
+    ``_foreach_addcdiv_(params, exp_avgs, denoms, [step_size, ...])``."""
+    torch._foreach_addcdiv_(params, tensor1, tensor2, [value.item()] * len(params))
+
+
+@foreach_addcdiv_.register_fake
+def _foreach_addcdiv_fake(params: list[torch.Tensor], tensor1: list[torch.Tensor], tensor2: list[torch.Tensor],
+                          value: torch.Tensor) -> None:  # fmt: skip
+    return None

@@ -45,6 +45,7 @@ class GraphStep:
 
     def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
         self.check_batch(batch)
+        self.binding.check_foreach_buckets()
         return self.binding.flat_inputs(batch) + list(self.captured.constants.values())
 
     def check_batch(self, batch: Any) -> None:

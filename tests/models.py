@@ -50,10 +50,10 @@ def bert(seed: int = 0, batch_size: int = 2, seq_len: int = 16, attn: str = "sdp
     return Workload(model, batch, lambda output, _batch: output.loss)
 
 
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05),
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params, **kw: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True, **kw),
+    "adam": lambda params, **kw: torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3, **kw),
+    "adamw": lambda params, **kw: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05, **kw),
 }
 
 

@@ -111,7 +111,11 @@ def _run_against_eager(make: MakeOptimizer, zero_every: int = 0) -> tuple[str | 
         eager.step()
         group = mine.param_groups[0]
         with torch.no_grad():
-            functional_optim.update(spec, group, my_param, grad.clone(), mine.state[my_param], _lr_tensor(group))
+            if functional_optim.uses_foreach(group, [my_param]):
+                functional_optim.update_foreach(spec, group, [my_param], [grad.clone()], [mine.state[my_param]],
+                                                _lr_tensor(group))  # fmt: skip
+            else:
+                functional_optim.update(spec, group, my_param, grad.clone(), mine.state[my_param], _lr_tensor(group))
         difference = _first_difference(step, eager, eager_param, mine, my_param)
         if difference is not None:
             return difference, mine
@@ -126,6 +130,21 @@ def test_update_matches_eager_bitwise_every_step(config: str) -> None:
     assert difference is None, f"{config}: {difference}"
     assert set(next(iter(mine.state.values()), {})) == EXPECTED_STATE[config]
     assert mine.param_groups[0]["lr"] == initial_lr * LR_FACTOR, "the learning rate changed mid-way"
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_foreach_update_matches_eager_foreach_bitwise_every_step(config: str) -> None:
+    """With foreach=True (torch.optim's CUDA default, asked for here on CPU) both sides take the
+    multi-tensor form, and runtime.optim.update_foreach follows it bit for bit."""
+
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        optimizer = CONFIGS[config](params)
+        optimizer.param_groups[0]["foreach"] = True
+        return optimizer
+
+    difference, mine = _run_against_eager(make)
+    assert difference is None, f"{config}: {difference}"
+    assert functional_optim.uses_foreach(mine.param_groups[0], [])
 
 
 @pytest.mark.parametrize("config", ["sgd-momentum", "sgd-nesterov-wd", "adam", "adamw"])

@@ -1,0 +1,111 @@
+"""The captured step with torch.optim's multi-tensor (foreach) form, which is the CUDA default.
+
+On CPU it is asked for with ``foreach=True``; eager torch.optim then takes the same form, and the
+captured step must train bitwise like it, with one multi-tensor update per bucket of parameters
+instead of a dozen ops per parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mutwo_ir import from_fx
+from mutwo_ir.verifier import verify
+from runtime.capture import StaleCaptureError, capture
+from runtime.step import GraphStep
+from tests import models
+
+
+def _foreach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    for group in optimizer.param_groups:
+        group["foreach"] = True
+    return optimizer
+
+
+def _step(workload: models.Workload, optimizer: torch.optim.Optimizer) -> GraphStep:
+    captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
+    graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+    verify(graph)
+    return GraphStep(graph, captured, binding)
+
+
+def _assert_same_training(mine: models.Workload, my_opt: torch.optim.Optimizer, eager: models.Workload,
+                          eager_opt: torch.optim.Optimizer, step: GraphStep, iterations: int = 3) -> None:  # fmt: skip
+    for iteration in range(iterations):
+        torch.manual_seed(iteration)
+        loss = step(mine.batch).loss
+        torch.manual_seed(iteration)
+        eager_loss = models.eager_step(eager, eager_opt)
+        assert torch.equal(loss, eager_loss), f"loss differs at iteration {iteration}"
+    for (name, p), (_, q) in zip(mine.model.named_parameters(), eager.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+        for key, value in eager_opt.state[q].items():
+            assert torch.equal(my_opt.state[p][key], value), f"{name}: {key}"
+
+
+@pytest.mark.parametrize("optimizer", sorted(models.OPTIMIZERS))
+@pytest.mark.parametrize("make", [models.cnn, models.bert], ids=["cnn", "bert"])
+def test_foreach_captured_step_trains_bitwise_like_eager_foreach(make: object, optimizer: str) -> None:
+    mine, eager = make(), make()
+    my_opt = _foreach(models.OPTIMIZERS[optimizer](mine.model.parameters()))
+    eager_opt = _foreach(models.OPTIMIZERS[optimizer](eager.model.parameters()))
+    step = _step(mine, my_opt)
+    targets = {node.target for node in step.graph.nodes if node.op == "call_function"}
+    assert any("foreach" in str(target) for target in targets), "the update must take the multi-tensor form"
+    _assert_same_training(mine, my_opt, eager, eager_opt, step)
+
+
+def test_foreach_graph_is_much_smaller_than_the_single_tensor_one() -> None:
+    single, multi = models.bert(), models.bert()
+    single_step = _step(single, models.OPTIMIZERS["adam"](single.model.parameters()))
+    multi_step = _step(multi, _foreach(models.OPTIMIZERS["adam"](multi.model.parameters())))
+    n_params = sum(1 for _ in single.model.parameters())
+
+    def optimizer_ops(step: GraphStep) -> int:
+        """Optimizer-phase ops that launch work (list-element getitems do not)."""
+        return sum(1 for node in step.graph.nodes if node.phase.name == "OPTIMIZER" and node.op == "call_function"
+                   and "getitem" not in str(node.target))  # fmt: skip
+
+    assert optimizer_ops(multi_step) < 40 < 5 * n_params < optimizer_ops(single_step)
+
+
+def _two_step_counts(make_optimizer: object) -> tuple[models.Workload, torch.optim.Optimizer]:
+    """A workload whose optimizer has run 2 steps for its first parameter and 1 for the rest."""
+    workload = models.cnn()
+    optimizer = _foreach(make_optimizer(workload.model.parameters()))
+    models.eager_step(workload, optimizer)
+    first = next(workload.model.parameters())
+    optimizer.state[first]["step"] += 1
+    return workload, optimizer
+
+
+def test_parameters_with_different_step_counts_are_bucketed_apart_and_stay_bitwise() -> None:
+    mine, my_opt = _two_step_counts(models.OPTIMIZERS["adam"])
+    eager, eager_opt = _two_step_counts(models.OPTIMIZERS["adam"])
+    step = _step(mine, my_opt)
+    assert len(step.binding.foreach_layout) == 2
+    _assert_same_training(mine, my_opt, eager, eager_opt, step)
+
+
+def test_changed_step_counts_after_capture_are_refused_in_one_line() -> None:
+    workload = models.cnn()
+    optimizer = _foreach(models.OPTIMIZERS["adamw"](workload.model.parameters()))
+    step = _step(workload, optimizer)
+    step(workload.batch)
+    # Replace the state as load_state_dict from another run would: step counts no longer equal.
+    first = next(workload.model.parameters())
+    optimizer.state[first]["step"] = optimizer.state[first]["step"] + 5
+    with pytest.raises(StaleCaptureError, match="capture the step again"):
+        step(workload.batch)
+
+
+def test_cuda_default_form_is_foreach_and_cpu_default_is_single_tensor() -> None:
+    from runtime.optim import uses_foreach
+
+    group = {"foreach": None, "lr": 0.1, "capturable": False}
+    assert not uses_foreach(group, [torch.zeros(1)])
+    assert not uses_foreach(group, [torch.zeros(1, device="meta")])
+    assert uses_foreach({**group, "foreach": True}, [torch.zeros(1)])
+    assert not uses_foreach({**group, "foreach": True, "capturable": True}, [torch.zeros(1)])
+    assert not uses_foreach({**group, "lr": torch.tensor(0.1)}, [torch.zeros(1)])
