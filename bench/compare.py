@@ -1,17 +1,22 @@
 """Side-by-side benchmark on one GPU: eager, per-block checkpointing, torch.compile with an
 activation-memory budget, mutwo without recompute and mutwo at budgets (the benchmark issue).
 
-Every variant runs in a fresh process: 3 warm-up iterations, then 10 measured ones; peak =
-``torch.cuda.max_memory_allocated`` over the measured iterations, time = median CUDA-event time.
+Every variant runs in a fresh process and is measured by ``tools.experiment.measure_step``: 3
+warm-up iterations, then 10 measured ones; peak = ``torch.cuda.max_memory_allocated`` over the
+measured iterations, time = their median CUDA-event time. mutwo's budgets may name another
+variant's measured peak, so that iteration times are compared at equal memory:
 
-    python bench/compare.py --out bench/results/compare_h100.json --models resnet152:32,bert:16
+- ``mutwo-0.5``: half of mutwo's own peak without recompute (any ``mutwo-opt --budget``);
+- ``mutwo-eager0.5``: half of eager's measured peak;
+- ``mutwo-checkpoint``: the peak per-block checkpointing measured.
+
+    python bench/compare.py --out bench/results/compare_h100.json --models resnet152:128,bert:64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -24,8 +29,11 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml"}
-VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "mutwo-0.7", "mutwo-0.5"]
+from mutwo_ir.budget import Budget  # noqa: E402
+from tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
+
+CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml"}
+VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "mutwo-checkpoint", "mutwo-eager0.5"]
 WARMUP, MEASURED = 3, 10
 
 
@@ -40,108 +48,99 @@ class Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_blocks(model: nn.Module) -> None:
-    """Wrap every ResNet bottleneck / BERT encoder layer."""
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Wrap every ResNet bottleneck / BERT encoder layer; return how many were wrapped."""
+    wrapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child).__name__ in ("Bottleneck", "BasicBlock", "BertLayer"):
                 setattr(module, name, Checkpointed(child))
+                wrapped += 1
+    return wrapped
 
 
-def workload(name: str, batch_size: int) -> tuple[nn.Module, Any, Any]:
-    from tools.config import apply_overrides, load_config
-    from tools.workloads import build_workload
-
-    config = apply_overrides(load_config(ROOT / CONFIGS[name]), batch_size=batch_size)
-    made = build_workload(config)
-    batch = torch.utils._pytree.tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, made.batch)
-    return made.model.cuda(), batch, made.loss_fn, config
-
-
-def call(model: nn.Module, batch: Any) -> Any:
-    return model(**batch) if isinstance(batch, dict) else model(*batch)
-
-
-def measure(step: Any) -> dict[str, Any]:
-    for _ in range(WARMUP):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(MEASURED):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"peak_bytes": torch.cuda.max_memory_allocated(), "iteration_ms": statistics.median(times)}
+def mutwo_budget(spec: str, done: list[dict[str, Any]]) -> Any:
+    """The budget a ``mutwo-<spec>`` variant plans for, resolving references to measured peaks."""
+    reference = {"checkpoint": ("checkpoint", 1.0)}
+    if spec.startswith("eager"):
+        reference[spec] = ("eager", float(spec.removeprefix("eager")))
+    if spec not in reference:
+        return spec
+    variant, factor = reference[spec]
+    peaks = [r["peak_bytes"] for r in done if r["variant"] == variant and r.get("peak_bytes")]
+    if not peaks:
+        raise ValueError(f"mutwo-{spec} needs the {variant} variant measured first")
+    return Budget(bytes=int(peaks[-1] * factor))
 
 
-def worker(name: str, batch_size: int, variant: str) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model, batch, loss_fn, config = workload(name, batch_size)
-    optimizer_cls = torch.optim.AdamW if config.optimizer["name"] == "adamw" else torch.optim.Adam
-    options = {k: v for k, v in config.optimizer.items() if k != "name"}
-    optimizer = optimizer_cls(model.parameters(), **options)
-    result: dict[str, Any] = {"model": name, "batch_size": batch_size, "variant": variant}
+def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path) -> dict[str, Any]:
+    config = ROOT / CONFIGS[name]
     if variant.startswith("mutwo"):
-        from runtime.api import optimize
-
-        budget = variant.split("-", 1)[1]
-        start = time.perf_counter()
-        step_fn = optimize(model, optimizer, batch, loss_fn, passes="stats" if budget == "none" else
-                           "profile,select,rewrite", budget=None if budget == "none" else budget)  # fmt: skip
-        result["planning_seconds"] = round(time.perf_counter() - start, 2)
-        result.update(measure(lambda: step_fn(batch)))
-        return result
+        spec: Any = json.loads(budget) if budget else variant.split("-", 1)[1]
+        plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
+        row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED)
+        if isinstance(spec, dict):
+            row["budget_bytes"] = spec["bytes"]
+        return row
+    training = build_training(config, batch_size)
+    row: dict[str, Any] = {}
+    runner: nn.Module = training.model
     if variant == "checkpoint":
-        checkpoint_blocks(model)
-    runner = model
+        row["checkpointed_blocks"] = checkpoint_blocks(training.model)
     if variant.startswith("compile"):
         torch._functorch.config.activation_memory_budget = float(variant.split("-", 1)[1])
-        runner = torch.compile(model)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(call(runner, batch), batch).backward()
-        optimizer.step()
-
+        runner = torch.compile(training.model)
+    step = training.eager_step(runner)
     start = time.perf_counter()
     step()
-    result["first_step_seconds"] = round(time.perf_counter() - start, 2)
-    result.update(measure(step))
-    return result
+    row["first_step_seconds"] = round(time.perf_counter() - start, 2)
+    row.update(measure_after_planning(step, training.device, None, warmup=WARMUP, iterations=MEASURED))
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out")
-    parser.add_argument("--models", default="resnet152:32,bert:16", help="name:batch,...")
+    parser.add_argument("--out", help="JSON file to write (rewritten after every variant)")
+    parser.add_argument("--models", default="resnet152:128,bert:64", help="name:batch,...")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--worker", nargs=3, metavar=("MODEL", "BATCH", "VARIANT"), help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per variant")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.worker[2])))
+        name, batch, variant, budget = args.worker
+        row = worker(name, int(batch), variant, budget or None, scratch / name)
+        print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
-    rows = []
+    rows: list[dict[str, Any]] = []
     for item in args.models.split(","):
         name, batch = item.split(":")
         for variant in args.variants.split(","):
+            base = {"model": name, "batch_size": int(batch), "variant": variant}
             try:
-                done = subprocess.run([sys.executable, __file__, "--worker", name, batch, variant], cwd=ROOT,
+                budget = mutwo_budget(variant.split("-", 1)[1], [r for r in rows if r["model"] == name]) \
+                    if variant.startswith("mutwo") else None  # fmt: skip
+            except ValueError as error:
+                rows.append({**base, "error": str(error)})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            encoded = json.dumps({"bytes": budget.bytes}) if isinstance(budget, Budget) else ""
+            try:
+                done = subprocess.run([sys.executable, __file__, "--worker", name, batch, variant, encoded,
+                                       *(["--out", args.out] if args.out else [])], cwd=ROOT,
                                       capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                    "model": name, "batch_size": int(batch), "variant": variant,
-                    "error": ("out of memory" if "OutOfMemoryError" in done.stderr else done.stderr.strip()[-400:])}
+                    **base, "error": ("out of memory" if "OutOfMemoryError" in done.stderr else
+                                      done.stderr.strip()[-400:])}  # fmt: skip
             except subprocess.TimeoutExpired:
-                row = {"model": name, "batch_size": int(batch), "variant": variant, "error": "timeout"}
-            print(json.dumps(row), flush=True)
+                row = {**base, "error": f"timeout after {args.timeout} s"}
+            print(json.dumps({k: v for k, v in row.items() if k != "iteration_ms_all"}), flush=True)
             rows.append(row)
             if args.out:
-                Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+                Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
                                                       "date": time.strftime("%Y-%m-%d"), "runs": rows}, indent=2))
 
 

@@ -1,0 +1,370 @@
+"""``mutwo-experiment``: measure a model's training step over batch sizes and memory budgets.
+
+    mutwo-experiment examples/resnet152.yaml --batch-sizes 16,32,64 --budgets 0.7,0.5 -o experiments/resnet152
+
+For every batch size it measures eager PyTorch (``eager``), mutwo's captured step without
+recompute (``none``) and mutwo at every budget, each configuration in a fresh process so that no
+allocator state leaks between them: at least 3 warm-up iterations, then the median time of at
+least 10 and, on CUDA, the peak ``torch.cuda.max_memory_allocated`` over them. The ``none`` run
+profiles the graph once per batch size; the budget runs reuse its profile (the graph's
+fingerprint is checked). A configuration that runs out of memory is recorded as such.
+
+It writes ``results.json`` after every configuration and, at the end, three plots: peak memory
+vs batch size, iteration time vs batch size and simulated vs measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from mutwo_ir.pass_base import write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+OUT_OF_MEMORY = "out of memory"
+
+
+class UsageError(Exception):
+    """Bad arguments or config: one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see mutwo-experiment --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mutwo-experiment", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML config describing the model, as for mutwo-opt")
+    parser.add_argument("--batch-sizes", required=True, help="comma-separated, e.g. 16,32,64")
+    parser.add_argument("--budgets", default="0.7,0.5", help="comma-separated budgets (fractions, bytes or 'min')")
+    parser.add_argument("--no-eager", action="store_true", help="do not measure eager PyTorch")
+    parser.add_argument("-o", "--out", help="output folder (default: mutwo-out/experiment-<config name>)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: the config's)")
+    parser.add_argument("--memory-limit", help="cap the training step's device memory, e.g. 16GiB "
+                        "(torch.cuda.set_per_process_memory_fraction; planning runs uncapped)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations (at least 3)")
+    parser.add_argument("--iterations", type=int, default=10, help="measured iterations (at least 10)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    parser.add_argument("--keep-going-after-oom", action="store_true",
+                        help="measure larger batches of a variant that already ran out of memory")  # fmt: skip
+    parser.add_argument("--worker", nargs=2, metavar=("BATCH", "VARIANT"), help=argparse.SUPPRESS)
+    return parser
+
+
+# -- one configuration, in its own process ---------------------------------------------------------
+def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, iterations: int) -> dict[str, Any]:
+    """Median time of ``iterations`` whole steps after ``warmup`` and, on CUDA, their peak memory.
+
+    Running out of memory is a result, not a crash: it comes back as ``{"error": "out of memory"}``.
+    """
+    cuda = device.type == "cuda"
+    times: list[float] = []
+    try:
+        for _ in range(warmup):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(iterations):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - begin) * 1e3)
+    except torch.OutOfMemoryError:
+        return {"error": OUT_OF_MEMORY}
+    return {
+        "iteration_ms": statistics.median(times),
+        "iteration_ms_all": [round(t, 3) for t in times],
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+    }
+
+
+def run_configuration(config_path: str | Path, batch_size: int, variant: Any, out: Path, *, device: str | None = None,
+                      memory_limit: int | None = None, warmup: int = 3, iterations: int = 10,
+                      log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:  # fmt: skip
+    """Build, plan (for mutwo variants) and measure one configuration in this process.
+
+    ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
+    ``out/b<batch>/profile.json``) or a budget, as text or a :class:`Budget` (select and rewrite,
+    with that profile when there is one).
+    """
+    from mutwo_ir.budget import parse_budget
+    from mutwo_ir.pass_manager import PipelineFailure
+
+    training = build_training(config_path, batch_size, device)
+    row: dict[str, Any] = {"batch_size": batch_size, "variant": variant}
+    try:
+        if variant == "eager":
+            step = training.eager_step()
+        else:
+            budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
+            step = _planned_step(training, budget, out / f"b{batch_size}", row, log)
+    except torch.OutOfMemoryError:
+        return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
+    except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
+        return {**row, "error": str(failure).splitlines()[0]}
+    log(f"measuring batch {batch_size}, {variant}")
+    row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations))
+    return row
+
+
+def measure_after_planning(step: Callable[[], Any], device: torch.device, memory_limit: int | None, *,
+                           warmup: int, iterations: int) -> dict[str, Any]:  # fmt: skip
+    """Free what planning left in the allocator's cache, cap memory if asked, and measure."""
+    row: dict[str, Any] = {}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        if memory_limit is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
+            row["memory_limit_bytes"] = memory_limit
+    row.update(measure_step(step, device, warmup=warmup, iterations=iterations))
+    return row
+
+
+@dataclass
+class Training:
+    """A model, its optimizer, a batch and the loss, built from a config and moved to the device."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    device: torch.device
+
+    def eager_step(self, model: torch.nn.Module | None = None) -> Callable[[], None]:
+        """One eager iteration as a user writes it (``model`` defaults to the built one)."""
+        runner = model if model is not None else self.model
+
+        def step() -> None:
+            self.optimizer.zero_grad(set_to_none=True)
+            output = runner(**self.batch) if isinstance(self.batch, dict) else runner(*self.batch)
+            self.loss_fn(output, self.batch).backward()
+            self.optimizer.step()
+
+        return step
+
+
+def build_training(config_path: str | Path, batch_size: int, device: str | None = None) -> Training:
+    """Build the config's model, batch and optimizer at ``batch_size`` on its device."""
+    from tools.config import apply_overrides, load_config
+    from tools.workloads import build_optimizer, build_workload
+
+    config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device)
+    target = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if config.device == "auto" else config.device))  # fmt: skip
+    torch.manual_seed(config.seed)
+    workload = build_workload(config)
+    model = workload.model.to(target)
+    batch = torch.utils._pytree.tree_map(lambda t: t.to(target) if isinstance(t, torch.Tensor) else t, workload.batch)
+    return Training(model, build_optimizer(config, model), batch, workload.loss_fn, target)
+
+
+def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
+                  log: Callable[[str], None]) -> Callable[[], Any]:  # fmt: skip
+    from mutwo_ir.memory import simulate
+    from mutwo_ir.pass_manager import PassManager
+    from mutwo_ir.registry import PassRegistry
+    from runtime.api import capture_graph, pass_context
+    from runtime.profiler import Profile, fingerprint
+    from runtime.step import GraphStep
+
+    started = time.perf_counter()
+    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn)
+    row["capture_seconds"] = round(time.perf_counter() - started, 2)
+    folder.mkdir(parents=True, exist_ok=True)
+    context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
+    saved = folder / "profile.json"
+    passes = "profile"
+    if budget is not None:
+        passes = "profile,select,rewrite"
+        if saved.exists():
+            profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
+            if profile.fingerprint == fingerprint(lowered.graph):
+                context.artifacts["profile"] = profile
+                passes = "select,rewrite"
+                row["profile_seconds"] = json.loads((folder / "timing.json").read_text())["profile_seconds"]
+    available = {"profile"} if "profile" in context.artifacts else set()
+    result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
+    seconds = {record.name: record.seconds for record in result.records}
+    if "profile" in seconds:
+        row["profile_seconds"] = round(seconds["profile"], 2)
+        write_atomic(folder / "timing.json", json.dumps({"profile_seconds": row["profile_seconds"]}))
+    row["select_rewrite_seconds"] = round(sum(v for k, v in seconds.items() if k != "profile"), 2)
+    row["planning_seconds"] = round(row["capture_seconds"] + row.get("profile_seconds", 0.0)
+                                    + row["select_rewrite_seconds"], 2)  # fmt: skip
+    profile = context.artifacts["profile"]
+    row["simulated_peak_bytes"] = simulate(lowered.graph, workspace=profile.workspace()).peak_bytes
+    row["nodes"] = len(lowered.graph)
+    graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding)
+    return lambda: graph_step(training.batch)
+
+
+# -- the whole experiment ----------------------------------------------------------------------------
+def _parse_list(text: str, what: str, parse: Callable[[str], Any]) -> list[Any]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise UsageError(f"--{what} is empty; give a comma-separated list")
+    try:
+        return [parse(item) for item in items]
+    except ValueError as error:
+        raise UsageError(f"--{what}: {error}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"batch size must be a positive integer, got {text}")
+    return value
+
+
+def _budget(text: str) -> str:
+    from mutwo_ir.budget import BudgetError, parse_budget
+
+    try:
+        parse_budget(float(text) if text.replace(".", "", 1).isdigit() else text)
+    except BudgetError as error:
+        raise ValueError(str(error)) from None
+    return text
+
+
+def _memory_limit(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from mutwo_ir.budget import BudgetError, parse_budget
+
+    try:
+        limit = parse_budget(text)
+    except BudgetError as error:
+        raise UsageError(f"--memory-limit: {error}") from None
+    if limit.bytes is None:
+        raise UsageError(f"--memory-limit needs bytes with a unit, like 16GiB, got {text!r}")
+    return limit.bytes
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tools.config import ConfigError, load_config
+
+    batch_sizes = _parse_list(args.batch_sizes, "batch-sizes", _positive_int)
+    budgets = _parse_list(args.budgets, "budgets", _budget) if args.budgets.strip() else []
+    memory_limit = _memory_limit(args.memory_limit)
+    if args.warmup < 3 or args.iterations < 10:
+        raise UsageError("--warmup must be at least 3 and --iterations at least 10, for a stable median")
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+    out = Path(args.out) if args.out else Path("mutwo-out") / f"experiment-{config.name}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"output folder {str(out)!r} cannot be created ({error.strerror}); "
+                         "choose another with -o") from None
+    variants = ([] if args.no_eager else ["eager"]) + ["none"] + budgets
+    header = {"config": args.config, "model": config.model.name, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
+              "date": time.strftime("%Y-%m-%d"), "warmup": args.warmup, "iterations": args.iterations,
+              "memory_limit_bytes": memory_limit, "runs": []}  # fmt: skip
+    ran_out: set[str] = set()
+    jobs = [(b, v) for b in sorted(batch_sizes) for v in variants]
+    with tqdm(jobs, desc="mutwo-experiment", unit="config", file=sys.stderr) as progress:
+        for batch_size, variant in progress:
+            progress.set_postfix_str(f"batch {batch_size}, {variant}")
+            if variant in ran_out and not args.keep_going_after_oom:
+                row = {"batch_size": batch_size, "variant": variant,
+                       "error": f"skipped: {OUT_OF_MEMORY} at a smaller batch"}  # fmt: skip
+            else:
+                row = _run_worker(args, batch_size, variant, out)
+            if str(row.get("error", "")).startswith(OUT_OF_MEMORY):
+                ran_out.add(variant)
+            header["runs"].append(row)
+            progress.write(_describe(row))
+            write_atomic(out / "results.json", json.dumps(header, indent=2) + "\n")
+    from tools.experiment_plots import plot_all
+
+    written = plot_all(header, out)
+    print(f"mutwo-experiment: wrote {out}/results.json and {', '.join(written)}", file=sys.stderr)
+    failed = [r for r in header["runs"] if "error" in r and not str(r["error"]).startswith(("skipped", OUT_OF_MEMORY))]
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _run_worker(args: argparse.Namespace, batch_size: int, variant: str, out: Path) -> dict[str, Any]:
+    command = [sys.executable, "-m", "tools.experiment", args.config, "--batch-sizes", str(batch_size),
+               "--worker", str(batch_size), variant, "-o", str(out)]  # fmt: skip
+    for flag, value in (("--device", args.device), ("--memory-limit", args.memory_limit)):
+        if value:
+            command += [flag, value]
+    command += ["--warmup", str(args.warmup), "--iterations", str(args.iterations)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    base = {"batch_size": batch_size, "variant": variant}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"timeout after {args.timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    if "OutOfMemoryError" in done.stderr or "out of memory" in done.stderr:
+        return {**base, "error": OUT_OF_MEMORY}
+    last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    return {**base, "error": last[:400]}
+
+
+def _describe(row: dict[str, Any]) -> str:
+    what = f"batch {row['batch_size']:>4} {row['variant']:>8}: "
+    if "error" in row:
+        return what + row["error"]
+    peak = f"peak {row['peak_bytes'] / 2**20:,.0f} MiB, " if row.get("peak_bytes") is not None else ""
+    plan = f", planning {row['planning_seconds']:.1f} s" if "planning_seconds" in row else ""
+    return what + f"{peak}{row['iteration_ms']:.1f} ms per iteration{plan}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run mutwo-experiment; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        if args.worker:
+            batch_size, variant = int(args.worker[0]), args.worker[1]
+            row = run_configuration(args.config, batch_size, variant, Path(args.out), device=args.device,
+                                    memory_limit=_memory_limit(args.memory_limit), warmup=args.warmup,
+                                    iterations=args.iterations)  # fmt: skip
+            print(json.dumps(row), flush=True)
+            return EXIT_OK
+        return run_experiment(args)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    except UsageError as error:
+        print(f"mutwo-experiment: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mutwo-experiment: interrupted; results.json holds the configurations measured so far",
+              file=sys.stderr)  # fmt: skip
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
