@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +124,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
-        return {**row, "error": str(failure).splitlines()[0]}
+        message = str(failure).splitlines()[0]
+        return {**row, "error": message, "error_kind": "unreachable" if "unreachable" in message else "pass failed"}
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations))
     return row
@@ -218,13 +220,19 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     profile = context.artifacts["profile"]
     row["simulated_peak_bytes"] = simulate(lowered.graph, workspace=profile.workspace()).peak_bytes
     row["nodes"] = len(lowered.graph)
+    plan = context.artifacts.get("plan")
+    if plan is not None:  # what the plan predicted, to compare with what was measured
+        row["recomputed_tensors"] = len(plan.entries)
+        row["predicted_added_ms"] = round(plan.added_seconds * 1e3, 3)
+        row["profiled_iteration_ms"] = round(plan.base_seconds * 1e3, 3)
+        row["recomputed_ops"] = dict(Counter(e["op"] for e in plan.entries).most_common(8))
     graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding)
     return lambda: graph_step(training.batch)
 
 
 # -- the whole experiment ----------------------------------------------------------------------------
 def _parse_list(text: str, what: str, parse: Callable[[str], Any]) -> list[Any]:
-    items = [item.strip() for item in text.split(",") if item.strip()]
+    items = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
     if not items:
         raise UsageError(f"--{what} is empty; give a comma-separated list")
     try:
@@ -234,7 +242,7 @@ def _parse_list(text: str, what: str, parse: Callable[[str], Any]) -> list[Any]:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = int(text) if text.isdigit() else 0
     if value <= 0:
         raise ValueError(f"batch size must be a positive integer, got {text}")
     return value
@@ -267,7 +275,7 @@ def _memory_limit(text: str | None) -> int | None:
 def run_experiment(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tools.config import ConfigError, load_config
+    from tools.config import ConfigError, apply_overrides, load_config
 
     batch_sizes = _parse_list(args.batch_sizes, "batch-sizes", _positive_int)
     budgets = _parse_list(args.budgets, "budgets", _budget) if args.budgets.strip() else []
@@ -275,9 +283,12 @@ def run_experiment(args: argparse.Namespace) -> int:
     if args.warmup < 3 or args.iterations < 10:
         raise UsageError("--warmup must be at least 3 and --iterations at least 10, for a stable median")
     try:
-        config = load_config(args.config)
+        config = apply_overrides(load_config(args.config), device=args.device)
     except ConfigError as error:
         raise UsageError(str(error)) from None
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("CUDA was requested but no GPU is visible to torch; use --device cpu or auto")
+    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     out = Path(args.out) if args.out else Path("mutwo-out") / f"experiment-{config.name}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -286,7 +297,7 @@ def run_experiment(args: argparse.Namespace) -> int:
                          "choose another with -o") from None
     variants = ([] if args.no_eager else ["eager"]) + ["none"] + budgets
     header = {"config": args.config, "model": config.model.name, "torch": torch.__version__,
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
+              "device": torch.cuda.get_device_name() if on_gpu else "cpu",
               "date": time.strftime("%Y-%m-%d"), "warmup": args.warmup, "iterations": args.iterations,
               "memory_limit_bytes": memory_limit, "runs": []}  # fmt: skip
     ran_out: set[str] = set()
@@ -307,8 +318,10 @@ def run_experiment(args: argparse.Namespace) -> int:
     from tools.experiment_plots import plot_all
 
     written = plot_all(header, out)
-    print(f"mutwo-experiment: wrote {out}/results.json and {', '.join(written)}", file=sys.stderr)
-    failed = [r for r in header["runs"] if "error" in r and not str(r["error"]).startswith(("skipped", OUT_OF_MEMORY))]
+    print(f"mutwo-experiment: wrote {', '.join([f'{out}/results.json', *written])}", file=sys.stderr)
+    # Running out of memory or an unreachable budget are findings of a sweep, not failures of it.
+    failed = [r for r in header["runs"] if "error" in r and r.get("error_kind") != "unreachable"
+              and not str(r["error"]).startswith(("skipped", OUT_OF_MEMORY))]  # fmt: skip
     return EXIT_FAILURE if failed else EXIT_OK
 
 

@@ -45,6 +45,7 @@ def plot_peaks(results: dict[str, Any], path: Path) -> bool:
     figure, axes = plt.subplots(figsize=(max(6.0, 1.6 * len(batches) * len(variants) / 3), 4.5))
     width = 0.8 / len(variants)
     for v_index, variant in enumerate(variants):
+        labelled = False
         for b_index, batch in enumerate(batches):
             x = b_index + (v_index - (len(variants) - 1) / 2) * width
             row = rows.get((batch, variant))
@@ -53,7 +54,8 @@ def plot_peaks(results: dict[str, Any], path: Path) -> bool:
                     axes.text(x, 0, "OOM", ha="center", va="bottom", fontsize=7, rotation=90, color="firebrick")
                 continue
             peak = row["peak_bytes"] / MIB
-            axes.bar(x, peak, width, color=f"C{v_index}", label=_label(variant) if b_index == 0 else None)
+            axes.bar(x, peak, width, color=f"C{v_index}", label=None if labelled else _label(variant))
+            labelled = True
             base = rows.get((batch, "none"))
             if variant not in ("eager", "none") and _ok(base) and base.get("peak_bytes"):
                 change = row["peak_bytes"] / base["peak_bytes"] - 1

@@ -1,0 +1,271 @@
+"""``mutwo-experiment`` (:mod:`tools.experiment`), on CPU.
+
+One real end-to-end run of ``examples/tiny_mlp.yaml`` (every configuration in its own worker
+process, so it takes a few seconds per configuration), shared by the tests that read its output;
+everything else runs in-process: :func:`measure_step` with fake steps, the plots from a synthetic
+``results.json``, the catalogue of bad arguments and the out-of-memory skipping with a fake worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tools.experiment as experiment
+from mutwo_ir.registry import PassRegistry
+from tools.experiment import EXIT_OK, EXIT_USAGE, OUT_OF_MEMORY, main, measure_step, run_configuration
+from tools.experiment_plots import plot_all
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "examples" / "tiny_mlp.yaml"
+PLOTS = ("peak_vs_batch.png", "latency_vs_batch.png", "simulated_vs_measured.png")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def rows_by_key(results: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
+    return {(row["batch_size"], row["variant"]): row for row in results["runs"]}
+
+
+# -- an end-to-end CPU run ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, Any]]:
+    """``mutwo-experiment examples/tiny_mlp.yaml --batch-sizes 32,64 --budgets 0.9``, run once."""
+    out = tmp_path_factory.mktemp("experiment") / "x"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.9", "-o", str(out)])
+    return code, out, json.loads((out / "results.json").read_text(encoding="utf-8"))
+
+
+def test_cpu_run_writes_one_row_per_batch_size_and_variant(cpu_run: tuple[int, Path, dict[str, Any]]) -> None:
+    code, _, results = cpu_run
+    assert code == EXIT_OK
+    assert results["device"] == "cpu"
+    assert results["config"] == "examples/tiny_mlp.yaml"
+    assert (results["warmup"], results["iterations"], results["memory_limit_bytes"]) == (3, 10, None)
+    assert [(r["batch_size"], r["variant"]) for r in results["runs"]] == [
+        (32, "eager"), (32, "none"), (32, "0.9"), (64, "eager"), (64, "none"), (64, "0.9")]  # fmt: skip
+    for row in results["runs"]:
+        if "error" in row:  # the only result allowed to be an error: a budget the tiny MLP cannot reach
+            assert row["variant"] == "0.9" and "unreachable" in row["error"], row
+            continue
+        assert row["iteration_ms"] > 0, row
+        assert len(row["iteration_ms_all"]) == 10
+        assert row["peak_bytes"] is None  # no measured peak on CPU
+        if row["variant"] != "eager":
+            assert row["simulated_peak_bytes"] > 0, row
+            assert row["planning_seconds"] > 0, row
+    rows = rows_by_key(results)
+    assert "error" not in rows[(64, "0.9")]  # at batch 64 the budget is reachable: a full mutwo row
+    assert rows[(64, "0.9")]["simulated_peak_bytes"] < rows[(64, "none")]["simulated_peak_bytes"]
+
+
+def test_cpu_run_budgets_reuse_the_profile_of_none(cpu_run: tuple[int, Path, dict[str, Any]]) -> None:
+    _, out, results = cpu_run
+    rows = rows_by_key(results)
+    for batch in (32, 64):
+        assert (out / f"b{batch}" / "profile.json").is_file()
+        assert rows[(batch, "0.9")]["profile_seconds"] == rows[(batch, "none")]["profile_seconds"]
+
+
+def test_cpu_run_draws_only_the_latency_plot(cpu_run: tuple[int, Path, dict[str, Any]]) -> None:
+    _, out, _ = cpu_run
+    latency = out / "latency_vs_batch.png"
+    assert latency.is_file() and latency.read_bytes().startswith(PNG_MAGIC)
+    assert not (out / "peak_vs_batch.png").exists()  # no measured peaks on CPU
+    assert not (out / "simulated_vs_measured.png").exists()
+
+
+def test_cpu_run_exits_ok_when_a_budget_is_unreachable_at_a_small_batch(
+        cpu_run: tuple[int, Path, dict[str, Any]]) -> None:  # fmt: skip
+    code, _, results = cpu_run
+    row = rows_by_key(results)[(32, "0.9")]
+    assert "unreachable" in row.get("error", "") and row["error_kind"] == "unreachable"
+    assert code == EXIT_OK
+
+
+def test_budget_run_skips_profiling_when_none_saved_a_matching_profile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """In-process: the budget run's pipeline is select,rewrite, not profile,select,rewrite."""
+    pipelines: list[str] = []
+    build_pipeline = PassRegistry.build_pipeline
+
+    def spy(self: PassRegistry, passes: str, *args: Any, **kwargs: Any) -> Any:
+        pipelines.append(passes)
+        return build_pipeline(self, passes, *args, **kwargs)
+
+    monkeypatch.setattr(PassRegistry, "build_pipeline", spy)
+    monkeypatch.chdir(REPO)
+    none = run_configuration(CONFIG, 64, "none", tmp_path, device="cpu")
+    budget = run_configuration(CONFIG, 64, "0.9", tmp_path, device="cpu")
+    assert pipelines == ["profile", "select,rewrite"]
+    assert "error" not in none and "error" not in budget, (none, budget)
+    assert budget["profile_seconds"] == none["profile_seconds"]
+    assert budget["iteration_ms"] > 0
+
+
+# -- measure_step ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("failing_call", [2, 5], ids=["during-warmup", "while-measuring"])
+def test_measure_step_records_out_of_memory(failing_call: int) -> None:
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == failing_call:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert measure_step(step, torch.device("cpu"), warmup=3, iterations=10) == {"error": "out of memory"}
+    assert calls == failing_call  # it stopped at the failure
+
+
+def test_measure_step_times_every_iteration() -> None:
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+
+    row = measure_step(step, torch.device("cpu"), warmup=3, iterations=10)
+    assert calls == 13
+    assert row["iteration_ms"] >= 0 and "error" not in row
+    assert len(row["iteration_ms_all"]) == 10
+    assert row["peak_bytes"] is None
+
+
+def test_measure_step_lets_other_errors_through() -> None:
+    def step() -> None:
+        raise ValueError("a bug in the model")
+
+    with pytest.raises(ValueError, match="a bug in the model"):
+        measure_step(step, torch.device("cpu"), warmup=3, iterations=10)
+
+
+# -- the plots, from synthetic results -------------------------------------------------------------
+def synthetic_results() -> dict[str, Any]:
+    mib = 2**20
+    runs: list[dict[str, Any]] = []
+    for batch, scale in ((8, 1), (16, 2)):
+        runs.append({"batch_size": batch, "variant": "eager", "peak_bytes": 120 * scale * mib,
+                     "iteration_ms": 10.0 * scale})  # fmt: skip
+        runs.append({"batch_size": batch, "variant": "none", "peak_bytes": 100 * scale * mib,
+                     "simulated_peak_bytes": 95 * scale * mib, "iteration_ms": 11.0 * scale})  # fmt: skip
+    runs.append({"batch_size": 8, "variant": "0.5", "peak_bytes": 55 * mib, "simulated_peak_bytes": 50 * mib,
+                 "iteration_ms": 13.0})  # fmt: skip
+    runs.append({"batch_size": 16, "variant": "0.5", "error": OUT_OF_MEMORY})
+    return {"model": "synthetic", "device": "NVIDIA H100", "memory_limit_bytes": 200 * mib, "runs": runs}
+
+
+def test_plot_all_writes_the_three_plots(tmp_path: Path) -> None:
+    written = plot_all(synthetic_results(), tmp_path)
+    assert written == list(PLOTS)
+    for name in PLOTS:
+        data = (tmp_path / name).read_bytes()
+        assert len(data) > 1000 and data.startswith(PNG_MAGIC), name
+
+
+def test_plot_all_without_eager_and_without_peaks(tmp_path: Path) -> None:
+    results = synthetic_results()
+    results["runs"] = [{**row, "peak_bytes": None} for row in results["runs"] if row["variant"] != "eager"]
+    assert plot_all(results, tmp_path) == ["latency_vs_batch.png"]  # overheads against "none"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_vs_batch.png"]
+
+
+# -- bad input: one line, exit code 2, nothing written -------------------------------------------
+# (arguments, words the error line must contain)
+BAD_INPUT = {
+    "missing-config": (["{tmp}/nope.yaml", "--batch-sizes", "32"], ["nope.yaml", "does not exist"]),
+    "batch-size-zero": (["{config}", "--batch-sizes", "0"], ["--batch-sizes", "positive integer, got 0"]),
+    "batch-sizes-not-numbers": (["{config}", "--batch-sizes", "a,b"], ["--batch-sizes", "positive integer"]),
+    "ambiguous-budget": (["{config}", "--batch-sizes", "32", "--budgets", "2.5"], ["--budgets", "ambiguous"]),
+    "negative-budget": (["{config}", "--batch-sizes", "32", "--budgets", "-1"], ["--budgets", "positive"]),
+    "memory-limit-fraction": (["{config}", "--batch-sizes", "32", "--memory-limit", "0.5"],
+                              ["--memory-limit", "needs bytes with a unit", "16GiB"]),
+    "warmup-too-small": (["{config}", "--batch-sizes", "32", "--warmup", "1"], ["--warmup must be at least 3"]),
+    "iterations-too-few": (["{config}", "--batch-sizes", "32", "--iterations", "5"], ["--iterations at least 10"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    template, words = BAD_INPUT[case]
+    argv = [a.format(tmp=tmp_path, config=CONFIG) for a in template]
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)  # so that a default output folder would land here too
+    code = main([*argv, "-o", str(out)])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, f"expected exactly one line on stderr, got:\n{captured.err}"
+    assert lines[0].startswith("mutwo-experiment: error: "), lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert code == EXIT_USAGE
+    assert captured.out == ""
+    assert not out.exists()
+    assert not (tmp_path / "mutwo-out").exists()
+
+
+# -- out of memory: larger batches of that variant are skipped -------------------------------------
+@pytest.fixture
+def fake_worker(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Replace the worker process: eager runs out of memory at batch 32, everything else runs."""
+    calls: list[tuple[int, str]] = []
+
+    def run_worker(args: argparse.Namespace, batch_size: int, variant: str, out: Path) -> dict[str, Any]:
+        calls.append((batch_size, variant))
+        if variant == "eager" and batch_size == 32:
+            return {"batch_size": batch_size, "variant": variant, "error": OUT_OF_MEMORY}
+        return {"batch_size": batch_size, "variant": variant, "iteration_ms": 1.0, "peak_bytes": None}
+
+    monkeypatch.setattr(experiment, "_run_worker", run_worker)
+    monkeypatch.chdir(REPO)
+    return calls
+
+
+def test_out_of_memory_skips_larger_batches(fake_worker: list[tuple[int, str]], tmp_path: Path) -> None:
+    out = tmp_path / "x"
+    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.9", "-o", str(out)])
+    assert code == EXIT_OK  # running out of memory is a result, not a failure
+    assert fake_worker == [(32, "eager"), (32, "none"), (32, "0.9"), (64, "none"), (64, "0.9")]
+    rows = rows_by_key(json.loads((out / "results.json").read_text(encoding="utf-8")))
+    assert len(rows) == 6
+    assert rows[(32, "eager")]["error"] == OUT_OF_MEMORY
+    assert rows[(64, "eager")]["error"].startswith("skipped")
+    assert rows[(64, "none")]["iteration_ms"] == 1.0 and rows[(64, "0.9")]["iteration_ms"] == 1.0
+    assert (out / "latency_vs_batch.png").is_file()
+
+
+def test_keep_going_after_oom_measures_larger_batches(fake_worker: list[tuple[int, str]], tmp_path: Path) -> None:
+    out = tmp_path / "x"
+    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.9", "-o", str(out),
+                 "--keep-going-after-oom"])  # fmt: skip
+    assert code == EXIT_OK
+    assert (64, "eager") in fake_worker
+    rows = rows_by_key(json.loads((out / "results.json").read_text(encoding="utf-8")))
+    assert rows[(64, "eager")] == {"batch_size": 64, "variant": "eager", "iteration_ms": 1.0, "peak_bytes": None}
+
+
+def test_out_of_memory_while_planning_also_skips(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: list[tuple[int, str]] = []
+
+    def run_worker(args: argparse.Namespace, batch_size: int, variant: str, out: Path) -> dict[str, Any]:
+        calls.append((batch_size, variant))
+        if variant == "none":
+            return {"batch_size": batch_size, "variant": variant, "error": f"{OUT_OF_MEMORY} while planning"}
+        return {"batch_size": batch_size, "variant": variant, "iteration_ms": 1.0, "peak_bytes": None}
+
+    monkeypatch.setattr(experiment, "_run_worker", run_worker)
+    monkeypatch.chdir(REPO)
+    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "16,32", "--budgets", "", "--no-eager",
+                 "-o", str(tmp_path / "x")])  # fmt: skip
+    assert code == EXIT_OK
+    assert calls == [(16, "none")]
+    rows = rows_by_key(json.loads((tmp_path / "x" / "results.json").read_text(encoding="utf-8")))
+    assert rows[(32, "none")]["error"].startswith("skipped")
