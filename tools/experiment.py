@@ -140,7 +140,8 @@ def measure_after_planning(step: Callable[[], Any], device: torch.device, memory
         torch.cuda.empty_cache()
         if memory_limit is not None:
             total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), index)
             row["memory_limit_bytes"] = memory_limit
     row.update(measure_step(step, device, warmup=warmup, iterations=iterations))
     return row
