@@ -178,6 +178,13 @@ class Recompute:
 
         for target in targets:
             clone(target)
+        for source in sources:
+            if source not in from_clones and any(t is not None and t.storage == storage
+                                                 for t in self.graph.node(source).tensors):  # fmt: skip
+                # Its producer cannot be replayed (a random op, say dropout): the block would read
+                # the very storage it is meant to free, which then stays live and saves nothing.
+                raise NotRecomputable(f"{storage} would be read from its own producer "
+                                      f"{self.graph.node(source)!r}, which cannot be replayed")  # fmt: skip
         ordered = sorted(to_clone, key=self.rank.__getitem__)
         return Block(storage, point.id, ordered, [t.id for t in targets], sorted(sources, key=self.rank.__getitem__),
                      from_clones)  # fmt: skip

@@ -7,13 +7,14 @@ then b, then a.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from mutwo_ir import from_fx
 from mutwo_ir.liveness import compute_liveness
 from mutwo_ir.node import StorageKey
-from mutwo_ir.recompute import Recompute, insert_blocks
+from mutwo_ir.recompute import NotRecomputable, Recompute, insert_blocks
 from mutwo_ir.verifier import verify
 from runtime.capture import capture
 from runtime.equivalence import compare_graphs
@@ -92,3 +93,35 @@ def test_rewritten_chain_is_bitwise_equivalent_and_blocks_sit_before_first_backw
     for key in keys.values():
         assert all(u.phase.value == "forward" for u in graph.node(key.creator).users)
     assert compare_graphs(original, graph, inputs).equivalent
+
+
+class _NativeDropout(nn.Module):
+    """Dropout as CUDA traces it, one random op with two outputs (on CPU ``F.dropout`` is a
+    replayable ``mul`` by a mask instead), followed by a matmul whose backward reads its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dropped, _mask = torch.ops.aten.native_dropout(x.sin(), 0.25, True)
+        return (dropped.view(-1, 8) @ self.W).sin()
+
+
+def test_output_of_a_random_multi_output_op_is_not_a_candidate() -> None:
+    """Reading it back from its own producer would keep it live: nothing saved, so not recomputable."""
+    torch.manual_seed(0)
+    model = _NativeDropout()
+    batch = (torch.randn(2, 4, 8),)
+    captured, _ = capture(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, lambda out, b: out.sum())
+    graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+    liveness = compute_liveness(graph)
+    recompute = Recompute(graph, liveness)
+    dropout = next(n for n in graph if n.op_name == "aten.native_dropout.default")
+    dropped = StorageKey(dropout.id, 0)
+    assert dropped in {r.key for r in liveness.activations()}
+    with pytest.raises(NotRecomputable, match="its own producer"):
+        recompute.plan_block(dropped, set(), {})
+    product = next(n for n in graph if n.op_name == "aten.mm.default" and n.phase.value == "forward")
+    block = recompute.plan_block(StorageKey(product.id), set(), {})  # read from the kept dropout output
+    assert block.nodes == [product.id]
