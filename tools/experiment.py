@@ -208,7 +208,9 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
             if profile.fingerprint == fingerprint(lowered.graph):
                 context.artifacts["profile"] = profile
                 passes = "select,rewrite"
-                row["profile_seconds"] = json.loads((folder / "timing.json").read_text())["profile_seconds"]
+                timing = folder / "timing.json"  # written by the run that profiled
+                if timing.exists():
+                    row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
     available = {"profile"} if "profile" in context.artifacts else set()
     result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
     seconds = {record.name: record.seconds for record in result.records}
@@ -253,7 +255,7 @@ def _budget(text: str) -> str:
     from mutwo_ir.budget import BudgetError, parse_budget
 
     try:
-        parse_budget(float(text) if text.replace(".", "", 1).isdigit() else text)
+        parse_budget(text)
     except BudgetError as error:
         raise ValueError(str(error)) from None
     return text
