@@ -163,7 +163,7 @@ class StepBinding:
         """Raise :class:`StaleCaptureError` if an Adam bucket's step counts are no longer equal
         (optimizer state replaced, say by ``load_state_dict`` from another run)."""
         layout = self.foreach_layout
-        if self.spec.algorithm == "sgd" or not layout:
+        if self.spec.algorithm == "sgd" or not any(layout):
             return
         params = dict(self.model.named_parameters())
         steps = [[self.optimizer.state[params[n]]["step"] for n in bucket] for bucket in layout]
@@ -221,8 +221,9 @@ class StepBinding:
                         group_index = self.group_of[name]
                         functional_optim.update(self.spec, self.optimizer.param_groups[group_index], params[name],
                                                 grad_of[name], states[name], lrs[group_index])  # fmt: skip
-                for bucket in buckets:
-                    names = [name for name in bucket if name in grad_of]
+                # Parameters without a gradient are not stepped: the layout to check is what is updated.
+                self.foreach_layout = [[name for name in bucket if name in grad_of] for bucket in buckets]
+                for names in self.foreach_layout:
                     if names:
                         group_index = self.group_of[names[0]]
                         functional_optim.update_foreach(

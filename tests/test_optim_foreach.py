@@ -109,3 +109,32 @@ def test_cuda_default_form_is_foreach_and_cpu_default_is_single_tensor() -> None
     assert uses_foreach({**group, "foreach": True}, [torch.zeros(1)])
     assert not uses_foreach({**group, "foreach": True, "capturable": True}, [torch.zeros(1)])
     assert not uses_foreach({**group, "lr": torch.tensor(0.1)}, [torch.zeros(1)])
+
+
+class _WithUnusedParameter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x).square().mean()
+
+
+def test_a_parameter_without_gradient_is_not_stepped_and_does_not_trip_the_check() -> None:
+    torch.manual_seed(0)
+    model = _WithUnusedParameter()
+    optimizer = _foreach(torch.optim.Adam(model.parameters(), lr=1e-2))
+    batch = torch.randn(3, 4)
+    captured, binding = capture(model, optimizer, batch, lambda output, _batch: output)
+    graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+    step = GraphStep(graph, captured, binding)
+    for _ in range(2):
+        step(batch)
+    steps = {name: float(optimizer.state[p]["step"]) for name, p in model.named_parameters()}
+    assert steps == {"used.weight": 2.0, "used.bias": 2.0, "unused.weight": 0.0, "unused.bias": 0.0}
+    # State replaced by equal values (as load_state_dict does): checked again, and still consistent.
+    for p in model.parameters():
+        optimizer.state[p]["step"] = optimizer.state[p]["step"].clone()
+    step(batch)
+    assert float(optimizer.state[model.used.weight]["step"]) == 3.0
