@@ -1,0 +1,50 @@
+"""bench/compare.py's own logic, on CPU: which blocks it checkpoints and which budget each mutwo variant plans for."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from mutwo_ir.budget import Budget
+
+_PATH = Path(__file__).resolve().parent.parent / "bench" / "compare.py"
+_SPEC = importlib.util.spec_from_file_location("bench_compare", _PATH)
+assert _SPEC is not None and _SPEC.loader is not None
+compare = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_compare"] = compare
+_SPEC.loader.exec_module(compare)
+
+ROWS = [{"variant": "eager", "peak_bytes": 1000}, {"variant": "checkpoint", "peak_bytes": 400}]
+
+
+def test_budgets_name_measured_peaks_or_pass_through() -> None:
+    assert compare.mutwo_budget("checkpoint", ROWS) == Budget(bytes=400)
+    assert compare.mutwo_budget("eager0.5", ROWS) == Budget(bytes=500)
+    assert compare.mutwo_budget("0.7", ROWS) == "0.7"
+    assert compare.mutwo_budget("min", ROWS) == "min"
+
+
+def test_a_budget_naming_an_unmeasured_variant_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
+        compare.mutwo_budget("checkpoint", ROWS[:1])
+
+
+def test_every_residual_block_is_checkpointed_and_the_numbers_stay_the_same() -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    batch = torch.randn(2, 3, 32, 32)
+    model.eval()  # batch norm statistics must not move between the two forwards
+    expected = model(batch)
+    assert compare.checkpoint_blocks(model) == 8  # resnet18: 4 stages of 2 BasicBlocks
+    wrapped = [m for m in model.modules() if isinstance(m, compare.Checkpointed)]
+    assert len(wrapped) == 8
+    batch.requires_grad_(True)
+    output = model(batch)
+    assert torch.equal(output, expected)
+    output.sum().backward()
+    assert batch.grad is not None
