@@ -1,0 +1,28 @@
+"""The reference transformer example end to end on CPU: BERT-base masked LM (sequence 128, batch 8)
+through profile, select and rewrite, with the rewritten step checked bitwise against the captured
+one. (ResNet-152 runs end to end in tests/test_docs.py, through the walk-through's command.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.mutwo_opt import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_bert_example_is_optimized_and_bitwise_equal_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "bert128"
+    code = main(["-q", "--check", "-p", "profile{runs=1,warmup=0},select,rewrite", "-o", str(out),
+                 "examples/bert128.yaml"])  # fmt: skip
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["equivalent"] is True
+    assert summary["recomputed"] > 0
+    # The config's budget, 0.8 of the unoptimized simulated peak, is met.
+    assert summary["peak_bytes_after"] <= 0.8 * summary["peak_bytes_before"] * 1.001
