@@ -173,16 +173,14 @@ class Training:
 def build_training(config_path: str | Path, batch_size: int, device: str | None = None) -> Training:
     """Build the config's model, batch and optimizer at ``batch_size`` on its device."""
     from tools.config import apply_overrides, load_config
-    from tools.workloads import build_optimizer, build_workload
+    from tools.workloads import build_optimizer, build_workload, target_device, to_device
 
     config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device)
-    target = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if config.device == "auto" else config.device))  # fmt: skip
+    target = target_device(config)
     torch.manual_seed(config.seed)
     workload = build_workload(config)
     model = workload.model.to(target)
-    batch = torch.utils._pytree.tree_map(lambda t: t.to(target) if isinstance(t, torch.Tensor) else t, workload.batch)
-    return Training(model, build_optimizer(config, model), batch, workload.loss_fn, target)
+    return Training(model, build_optimizer(config, model), to_device(workload.batch, target), workload.loss_fn, target)
 
 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
@@ -279,6 +277,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tools.config import ConfigError, apply_overrides, load_config
+    from tools.workloads import target_device
 
     batch_sizes = _parse_list(args.batch_sizes, "batch-sizes", _positive_int)
     budgets = _parse_list(args.budgets, "budgets", _budget) if args.budgets.strip() else []
@@ -287,11 +286,9 @@ def run_experiment(args: argparse.Namespace) -> int:
         raise UsageError("--warmup must be at least 3 and --iterations at least 10, for a stable median")
     try:
         config = apply_overrides(load_config(args.config), device=args.device)
+        on_gpu = target_device(config).type == "cuda"
     except ConfigError as error:
         raise UsageError(str(error)) from None
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("CUDA was requested but no GPU is visible to torch; use --device cpu or auto")
-    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     out = Path(args.out) if args.out else Path("mutwo-out") / f"experiment-{config.name}"
     try:
         out.mkdir(parents=True, exist_ok=True)

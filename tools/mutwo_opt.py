@@ -39,7 +39,7 @@ from runtime.profiler import Profile, fingerprint, measure_iterations
 from runtime.tracing import CaptureError
 from tools.config import Config, ConfigError, apply_overrides, load_config
 from tools.reports import memory_timeline, write_reports
-from tools.workloads import build_optimizer, build_workload
+from tools.workloads import build_optimizer, build_workload, target_device, to_device
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -118,11 +118,10 @@ class MutwoOpt:
         return config
 
     def resolve_device(self, config: Config) -> torch.device:
-        if config.device == "cuda" and not torch.cuda.is_available():
-            raise UsageError("CUDA was requested but no GPU is visible to torch; use --device cpu or auto")
-        if config.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(config.device)
+        try:
+            return target_device(config)
+        except ConfigError as error:
+            raise UsageError(str(error)) from None
 
     def build_pipeline(self, config: Config) -> PassManager:
         try:
@@ -157,7 +156,7 @@ class MutwoOpt:
         try:
             workload = build_workload(config)
             model = workload.model.to(device)
-            batch = _to_device(workload.batch, device)
+            batch = to_device(workload.batch, device)
             optimizer = build_optimizer(config, model)
             self.log("capturing one training iteration (forward, backward, optimizer step)")
             lowered = capture_graph(model, optimizer, batch, workload.loss_fn)
@@ -304,12 +303,6 @@ class MutwoOpt:
 def _counts(graph: Graph) -> dict[str, Any]:
     return {"total": len(graph), "by_phase": dict(sorted(Counter(n.phase.value for n in graph).items())),
             "by_kind": dict(sorted(Counter(n.kind.value for n in graph).items()))}  # fmt: skip
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, batch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,20 @@ class Workload:
     loss_fn: Callable[[Any, Any], torch.Tensor]
 
 
+def target_device(config: Config) -> torch.device:
+    """The device a config trains on: ``auto`` is the GPU when torch sees one, else the CPU."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA was requested but no GPU is visible to torch; use --device cpu or auto")
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device``."""
+    return pytree.tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, batch)
+
+
 class ImageClassifier(nn.Module):
     """Lets a classifier take ``(inputs, labels)`` batches (the labels are for the loss)."""
 
