@@ -27,28 +27,19 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from mutwo_ir.pass_base import write_atomic
+from tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 OUT_OF_MEMORY = "out of memory"
 
 
-class UsageError(Exception):
-    """Bad arguments or config: one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see mutwo-experiment --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mutwo-experiment", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="mutwo-experiment", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="YAML config describing the model, as for mutwo-opt")
     parser.add_argument("--batch-sizes", required=True, help="comma-separated, e.g. 16,32,64")
     parser.add_argument("--budgets", default="0.7,0.5", help="comma-separated budgets (fractions, bytes or 'min')")

@@ -18,7 +18,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -37,28 +37,18 @@ from runtime.equivalence import EquivalenceReport, check_graphs
 from runtime.optim import UnsupportedOptimizerError
 from runtime.profiler import Profile, fingerprint, measure_iterations
 from runtime.tracing import CaptureError
+from tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 from tools.config import Config, ConfigError, apply_overrides, load_config
 from tools.reports import memory_timeline, write_reports
 from tools.workloads import build_optimizer, build_workload, target_device, to_device
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """Bad usage, config or pipeline: exit code 2."""
 
 
 class Failure(Exception):
     """A pass, verification or the equivalence check failed: exit code 1."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see mutwo-opt --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mutwo-opt", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="mutwo-opt", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", help="YAML config describing the model (see the README)")
     parser.add_argument("-p", "--passes", help="pipeline, e.g. 'stats,dce' (default: the config's 'passes')")
     parser.add_argument("-o", "--out", help="output folder (default: mutwo-out/<config name>)")
