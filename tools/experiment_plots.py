@@ -37,6 +37,18 @@ def _table(results: dict[str, Any]) -> tuple[list[int], list[str], dict[tuple[in
     return batches, variants, {(r["batch_size"], r["variant"]): r for r in runs}
 
 
+def _save(figure: Any, axes: Any, path: Path, xlabel: str, ylabel: str, title: str) -> bool:
+    """Label, write and close a plot; True (it was written)."""
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
 def plot_peaks(results: dict[str, Any], path: Path) -> bool:
     """Grouped bars of peak memory; False (nothing written) when no run measured a peak (CPU)."""
     batches, variants, rows = _table(results)
@@ -61,17 +73,11 @@ def plot_peaks(results: dict[str, Any], path: Path) -> bool:
                 change = row["peak_bytes"] / base["peak_bytes"] - 1
                 axes.text(x, peak, f"{change:+.0%}", ha="center", va="bottom", fontsize=7)
     axes.set_xticks(range(len(batches)), [str(b) for b in batches])
-    axes.set_xlabel("batch size")
-    axes.set_ylabel("peak memory (MiB)")
     limit = results.get("memory_limit_bytes")
     if limit:
         axes.axhline(limit / MIB, color="firebrick", linestyle="--", linewidth=1, label="memory limit")
-    axes.set_title(f"{results['model']}: peak memory ({results['device']})")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _save(figure, axes, path, "batch size", "peak memory (MiB)",
+                 f"{results['model']}: peak memory ({results['device']})")  # fmt: skip
 
 
 def plot_latency(results: dict[str, Any], path: Path) -> bool:
@@ -97,14 +103,8 @@ def plot_latency(results: dict[str, Any], path: Path) -> bool:
     if not drawn:
         plt.close(figure)
         return False
-    axes.set_xlabel("batch size")
-    axes.set_ylabel("iteration time (ms, median)")
-    axes.set_title(f"{results['model']}: iteration time, overhead vs {_label(reference)}")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _save(figure, axes, path, "batch size", "iteration time (ms, median)",
+                 f"{results['model']}: iteration time, overhead vs {_label(reference)}")  # fmt: skip
 
 
 def plot_simulated_vs_measured(results: dict[str, Any], path: Path) -> bool:
@@ -122,14 +122,8 @@ def plot_simulated_vs_measured(results: dict[str, Any], path: Path) -> bool:
                       textcoords="offset points", xytext=(4, -8), fontsize=7)  # fmt: skip
     axes.set_xlim(0, top)
     axes.set_ylim(0, top)
-    axes.set_xlabel("simulated peak (MiB)")
-    axes.set_ylabel("measured peak (MiB)")
-    axes.set_title(f"{results['model']}: simulated vs measured peak")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _save(figure, axes, path, "simulated peak (MiB)", "measured peak (MiB)",
+                 f"{results['model']}: simulated vs measured peak")  # fmt: skip
 
 
 def plot_all(results: dict[str, Any], out: Path) -> list[str]:
