@@ -24,7 +24,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check mutwo_ir passes runtime tools tests
+	$(VENV)/bin/ruff check mutwo mutwo_ir passes runtime tools tests bench examples
 
 clean:
 	rm -rf $(VENV) mutwo-out .pytest_cache

@@ -29,8 +29,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mutwo_ir.budget import Budget  # noqa: E402
-from tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
+from mutwo.ir.budget import Budget  # noqa: E402
+from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml"}
 VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "mutwo-checkpoint", "mutwo-eager0.5"]

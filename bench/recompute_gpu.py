@@ -34,7 +34,8 @@ def main() -> None:
             continue
         for budget in budgets:
             with tempfile.TemporaryDirectory() as out:
-                command = [sys.executable, "-m", "tools.mutwo_opt", "-q", "-p", "profile,select,rewrite", "--check",
+                command = [sys.executable, "-m", "mutwo.tools.mutwo_opt", "-q", "-p", "profile,select,rewrite",
+                           "--check",
                            "--budget", budget, "--batch-size", str(batch), "--device", "cuda", "-o", out, config]
                 start = time.perf_counter()
                 done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

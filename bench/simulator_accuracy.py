@@ -20,13 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mutwo_ir import from_fx  # noqa: E402
-from mutwo_ir.memory import simulate  # noqa: E402
-from mutwo_ir.to_fx import to_fx  # noqa: E402
-from runtime.capture import capture  # noqa: E402
-from runtime.profiler import measure_iterations, profile_graph  # noqa: E402
-from tools.config import apply_overrides, load_config  # noqa: E402
-from tools.workloads import build_optimizer, build_workload  # noqa: E402
+from mutwo.ir import from_fx  # noqa: E402
+from mutwo.ir.memory import simulate  # noqa: E402
+from mutwo.ir.to_fx import to_fx  # noqa: E402
+from mutwo.runtime.capture import capture  # noqa: E402
+from mutwo.runtime.profiler import measure_iterations, profile_graph  # noqa: E402
+from mutwo.tools.config import apply_overrides, load_config  # noqa: E402
+from mutwo.tools.workloads import build_optimizer, build_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {

@@ -6,8 +6,8 @@ activation when the rewrite moves its backward uses to a recompute clone.
 
 from __future__ import annotations
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import STATE_KINDS, Node, NodeKind, Phase
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import STATE_KINDS, Node, NodeKind, Phase
 
 
 def classify(graph: Graph) -> None:

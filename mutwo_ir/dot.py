@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pydot
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node, NodeKind
-from mutwo_ir.pass_base import write_atomic
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node, NodeKind
+from mutwo.ir.pass_base import write_atomic
 
 #: Fill colour of each kind; the legend in the drawing repeats it.
 KIND_COLOURS: dict[NodeKind, str] = {
@@ -25,7 +25,7 @@ HIGHLIGHT_COLOUR = "#d62728"
 
 
 def _label(node: Node) -> str:
-    from mutwo_ir.printer import _memory, _value_type
+    from mutwo.ir.printer import _memory, _value_type
 
     title = node.label if node.op == "placeholder" else node.op_name
     clone = f"\\nclone of %{node.origin}" if node.origin is not None else ""

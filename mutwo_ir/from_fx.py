@@ -9,9 +9,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from mutwo_ir.classify import classify
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.classify import classify
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 
 PHASE_META = "mutwo_phase"
 

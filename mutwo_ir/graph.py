@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
-from mutwo_ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 
 
 class GraphError(ValueError):
@@ -23,7 +23,7 @@ class Graph:
     """A whole training iteration as IR nodes in execution order.
 
     ``slots`` lists, for each placeholder in order, the qualified name of what the runtime feeds
-    it (for example ``fc.weight`` or ``fc.weight:exp_avg``); see :mod:`runtime.capture`.
+    it (for example ``fc.weight`` or ``fc.weight:exp_avg``); see :mod:`mutwo.runtime.capture`.
     """
 
     def __init__(self) -> None:

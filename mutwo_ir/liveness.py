@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node, NodeKind, Phase, StorageKey
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey
 
 #: When one storage is held by nodes of several kinds, the first kind in this list names it.
 KIND_PRECEDENCE = (

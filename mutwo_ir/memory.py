@@ -2,7 +2,7 @@
 
 It walks the execution order on top of the persistent state (parameters, buffers, optimizer
 state, the batch): a storage's bytes are added at its creator and removed after its last use
-(see :mod:`mutwo_ir.liveness`), and a node's transient workspace, where a profile measured one,
+(see :mod:`mutwo.ir.liveness`), and a node's transient workspace, where a profile measured one,
 counts while that node runs. On CUDA, sizes are rounded up as the caching allocator rounds them.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import KIND_PRECEDENCE, Liveness, compute_liveness
-from mutwo_ir.node import NodeKind
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import KIND_PRECEDENCE, Liveness, compute_liveness
+from mutwo.ir.node import NodeKind
 
 #: The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 CUDA_BLOCK = 512

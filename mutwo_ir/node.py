@@ -86,7 +86,7 @@ class Node:
     or ``output``. ``args``/``kwargs`` hold other nodes anywhere inside lists and tuples, as fx does.
     ``tensors`` describes the tensors of the value: one for a tensor, one per element (``None`` for
     non-tensors) for a tuple, none otherwise. Nodes are created and mutated only through
-    :class:`mutwo_ir.graph.Graph`, which keeps ``users`` consistent.
+    :class:`mutwo.ir.graph.Graph`, which keeps ``users`` consistent.
     """
 
     __slots__ = (

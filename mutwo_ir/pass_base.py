@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node
 
 KEBAB = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 

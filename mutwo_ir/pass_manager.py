@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo_ir.dot import write_dot
-from mutwo_ir.graph import Graph
-from mutwo_ir.pass_base import Pass, PassContext, PassFailure, write_atomic
-from mutwo_ir.printer import format_node, print_graph
-from mutwo_ir.verifier import VerificationError, verify
+from mutwo.ir.dot import write_dot
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure, write_atomic
+from mutwo.ir.printer import format_node, print_graph
+from mutwo.ir.verifier import VerificationError, verify
 
 
 class PipelineFailure(RuntimeError):

@@ -16,8 +16,8 @@ import hashlib
 import io
 from typing import Any
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node, TensorMeta
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node, TensorMeta
 
 
 def _type(meta: TensorMeta | None) -> str:

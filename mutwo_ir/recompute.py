@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from mutwo_ir.classify import classify
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness, StorageLiveness
-from mutwo_ir.node import Node, Phase, StorageKey, TensorMeta
+from mutwo.ir.classify import classify
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import Liveness, StorageLiveness
+from mutwo.ir.node import Node, Phase, StorageKey, TensorMeta
 
 
 class NotRecomputable(Exception):

@@ -17,21 +17,21 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from mutwo_ir.pass_base import KEBAB, Pass, PassOptionError
-from mutwo_ir.pipeline import PipelineItem, parse_pipeline
+from mutwo.ir.pass_base import KEBAB, Pass, PassOptionError
+from mutwo.ir.pipeline import PipelineItem, parse_pipeline
 
 ENTRY_POINT_GROUP = "mutwo.passes"
 
 #: Built-in passes: name -> "module:Class", imported only when used.
 BUILTIN_PASSES: dict[str, str] = {
-    "stats": "passes.stats:StatsPass",
-    "dce": "passes.dce:DeadCodeEliminationPass",
-    "liveness": "passes.liveness:LivenessPass",
-    "memory": "passes.memory:MemoryPass",
-    "profile": "passes.profile:ProfilePass",
-    "select": "passes.select:SelectPass",
-    "extract": "passes.extract:ExtractPass",
-    "insert-recompute": "passes.insert_recompute:InsertRecomputePass",
+    "stats": "mutwo.passes.stats:StatsPass",
+    "dce": "mutwo.passes.dce:DeadCodeEliminationPass",
+    "liveness": "mutwo.passes.liveness:LivenessPass",
+    "memory": "mutwo.passes.memory:MemoryPass",
+    "profile": "mutwo.passes.profile:ProfilePass",
+    "select": "mutwo.passes.select:SelectPass",
+    "extract": "mutwo.passes.extract:ExtractPass",
+    "insert-recompute": "mutwo.passes.insert_recompute:InsertRecomputePass",
 }
 
 #: Names that stand for several passes.
@@ -54,12 +54,13 @@ class PassRegistry:
                 self._loaders[name] = _lazy(target)
             for entry in entry_points(group=ENTRY_POINT_GROUP):
                 self._loaders.setdefault(entry.name, entry.load)
+            self._classes.update(_DECORATED)
 
     # -- registration ----------------------------------------------------------------------
     def register(self, cls: type[Pass]) -> type[Pass]:
         """Register a Pass subclass under its ``name``; usable as a decorator."""
         if not (inspect.isclass(cls) and issubclass(cls, Pass)):
-            raise RegistryError(f"{cls!r} is not a subclass of mutwo_ir.pass_base.Pass")
+            raise RegistryError(f"{cls!r} is not a subclass of mutwo.ir.pass_base.Pass")
         if not KEBAB.match(cls.name or ""):
             raise RegistryError(f"pass class {cls.__name__} has name {cls.name!r}; a pass name is kebab-case, "
                                 "like 'my-pass'")  # fmt: skip
@@ -172,6 +173,23 @@ class PassRegistry:
         for alias, targets in sorted(self.aliases.items()):
             lines.append(f"{alias:<18} [alias] {','.join(targets)}")
         return "\n".join(lines)
+
+
+#: Passes registered with :func:`register_pass`: part of every registry built with ``builtins=True``.
+_DECORATED: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    """Make a Pass subclass available to every pipeline of this process; a class decorator.
+
+    ``@mutwo.register_pass`` on a pass defined in your own code lets ``mutwo.optimize(...,
+    passes="...,my-pass")`` and in-process ``mutwo-opt`` runs name it. It is refused, like
+    :meth:`PassRegistry.register` refuses it, when it is not a Pass subclass, its name is not
+    kebab-case, or another pass already has that name.
+    """
+    PassRegistry().register(cls)
+    _DECORATED[cls.name] = cls
+    return cls
 
 
 def _lazy(target: str) -> Callable[[], type[Pass]]:

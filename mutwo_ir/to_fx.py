@@ -6,8 +6,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node
 
 NODE_ID_META = "mutwo_id"
 

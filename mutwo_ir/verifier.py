@@ -9,10 +9,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 
-from mutwo_ir.classify import state_kind_of_update
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase
-from mutwo_ir.printer import format_node
+from mutwo.ir.classify import state_kind_of_update
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase
+from mutwo.ir.printer import format_node
 
 
 class VerificationError(ValueError):

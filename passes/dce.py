@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mutwo_ir.classify import classify
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node
-from mutwo_ir.pass_base import Pass, PassContext
+from mutwo.ir.classify import classify
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node
+from mutwo.ir.pass_base import Pass, PassContext
 
 
 def is_removable(node: Node) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import StorageKey
-from mutwo_ir.pass_base import Pass, PassContext, PassFailure
-from mutwo_ir.printer import fingerprint
-from mutwo_ir.recompute import Block, NotRecomputable, Recompute
-from passes.liveness import liveness_of
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import StorageKey
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure
+from mutwo.ir.printer import fingerprint
+from mutwo.ir.recompute import Block, NotRecomputable, Recompute
+from mutwo.passes.liveness import liveness_of
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.pass_base import Pass, PassContext
-from mutwo_ir.recompute import insert_blocks
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import Pass, PassContext
+from mutwo.ir.recompute import insert_blocks
 
 
 @dataclass(frozen=True)

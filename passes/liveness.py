@@ -6,9 +6,9 @@ import csv
 import io
 from dataclasses import dataclass
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness, compute_liveness
-from mutwo_ir.pass_base import Pass, PassContext, write_atomic
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import Liveness, compute_liveness
+from mutwo.ir.pass_base import Pass, PassContext, write_atomic
 
 COLUMNS = ("storage", "bytes", "kind", "device", "persistent", "activation", "created", "last_forward_use",
            "first_backward_use", "last_backward_use", "last_use", "holders")  # fmt: skip

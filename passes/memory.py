@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.memory import MemorySimulation, simulate
-from mutwo_ir.pass_base import Pass, PassContext
-from passes.liveness import liveness_of
+from mutwo.ir.graph import Graph
+from mutwo.ir.memory import MemorySimulation, simulate
+from mutwo.ir.pass_base import Pass, PassContext
+from mutwo.passes.liveness import liveness_of
 
 
 def simulate_with_profile(graph: Graph, ctx: PassContext) -> MemorySimulation:

@@ -7,10 +7,10 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness, elapsed_seconds, idle_seconds
-from mutwo_ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
-from passes.liveness import liveness_of
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
+from mutwo.passes.liveness import liveness_of
 
 
 def node_table(graph: Graph, profile: Any) -> str:

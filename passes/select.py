@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from mutwo_ir.budget import Budget, BudgetError, parse_budget
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness, elapsed_seconds, idle_seconds
-from mutwo_ir.memory import MemorySimulation, allocation_size, simulate
-from mutwo_ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
-from mutwo_ir.printer import fingerprint
-from mutwo_ir.recompute import NotRecomputable, Recompute, insert_blocks
-from passes.liveness import liveness_of
-from passes.mu_two import Candidate, GreedyResult, greedy
+from mutwo.ir.budget import Budget, BudgetError, parse_budget
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
+from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
+from mutwo.ir.printer import fingerprint
+from mutwo.ir.recompute import NotRecomputable, Recompute, insert_blocks
+from mutwo.passes.liveness import liveness_of
+from mutwo.passes.mu_two import Candidate, GreedyResult, greedy
 
 MIB = 2**20
 

@@ -6,8 +6,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.pass_base import Pass, PassContext
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import Pass, PassContext
 
 
 @dataclass(frozen=True)

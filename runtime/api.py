@@ -1,7 +1,7 @@
 """mutwo from your own training loop: one call turns a model, its optimizer, an example batch and
 a loss function into a training step that uses less memory and computes the same numbers.
 
-    from runtime.api import optimize
+    from mutwo.runtime.api import optimize
 
     step = optimize(model, optimizer, example_batch, loss_fn, budget=0.5)
     for batch in loader:
@@ -24,17 +24,17 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mutwo_ir import from_fx
-from mutwo_ir.budget import Budget, parse_budget
-from mutwo_ir.graph import Graph
-from mutwo_ir.pass_base import PassContext
-from mutwo_ir.pass_manager import PassManager, PipelineResult
-from mutwo_ir.registry import PassRegistry
-from mutwo_ir.verifier import verify
-from runtime.capture import CapturedStep, LossFn, StepBinding, capture
-from runtime.equivalence import EquivalenceReport, check_graphs
-from runtime.profiler import device_of, profile_graph
-from runtime.step import GraphStep
+from mutwo.ir import from_fx
+from mutwo.ir.budget import Budget, parse_budget
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import PassContext
+from mutwo.ir.pass_manager import PassManager, PipelineResult
+from mutwo.ir.registry import PassRegistry
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import CapturedStep, LossFn, StepBinding, capture
+from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.profiler import device_of, profile_graph
+from mutwo.runtime.step import GraphStep
 
 DEFAULT_PASSES = "profile,select,rewrite"
 

@@ -6,7 +6,7 @@ The iteration is traced with ``make_fx`` over fake tensors into a single fx grap
   one 0-dim float64 learning rate per parameter group, then the tensors of the batch; each has an
   :class:`InputSlot` naming what the runtime feeds it;
 * the forward runs through ``torch.func.functional_call``, the backward is ``torch.autograd.grad``
-  traced into explicit aten ops, the optimizer update is :mod:`runtime.optim`;
+  traced into explicit aten ops, the optimizer update is :mod:`mutwo.runtime.optim`;
 * parameters, buffers and optimizer state are updated **in place inside the graph** (``add_``,
   ``lerp_``, batch norm's running statistics...), exactly where eager PyTorch updates them, so old
   and new values never coexist; the graph returns ``(loss, *gradients)``;
@@ -27,10 +27,10 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 
-from mutwo_ir.from_fx import PHASE_META
-from mutwo_ir.node import NodeKind, Phase
-from runtime import optim as functional_optim
-from runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
+from mutwo.ir.from_fx import PHASE_META
+from mutwo.ir.node import NodeKind, Phase
+from mutwo.runtime import optim as functional_optim
+from mutwo.runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import NodeKind
-from mutwo_ir.to_fx import to_fx
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import NodeKind
+from mutwo.ir.to_fx import to_fx
 
 #: Tolerances on CUDA, where kernels (cuDNN convolution algorithms, atomics in reductions) may
 #: differ from run to run unless deterministic algorithms are on.

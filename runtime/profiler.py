@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.memory import allocation_size
-from mutwo_ir.printer import fingerprint
-from mutwo_ir.to_fx import NODE_ID_META, to_fx
+from mutwo.ir.graph import Graph
+from mutwo.ir.memory import allocation_size
+from mutwo.ir.printer import fingerprint
+from mutwo.ir.to_fx import NODE_ID_META, to_fx
 
 
 @dataclass

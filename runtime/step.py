@@ -9,10 +9,10 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import NodeKind
-from mutwo_ir.to_fx import to_fx
-from runtime.capture import CapturedStep, StepBinding
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import NodeKind
+from mutwo.ir.to_fx import to_fx
+from mutwo.runtime.capture import CapturedStep, StepBinding
 
 
 class BatchMismatchError(ValueError):

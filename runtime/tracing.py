@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import linecache
 import os
 import traceback
@@ -11,8 +12,10 @@ from collections.abc import Iterator
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + p
-                  for p in ("runtime", "mutwo_ir", "passes", "tools"))  # fmt: skip
+# mutwo's own sub-packages, wherever they are installed (the source folders in an editable install,
+# site-packages/mutwo/... from a wheel): frames there are never the user's.
+_OWN_DIRS = tuple(os.path.dirname(importlib.util.find_spec(f"mutwo.{name}").origin) + os.sep  # type: ignore[union-attr,arg-type]
+                  for name in ("ir", "passes", "runtime", "tools"))  # fmt: skip
 
 
 class CaptureError(RuntimeError):

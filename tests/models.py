@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tools import workloads
+from mutwo.tools import workloads
 
 # The tests build the same kind of workloads as the CLI: one set of wrappers for both.
 Workload = workloads.Workload

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.api import optimize
+from mutwo.runtime.api import optimize
 from tests import models
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ def test_fifty_iterations_with_a_scheduler_are_bitwise_equal_to_eager(name: str)
 CONTINUE = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {repo!r})
-    from runtime.api import optimize
+    from mutwo.runtime.api import optimize
     from tests.test_api import _make
     workload, optimizer, scheduler = _make("cnn")
     state = torch.load({checkpoint!r})

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torchvision
 
-from mutwo_ir.budget import Budget
+from mutwo.ir.budget import Budget
 
 _PATH = Path(__file__).resolve().parent.parent / "bench" / "compare.py"
 _SPEC = importlib.util.spec_from_file_location("bench_compare", _PATH)

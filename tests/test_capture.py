@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from mutwo_ir import from_fx
-from mutwo_ir.node import NodeKind, Phase
-from mutwo_ir.verifier import verify
-from runtime.capture import capture
-from runtime.step import GraphStep
-from runtime.tracing import CaptureError
+from mutwo.ir import from_fx
+from mutwo.ir.node import NodeKind, Phase
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import capture
+from mutwo.runtime.step import GraphStep
+from mutwo.runtime.tracing import CaptureError
 from tests import models
 
 

@@ -16,10 +16,10 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from mutwo_ir import from_fx
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import PHASE_ORDER, Node, NodeKind, Phase
-from runtime.capture import PHASE_META, CapturedStep, StepBinding, capture
+from mutwo.ir import from_fx
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import PHASE_ORDER, Node, NodeKind, Phase
+from mutwo.runtime.capture import PHASE_META, CapturedStep, StepBinding, capture
 from tests import models
 
 aten = torch.ops.aten

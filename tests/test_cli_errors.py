@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import mutwo_ir.registry as registry_module
-from mutwo_ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
-from tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+import mutwo.ir.registry as registry_module
+from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
+from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def explodes(batch_size):
 TEST_PASSES = '''\
 from dataclasses import dataclass
 
-from mutwo_ir.pass_base import Pass, option
+from mutwo.ir.pass_base import Pass, option
 
 
 @dataclass(frozen=True)
@@ -468,7 +468,7 @@ def test_a_pass_that_raises_exits_1_and_records_the_error(workdir: Path,
     failing = workdir / "failing_passes.py"
     failing.write_text(textwrap.dedent('''\
         from dataclasses import dataclass
-        from mutwo_ir.pass_base import Pass, PassFailure
+        from mutwo.ir.pass_base import Pass, PassFailure
 
         @dataclass(frozen=True)
         class Refuses(Pass):

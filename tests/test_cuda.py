@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mutwo_ir import from_fx
-from mutwo_ir.memory import simulate
-from mutwo_ir.to_fx import to_fx
-from runtime.capture import capture
-from runtime.equivalence import compare_graphs, deterministic_algorithms
-from runtime.profiler import measure_iterations, profile_graph
-from runtime.step import GraphStep
+from mutwo.ir import from_fx
+from mutwo.ir.memory import simulate
+from mutwo.ir.to_fx import to_fx
+from mutwo.runtime.capture import capture
+from mutwo.runtime.equivalence import compare_graphs, deterministic_algorithms
+from mutwo.runtime.profiler import measure_iterations, profile_graph
+from mutwo.runtime.step import GraphStep
 from tests import models
 
 pytestmark = pytest.mark.cuda
@@ -79,10 +79,10 @@ def test_cuda_simulated_peak_matches_measured() -> None:
 
 @pytest.mark.parametrize("make", [models.cnn, models.bert], ids=["cnn", "bert"])
 def test_cuda_rewrite_is_equivalent_and_fits_the_budget(make: object) -> None:
-    from mutwo_ir.budget import parse_budget
-    from mutwo_ir.pass_base import PassContext
-    from mutwo_ir.pass_manager import PassManager
-    from mutwo_ir.registry import PassRegistry
+    from mutwo.ir.budget import parse_budget
+    from mutwo.ir.pass_base import PassContext
+    from mutwo.ir.pass_manager import PassManager
+    from mutwo.ir.registry import PassRegistry
 
     workload = _on_cuda(make(batch_size=32) if make is models.cnn else make(batch_size=16, seq_len=64))
     optimizer = torch.optim.Adam(workload.model.parameters())

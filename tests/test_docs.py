@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.mutwo_opt import main
-from tools.pass_docs import render
+from mutwo.tools.mutwo_opt import main
+from mutwo.tools.pass_docs import render
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -28,7 +28,7 @@ def _commands() -> list[tuple[str, str]]:
 
 def test_pass_reference_is_generated_from_the_registry() -> None:
     expected = render()
-    assert (DOCS / "passes.md").read_text(encoding="utf-8") == expected, "regenerate: python -m tools.pass_docs"
+    assert (DOCS / "passes.md").read_text(encoding="utf-8") == expected, "regenerate: python -m mutwo.tools.pass_docs"
 
 
 def test_docs_have_commands_to_run() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.mutwo_opt import main
+from mutwo.tools.mutwo_opt import main
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""``mutwo-experiment`` (:mod:`tools.experiment`), on CPU.
+"""``mutwo-experiment`` (:mod:`mutwo.tools.experiment`), on CPU.
 
 One real end-to-end run of ``examples/tiny_mlp.yaml`` (every configuration in its own worker
 process, so it takes a few seconds per configuration), shared by the tests that read its output;
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-import tools.experiment as experiment
-from mutwo_ir.registry import PassRegistry
-from tools.experiment import EXIT_OK, EXIT_USAGE, OUT_OF_MEMORY, main, measure_step, run_configuration
-from tools.experiment_plots import plot_all
+import mutwo.tools.experiment as experiment
+from mutwo.ir.registry import PassRegistry
+from mutwo.tools.experiment import EXIT_OK, EXIT_USAGE, OUT_OF_MEMORY, main, measure_step, run_configuration
+from mutwo.tools.experiment_plots import plot_all
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "examples" / "tiny_mlp.yaml"

@@ -1,4 +1,4 @@
-"""The narrow mutation API of :class:`mutwo_ir.graph.Graph`: insertion, copies, use replacement,
+"""The narrow mutation API of :class:`mutwo.ir.graph.Graph`: insertion, copies, use replacement,
 erasure, whole-graph copies, the change counter and stable ids."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import operator
 import pytest
 import torch
 
-from mutwo_ir.graph import Graph, GraphError
-from mutwo_ir.node import Node, NodeKind, Phase, StorageKey
-from mutwo_ir.printer import format_node, print_graph
-from mutwo_ir.verifier import verify
+from mutwo.ir.graph import Graph, GraphError
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey
+from mutwo.ir.printer import format_node, print_graph
+from mutwo.ir.verifier import verify
 from tests.test_verifier import build_small_graph, storage_of, tensor
 
 aten = torch.ops.aten

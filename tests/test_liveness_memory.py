@@ -18,19 +18,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mutwo_ir import from_fx
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import compute_liveness
-from mutwo_ir.memory import simulate
-from mutwo_ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
-from mutwo_ir.pass_base import PassContext
-from passes.liveness import COLUMNS, LivenessPass
-from passes.memory import MemoryPass
-from passes.profile import ProfilePass
-from runtime import profiler as profiler_module
-from runtime.capture import capture
+from mutwo.ir import from_fx
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.memory import simulate
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.pass_base import PassContext
+from mutwo.passes.liveness import COLUMNS, LivenessPass
+from mutwo.passes.memory import MemoryPass
+from mutwo.passes.profile import ProfilePass
+from mutwo.runtime import profiler as profiler_module
+from mutwo.runtime.capture import capture
+from mutwo.tools.reports import write_reports
 from tests import models
-from tools.reports import write_reports
 
 aten = torch.ops.aten
 FWD, BWD, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from passes.mu_two import Candidate, GreedyResult, greedy, update_candidates, update_existing_recomps
+from mutwo.passes.mu_two import Candidate, GreedyResult, greedy, update_candidates, update_existing_recomps
 
 
 def chain() -> dict[str, Candidate]:

@@ -1,4 +1,4 @@
-"""runtime.optim reproduces eager torch.optim bitwise on CPU over long runs, and refuses what it cannot trace.
+"""mutwo.runtime.optim reproduces eager torch.optim bitwise on CPU over long runs, and refuses what it cannot trace.
 
 Each run trains a single parameter of an odd size (1031 elements, so vectorised CPU kernels also
 run their scalar tail) for 300 steps with a fresh random gradient every step, once with eager
@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from mutwo_ir import from_fx
-from runtime import optim as functional_optim
-from runtime.capture import capture, learning_rate
-from runtime.optim import UnsupportedOptimizerError
-from runtime.step import GraphStep
+from mutwo.ir import from_fx
+from mutwo.runtime import optim as functional_optim
+from mutwo.runtime.capture import capture, learning_rate
+from mutwo.runtime.optim import UnsupportedOptimizerError
+from mutwo.runtime.step import GraphStep
 
 SIZE = 1031
 STEPS = 300

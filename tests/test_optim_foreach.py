@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mutwo_ir import from_fx
-from mutwo_ir.verifier import verify
-from runtime.capture import StaleCaptureError, capture
-from runtime.step import GraphStep
+from mutwo.ir import from_fx
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import StaleCaptureError, capture
+from mutwo.runtime.step import GraphStep
 from tests import models
 
 
@@ -101,7 +101,7 @@ def test_changed_step_counts_after_capture_are_refused_in_one_line() -> None:
 
 
 def test_cuda_default_form_is_foreach_and_cpu_default_is_single_tensor() -> None:
-    from runtime.optim import uses_foreach
+    from mutwo.runtime.optim import uses_foreach
 
     group = {"foreach": None, "lr": 0.1, "capturable": False}
     assert not uses_foreach(group, [torch.zeros(1)])

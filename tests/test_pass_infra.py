@@ -17,18 +17,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import mutwo_ir.registry as registry_module
-from mutwo_ir import from_fx
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node, Phase
-from mutwo_ir.pass_base import Pass, PassContext, PassOptionError, option
-from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure
-from mutwo_ir.pipeline import PipelineItem, PipelineSyntaxError, parse_pipeline
-from mutwo_ir.printer import print_graph
-from mutwo_ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry, RegistryError
-from mutwo_ir.verifier import VerificationError, verify
-from runtime.capture import capture
-from tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
+import mutwo.ir.registry as registry_module
+from mutwo.ir import from_fx
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node, Phase
+from mutwo.ir.pass_base import Pass, PassContext, PassOptionError, option
+from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
+from mutwo.ir.pipeline import PipelineItem, PipelineSyntaxError, parse_pipeline
+from mutwo.ir.printer import print_graph
+from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry, RegistryError
+from mutwo.ir.verifier import VerificationError, verify
+from mutwo.runtime.capture import capture
+from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
 
 REPO = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
@@ -92,7 +92,7 @@ def test_builtin_keys_equal_class_names(name: str) -> None:
 
 
 def test_builtin_passes_are_imported_only_when_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    import passes
+    from mutwo import passes
 
     modules = {name: BUILTIN_PASSES[name].partition(":")[0] for name in ("stats", "dce")}
     for module in modules.values():
@@ -141,7 +141,7 @@ def test_register_rejects_names_that_are_not_kebab_case(bad_name: str) -> None:
 
 def test_register_rejects_non_passes() -> None:
     registry = PassRegistry(builtins=False)
-    with pytest.raises(RegistryError, match="is not a subclass of mutwo_ir.pass_base.Pass"):
+    with pytest.raises(RegistryError, match="is not a subclass of mutwo.ir.pass_base.Pass"):
         registry.register(dict)  # type: ignore[arg-type]
     with pytest.raises(RegistryError):
         registry.register(ProbePass())  # type: ignore[arg-type]  # an instance, not a class
@@ -172,12 +172,29 @@ def test_register_rejects_a_name_of_a_builtin_not_yet_loaded() -> None:
         registry.register(impostor)
 
 
+def test_register_pass_decorator_reaches_every_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mutwo
+
+    monkeypatch.setattr(registry_module, "_DECORATED", {})
+    decorated = type("Decorated", (ProbePass,), {"name": "decorated-probe", "__doc__": "decorated"})
+    assert mutwo.register_pass(decorated) is decorated
+    assert PassRegistry().get("decorated-probe") is decorated
+    assert [p.name for p in PassRegistry().build_pipeline("stats,decorated-probe")] == ["stats", "decorated-probe"]
+    assert "decorated-probe" not in PassRegistry(builtins=False).names()
+    impostor = type("Impostor", (ProbePass,), {"name": "select", "__doc__": "impostor"})
+    with pytest.raises(RegistryError, match="two passes are named 'select'"):
+        mutwo.register_pass(impostor)
+    with pytest.raises(RegistryError, match="kebab-case"):
+        mutwo.register_pass(type("Bad", (ProbePass,), {"name": "Bad_Name", "__doc__": "bad"}))
+    assert set(registry_module._DECORATED) == {"decorated-probe"}
+
+
 def test_load_a_python_file_registers_its_passes(tmp_path: Path) -> None:
     path = tmp_path / "infra_load_ok.py"
     path.write_text(textwrap.dedent('''\
         from dataclasses import dataclass
-        from mutwo_ir.pass_base import Pass
-        from passes.stats import StatsPass  # imported, not defined here: not registered again
+        from mutwo.ir.pass_base import Pass
+        from mutwo.passes.stats import StatsPass  # imported, not defined here: not registered again
 
         @dataclass(frozen=True)
         class First(Pass):
@@ -206,7 +223,7 @@ def test_load_a_python_file_registers_its_passes(tmp_path: Path) -> None:
 
 def test_load_a_module_by_name() -> None:
     registry = PassRegistry(builtins=False)
-    assert registry.load("passes.dce") == ["dce"]
+    assert registry.load("mutwo.passes.dce") == ["dce"]
     assert registry.get("dce").__name__ == "DeadCodeEliminationPass"
 
 
@@ -774,7 +791,7 @@ def test_cli_dump_dot_and_print_ir_after(tmp_path: Path, monkeypatch: pytest.Mon
 SKEW_PASS = '''\
 from dataclasses import dataclass
 
-from mutwo_ir.pass_base import Pass, PassFailure
+from mutwo.ir.pass_base import Pass, PassFailure
 
 
 @dataclass(frozen=True)

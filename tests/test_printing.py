@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from mutwo_ir import from_fx
-from mutwo_ir.dot import HIGHLIGHT_COLOUR, KIND_COLOURS, to_dot, write_dot
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import NodeKind, Phase, StorageKey, TensorMeta
-from mutwo_ir.printer import format_node, print_graph
-from mutwo_ir.to_fx import NODE_ID_META, to_fx
-from mutwo_ir.verifier import verify
-from runtime.capture import capture
+from mutwo.ir import from_fx
+from mutwo.ir.dot import HIGHLIGHT_COLOUR, KIND_COLOURS, to_dot, write_dot
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.printer import format_node, print_graph
+from mutwo.ir.to_fx import NODE_ID_META, to_fx
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import capture
 from tests import models
 
 GOLDEN = Path(__file__).parent / "golden" / "linear_sgd.txt"

@@ -35,18 +35,18 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from mutwo_ir import from_fx
-from mutwo_ir.budget import parse_budget
-from mutwo_ir.graph import Graph
-from mutwo_ir.memory import simulate
-from mutwo_ir.node import Phase
-from mutwo_ir.pass_base import PassContext, PassFailure
-from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure
-from mutwo_ir.registry import PassRegistry
-from mutwo_ir.verifier import verify
-from runtime.capture import capture
-from runtime.equivalence import compare_graphs
-from runtime.profiler import NodeProfile, Profile, fingerprint, profile_graph
+from mutwo.ir import from_fx
+from mutwo.ir.budget import parse_budget
+from mutwo.ir.graph import Graph
+from mutwo.ir.memory import simulate
+from mutwo.ir.node import Phase
+from mutwo.ir.pass_base import PassContext, PassFailure
+from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
+from mutwo.ir.registry import PassRegistry
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import capture
+from mutwo.runtime.equivalence import compare_graphs
+from mutwo.runtime.profiler import NodeProfile, Profile, fingerprint, profile_graph
 
 PIPELINE = "profile{runs=1,warmup=0},select,rewrite"
 ACTIVATIONS = ("relu_", "leaky_relu_", "relu", "gelu", "tanh")

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from mutwo_ir import from_fx
-from mutwo_ir.liveness import compute_liveness
-from mutwo_ir.node import StorageKey
-from mutwo_ir.recompute import NotRecomputable, Recompute, insert_blocks
-from mutwo_ir.verifier import verify
-from runtime.capture import capture
-from runtime.equivalence import compare_graphs
+from mutwo.ir import from_fx
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.node import StorageKey
+from mutwo.ir.recompute import NotRecomputable, Recompute, insert_blocks
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import capture
+from mutwo.runtime.equivalence import compare_graphs
 
 
 class Chain(nn.Module):

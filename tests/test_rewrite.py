@@ -32,20 +32,20 @@ from typing import Any
 
 import pytest
 
-from mutwo_ir import from_fx
-from mutwo_ir.budget import parse_budget
-from mutwo_ir.dot import HIGHLIGHT_COLOUR
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Phase
-from mutwo_ir.pass_base import PassContext, PassFailure
-from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure
-from mutwo_ir.registry import PassRegistry
-from mutwo_ir.verifier import verify
-from runtime.capture import capture
-from runtime.profiler import NodeProfile, Profile, fingerprint, profile_graph
-from tools.config import load_config
-from tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
-from tools.workloads import build_optimizer, build_workload
+from mutwo.ir import from_fx
+from mutwo.ir.budget import parse_budget
+from mutwo.ir.dot import HIGHLIGHT_COLOUR
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Phase
+from mutwo.ir.pass_base import PassContext, PassFailure
+from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
+from mutwo.ir.registry import PassRegistry
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import capture
+from mutwo.runtime.profiler import NodeProfile, Profile, fingerprint, profile_graph
+from mutwo.tools.config import load_config
+from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
+from mutwo.tools.workloads import build_optimizer, build_workload
 
 MIB = 2**20
 PIPELINE = "profile{runs=1,warmup=0},select,rewrite"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mutwo_ir import from_fx
-from mutwo_ir.verifier import verify
-from runtime.capture import capture
-from runtime.step import GraphStep
+from mutwo.ir import from_fx
+from mutwo.ir.verifier import verify
+from mutwo.runtime.capture import capture
+from mutwo.runtime.step import GraphStep
 from tests import models
 
 WORKLOADS = {"mlp": models.mlp, "cnn": models.cnn, "bert": models.bert}

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from mutwo_ir import from_fx
-from mutwo_ir.graph import Graph
-from mutwo_ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
-from mutwo_ir.printer import format_node
-from mutwo_ir.verifier import VerificationError, verify
-from runtime.capture import capture
+from mutwo.ir import from_fx
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.printer import format_node
+from mutwo.ir.verifier import VerificationError, verify
+from mutwo.runtime.capture import capture
 
 aten = torch.ops.aten
 FWD, BWD, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from mutwo_ir.budget import Budget, BudgetError, parse_budget
+from mutwo.ir.budget import Budget, BudgetError, parse_budget
 
 #: The pipeline run when neither the config nor the command line names one.
 DEFAULT_PIPELINE = "profile,select,rewrite"

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from mutwo_ir.pass_base import write_atomic
-from tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
+from mutwo.ir.pass_base import write_atomic
+from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_OF_MEMORY = "out of memory"
@@ -101,8 +101,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     ``out/b<batch>/profile.json``) or a budget, as text or a :class:`Budget` (select and rewrite,
     with that profile when there is one).
     """
-    from mutwo_ir.budget import parse_budget
-    from mutwo_ir.pass_manager import PipelineFailure
+    from mutwo.ir.budget import parse_budget
+    from mutwo.ir.pass_manager import PipelineFailure
 
     training = build_training(config_path, batch_size, device)
     row: dict[str, Any] = {"batch_size": batch_size, "variant": variant}
@@ -163,8 +163,8 @@ class Training:
 
 def build_training(config_path: str | Path, batch_size: int, device: str | None = None) -> Training:
     """Build the config's model, batch and optimizer at ``batch_size`` on its device."""
-    from tools.config import apply_overrides, load_config
-    from tools.workloads import build_optimizer, build_workload, target_device, to_device
+    from mutwo.tools.config import apply_overrides, load_config
+    from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
 
     config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device)
     target = target_device(config)
@@ -176,12 +176,12 @@ def build_training(config_path: str | Path, batch_size: int, device: str | None 
 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
                   log: Callable[[str], None]) -> Callable[[], Any]:  # fmt: skip
-    from mutwo_ir.memory import simulate
-    from mutwo_ir.pass_manager import PassManager
-    from mutwo_ir.registry import PassRegistry
-    from runtime.api import capture_graph, pass_context
-    from runtime.profiler import Profile, fingerprint
-    from runtime.step import GraphStep
+    from mutwo.ir.memory import simulate
+    from mutwo.ir.pass_manager import PassManager
+    from mutwo.ir.registry import PassRegistry
+    from mutwo.runtime.api import capture_graph, pass_context
+    from mutwo.runtime.profiler import Profile, fingerprint
+    from mutwo.runtime.step import GraphStep
 
     started = time.perf_counter()
     lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn)
@@ -241,7 +241,7 @@ def _positive_int(text: str) -> int:
 
 
 def _budget(text: str) -> str:
-    from mutwo_ir.budget import BudgetError, parse_budget
+    from mutwo.ir.budget import BudgetError, parse_budget
 
     try:
         parse_budget(text)
@@ -253,7 +253,7 @@ def _budget(text: str) -> str:
 def _memory_limit(text: str | None) -> int | None:
     if text is None:
         return None
-    from mutwo_ir.budget import BudgetError, parse_budget
+    from mutwo.ir.budget import BudgetError, parse_budget
 
     try:
         limit = parse_budget(text)
@@ -267,8 +267,8 @@ def _memory_limit(text: str | None) -> int | None:
 def run_experiment(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tools.config import ConfigError, apply_overrides, load_config
-    from tools.workloads import target_device
+    from mutwo.tools.config import ConfigError, apply_overrides, load_config
+    from mutwo.tools.workloads import target_device
 
     batch_sizes = _parse_list(args.batch_sizes, "batch-sizes", _positive_int)
     budgets = _parse_list(args.budgets, "budgets", _budget) if args.budgets.strip() else []
@@ -306,7 +306,7 @@ def run_experiment(args: argparse.Namespace) -> int:
             header["runs"].append(row)
             progress.write(_describe(row))
             write_atomic(out / "results.json", json.dumps(header, indent=2) + "\n")
-    from tools.experiment_plots import plot_all
+    from mutwo.tools.experiment_plots import plot_all
 
     written = plot_all(header, out)
     print(f"mutwo-experiment: wrote {', '.join([f'{out}/results.json', *written])}", file=sys.stderr)
@@ -317,7 +317,7 @@ def run_experiment(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace, batch_size: int, variant: str, out: Path) -> dict[str, Any]:
-    command = [sys.executable, "-m", "tools.experiment", args.config, "--batch-sizes", str(batch_size),
+    command = [sys.executable, "-m", "mutwo.tools.experiment", args.config, "--batch-sizes", str(batch_size),
                "--worker", str(batch_size), variant, "-o", str(out)]  # fmt: skip
     for flag, value in (("--device", args.device), ("--memory-limit", args.memory_limit)):
         if value:

@@ -22,25 +22,25 @@ from typing import Any
 
 import torch
 
-from mutwo_ir import to_fx
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import compute_liveness
-from mutwo_ir.memory import simulate
-from mutwo_ir.pass_base import PassContext, write_atomic
-from mutwo_ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
-from mutwo_ir.printer import print_graph
-from mutwo_ir.registry import PassRegistry, RegistryError
-from mutwo_ir.verifier import VerificationError
-from passes.select import Plan
-from runtime.api import CapturedGraph, capture_graph, pass_context
-from runtime.equivalence import EquivalenceReport, check_graphs
-from runtime.optim import UnsupportedOptimizerError
-from runtime.profiler import Profile, fingerprint, measure_iterations
-from runtime.tracing import CaptureError
-from tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
-from tools.config import Config, ConfigError, apply_overrides, load_config
-from tools.reports import memory_timeline, write_reports
-from tools.workloads import build_optimizer, build_workload, target_device, to_device
+from mutwo.ir import to_fx
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.memory import simulate
+from mutwo.ir.pass_base import PassContext, write_atomic
+from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
+from mutwo.ir.printer import print_graph
+from mutwo.ir.registry import PassRegistry, RegistryError
+from mutwo.ir.verifier import VerificationError
+from mutwo.passes.select import Plan
+from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
+from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.optim import UnsupportedOptimizerError
+from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
+from mutwo.runtime.tracing import CaptureError
+from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
+from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
+from mutwo.tools.reports import memory_timeline, write_reports
+from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
 
 
 class Failure(Exception):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import Liveness, elapsed_seconds, idle_seconds
-from mutwo_ir.memory import MemorySimulation
-from mutwo_ir.node import Phase
-from mutwo_ir.pass_base import write_atomic
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
+from mutwo.ir.memory import MemorySimulation
+from mutwo.ir.node import Phase
+from mutwo.ir.pass_base import write_atomic
 
 MIB = 2**20
 PHASE_COLOURS = {Phase.FORWARD: "#e8f1fa", Phase.BACKWARD: "#fdf0e6", Phase.OPTIMIZER: "#eef7ea"}

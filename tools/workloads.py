@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
-from tools.config import Config, ConfigError
+from mutwo.tools.config import Config, ConfigError
 
 
 @dataclass

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import compute_liveness
-from mutwo_ir.memory import simulate
-from mutwo_ir.pass_base import Pass, PassContext, option
+from mutwo import Graph, Pass, PassContext, option
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.memory import simulate
 
 
 @dataclass(frozen=True)

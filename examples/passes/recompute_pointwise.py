@@ -3,7 +3,7 @@ cheap pointwise op (ReLU, GELU, additions...), whatever the budget.
 
     mutwo-opt --load-passes examples/passes/recompute_pointwise.py -p recompute-pointwise --check CONFIG.yaml
 
-It uses mutwo's recompute machinery (``mutwo_ir.recompute``) for everything that must stay
+It uses mutwo's recompute machinery (``mutwo.ir.recompute``) for everything that must stay
 correct — finding each activation's sources, placing its clone before its first backward use,
 never replaying side effects — and only decides *what* to recompute.
 """
@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mutwo_ir.graph import Graph
-from mutwo_ir.liveness import compute_liveness
-from mutwo_ir.pass_base import Pass, PassContext, option
-from mutwo_ir.recompute import NotRecomputable, Recompute, insert_blocks
+from mutwo import Graph, Pass, PassContext, option
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.recompute import NotRecomputable, Recompute, insert_blocks
 
 
 @dataclass(frozen=True)
