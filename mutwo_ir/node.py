@@ -209,9 +209,19 @@ class Node:
 
     @property
     def is_random(self) -> bool:
-        """True for ops that draw from the random number generator (dropout, bernoulli, rand...)."""
+        """True for ops that draw from the random number generator (dropout, bernoulli, rand...);
+        attention kernels tagged so draw only with a non-zero ``dropout_p`` (as torch's
+        partitioner decides, ``is_rng_op``)."""
         tags = getattr(self.target, "tags", ())
-        return torch.Tag.nondeterministic_seeded in tags
+        if torch.Tag.nondeterministic_seeded not in tags:
+            return False
+        schema = self.target._schema
+        for index, argument in enumerate(schema.arguments):
+            if argument.name == "dropout_p":
+                value = self._args[index] if index < len(self._args) else \
+                    self._kwargs.get("dropout_p", argument.default_value)  # fmt: skip
+                return not isinstance(value, (int, float)) or value != 0
+        return True
 
     def __repr__(self) -> str:
         return f"%{self.id}({self.name})"

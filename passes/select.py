@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,9 +13,11 @@ from mutwo.ir.budget import Budget, BudgetError, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
+from mutwo.ir.node import Phase
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo.ir.printer import fingerprint
-from mutwo.ir.recompute import NotRecomputable, Recompute, insert_blocks
+from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks
+from mutwo.ir.replay import rng_refusal
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.mu_two import Candidate, GreedyResult, greedy
 
@@ -37,6 +39,8 @@ class Plan:
     added_seconds: float
     entries: list[dict[str, Any]]
     met: bool
+    #: random ops that cannot be replayed, so their outputs stay live: "%id (op): why"
+    refused: list[str] = field(default_factory=list)
 
     def keys(self) -> list[tuple[int, int]]:
         return [(e["storage_creator"], e["storage_output"]) for e in self.entries]
@@ -79,10 +83,19 @@ def resolve_budget(option_value: str | None, ctx: PassContext) -> Budget | None:
     return ctx.services.get("budget")
 
 
+def replay_seconds(profile: Any, node_id: int, block: Block) -> float:
+    """What cloning ``node_id`` in ``block`` costs: the measured replay of a batch norm that the
+    block replays from its saved statistics, else the node's own measured time."""
+    if node_id in block.from_stats:
+        return profile.replay_seconds(node_id)
+    return profile.seconds(node_id)
+
+
 def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict[int, int]) -> tuple[
-        MemorySimulation, torch.Tensor, dict[int, list[int]]]:  # fmt: skip
-    """Exact simulation of ``graph`` rewritten for ``keys`` (the rewrite applied to a copy), and
-    its curve projected onto the original ranks: a clone counts at the rank it is inserted before."""
+        MemorySimulation, torch.Tensor, list[Block]]:  # fmt: skip
+    """Exact simulation of ``graph`` rewritten for ``keys`` (the rewrite applied to a copy), its
+    curve projected onto the original ranks (a clone counts at the rank it is inserted before),
+    and the blocks of the rewrite."""
     rewritten = graph.copy()
     blocks = Recompute(rewritten, liveness).plan(keys)
     clones = insert_blocks(rewritten, blocks)
@@ -95,24 +108,37 @@ def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict
     projected = torch.zeros(len(liveness.rank), dtype=torch.int64)
     pending = 0  # the highest curve value among clones waiting for the original node they precede
     for node, value in zip(rewritten, simulation.curve, strict=True):
-        if node.origin is not None:
+        if node.origin is not None or node.id not in liveness.rank:  # a clone, or a generator-state snapshot
             pending = max(pending, value)
             continue
         rank = liveness.rank[node.id]
         projected[rank] = max(value, pending)
         pending = 0
-    return simulation, projected, clones
+    return simulation, projected, blocks
+
+
+def refused_random_ops(graph: Graph) -> list[str]:
+    """Forward random ops that recomputation cannot replay, each as "%id (op): why"."""
+    refused = []
+    for node in graph:
+        if node.phase is Phase.FORWARD and node.is_random:
+            why = rng_refusal(node)
+            if why is not None:
+                refused.append(f"%{node.id} ({node.op_name}): {why}")
+    return refused
 
 
 @dataclass(frozen=True)
 class SelectPass(Pass):
     """Choose activations to recompute with μ-TWO's greedy policy until the peak fits the budget.
 
-    Candidates are activations that own storage and whose lineage can be replayed (no random op,
-    no side effect). Each has a recompute ratio = bytes / total recompute time from the profile;
-    the highest ratio among those idle at the current peak is taken, sources, times and counts
-    are updated as in the paper, and the peak is re-simulated incrementally. The final plan is
-    checked by simulating the rewritten graph exactly; that simulation is the predicted peak.
+    Candidates are activations that own storage and whose lineage can be replayed without side
+    effects (random ops with the generator state they consumed, batch norms from their saved
+    statistics, each priced at its measured replay time). Each has a recompute ratio = bytes /
+    total recompute time from the profile; the highest ratio among those idle at the current peak
+    is taken, sources, times and counts are updated as in the paper, and the peak is re-simulated
+    incrementally. The final plan is checked by simulating the rewritten graph exactly; that
+    simulation is the predicted peak.
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
     mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv.
     """
@@ -138,6 +164,10 @@ class SelectPass(Pass):
         budget_bytes = budget.resolve(base.peak_bytes)
         recompute = Recompute(graph, liveness)
         candidates = self._candidates(graph, liveness, recompute, profile, base.device)
+        refused = refused_random_ops(graph)
+        if refused:
+            ctx.log(f"select: {len(refused)} random ops cannot be replayed, their outputs stay live: "
+                    + "; ".join(refused))  # fmt: skip
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {base.peak_bytes / MIB:.1f} MiB, "
                 f"budget {budget_bytes / MIB:.1f} MiB ({budget})")  # fmt: skip
         curve = torch.tensor(base.curve, dtype=torch.int64)
@@ -152,7 +182,7 @@ class SelectPass(Pass):
         remaining = list(candidates)
         # The best exactly simulated plan so far: a later choice can raise the exact peak (its
         # block's clones are live at once), and then the plan falls back to this one.
-        best: tuple[MemorySimulation, list[Candidate], dict[int, list[int]]] = (base, [], {})
+        best: tuple[MemorySimulation, list[Candidate], list[Block]] = (base, [], [])
         # Met, or unreachable: then go on to the lowest reachable peak, which the failure reports.
         # Towards a budget, the estimate leads and exact checks correct it; towards the lowest
         # peak (target 0), an exact check every few choices finds where more recomputation
@@ -164,16 +194,17 @@ class SelectPass(Pass):
                 grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state,
                               None if target else chunk)  # fmt: skip
                 if grew:
-                    exact, projected, clones = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
+                    exact, projected, blocks = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
                     curve.copy_(projected)
                     if exact.peak_bytes < best[0].peak_bytes:
-                        best = (exact, list(state.chosen), clones)
+                        best = (exact, list(state.chosen), blocks)
                 if best[0].peak_bytes <= target or not grew:
                     break
             if best[0].peak_bytes <= budget_bytes:
                 break
-        exact, chosen, clones = best
-        plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, clones, profile)
+        exact, chosen, blocks = best
+        plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, blocks, profile)
+        plan.refused = refused
         ctx.artifacts["plan"] = plan
         ctx.save_json("plan.json", plan.to_json())
         if ctx.out_dir is not None:
@@ -200,14 +231,14 @@ class SelectPass(Pass):
             sources = {t.storage for s in block.sources for t in graph.node(s).tensors if t is not None}
             candidates.append(Candidate(
                 key=record.key, memory=allocation_size(record.bytes, device), sources=sources,
-                recompute_time=sum(profile.seconds(n) for n in block.nodes), inactive_start=start,
+                recompute_time=sum(replay_seconds(profile, n, block) for n in block.nodes), inactive_start=start,
                 first_backward_use=end, last_backward_use=record.last_backward_use or end,
                 inactive_time=idle_seconds(record, elapsed),
             ))  # fmt: skip
         return candidates
 
     def _plan(self, graph: Graph, budget: Budget, budget_bytes: int, base: MemorySimulation,
-              exact: MemorySimulation, chosen: list[Candidate], clones: dict[int, list[int]], profile: Any) -> Plan:
+              exact: MemorySimulation, chosen: list[Candidate], blocks: list[Block], profile: Any) -> Plan:
         entries = []
         for candidate in chosen:
             creator = graph.node(candidate.key.creator)
@@ -219,7 +250,7 @@ class SelectPass(Pass):
                 "ratio": candidate.ratio, "inactive_ranks": candidate.first_backward_use - candidate.inactive_start,
                 "sources": sorted(k.creator for k in candidate.sources),
             })  # fmt: skip
-        added = sum(profile.seconds(origin) * len(copies) for origin, copies in clones.items())
+        added = sum(replay_seconds(profile, n, block) for block in blocks for n in block.nodes)
         iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
                     exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum)
@@ -232,6 +263,9 @@ class SelectPass(Pass):
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
         else:
             why = "no remaining activation that is idle at that point can be recomputed"
+            if plan.refused:
+                why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
+                why += ", ...)" if len(plan.refused) > 1 else ")"
         return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
                 f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({100 * plan.predicted_peak / base.peak_bytes:.0f}% "
                 f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}; {why}")

@@ -19,7 +19,9 @@ from torch import fx
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
+from mutwo.ir.replay import batch_norm_from_stats, exact_on
 from mutwo.ir.to_fx import to_fx
+from mutwo.runtime.profiler import device_of
 
 #: Tolerances on CUDA, where kernels (cuDNN convolution algorithms, atomics in reductions) may
 #: differ from run to run unless deterministic algorithms are on.
@@ -81,6 +83,19 @@ def deterministic_algorithms() -> Iterator[None]:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[1], previous[2]
 
 
+def generator_states(device: torch.device) -> list[torch.Tensor]:
+    """The default generators' states: the CPU's, and the GPU's when ``device`` is one."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def replays_exact(graph: Graph, device: str) -> bool:
+    """Whether every replay in ``graph`` reproduces its original bit for bit on ``device``."""
+    return exact_on(device) or not any(n.target is batch_norm_from_stats for n in graph)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -105,17 +120,22 @@ def compare_graphs(
     bitwise: bool | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> EquivalenceReport:
-    """Run both graphs from clones of ``inputs`` (in slot order) and compare everything.
+    """Run both graphs from clones of ``inputs`` (in slot order) and compare everything: loss,
+    gradients, every state slot, and the random generators' state after each iteration (the next
+    iteration's random numbers).
 
     The graphs must have the same placeholders (labels and kinds) and output structure.
-    ``bitwise`` defaults to True on CPU and to whether deterministic algorithms are on elsewhere.
+    ``bitwise`` defaults to True on CPU, and elsewhere to whether deterministic algorithms are on
+    and every replay in ``candidate`` is exact on that device (batch norms replayed from their
+    statistics are not on CUDA: :func:`mutwo.ir.replay.exact_on`).
     """
     ref_slots = [(p.kind, p.label) for p in reference.placeholders]
     if ref_slots != [(p.kind, p.label) for p in candidate.placeholders]:
         raise ValueError("the two graphs do not take the same inputs; they are not versions of one iteration")
-    on_cpu = all(t.device.type == "cpu" for t in inputs)
+    device = device_of(inputs)
     if bitwise is None:
-        bitwise = on_cpu or torch.are_deterministic_algorithms_enabled()
+        bitwise = device.type == "cpu" or (torch.are_deterministic_algorithms_enabled()
+                                           and replays_exact(candidate, str(device)))  # fmt: skip
     report = EquivalenceReport(iterations, bitwise)
     modules: list[fx.GraphModule] = [to_fx(reference), to_fx(candidate)]
     states = [[t.clone() for t in inputs], [t.clone() for t in inputs]]
@@ -124,20 +144,24 @@ def compare_graphs(
     grad_labels = [n.label for n in reference.output.args[0][1:]]
     for iteration in range(iterations):
         outputs = []
+        generators: list[list[torch.Tensor]] = []
         for module, state in zip(modules, states, strict=True):
             for i in lr_slots:
                 state[i] = base_lrs[i] * LR_SCHEDULE[iteration % len(LR_SCHEDULE)]
             torch.manual_seed(seed + iteration)
             with torch.no_grad():
                 outputs.append(module(*state))
+            generators.append(generator_states(device))
         pairs = [("loss", "loss", outputs[0][0], outputs[1][0])]
         pairs += [("gradient", label, a, b) for label, a, b in zip(grad_labels, outputs[0][1:], outputs[1][1:],
                                                                    strict=True)]  # fmt: skip
         pairs += [(kind.value, label, a, b) for (kind, label), a, b in zip(ref_slots, states[0], states[1], strict=True)
                   if kind is not NodeKind.OTHER]  # fmt: skip
+        names = ["cpu", str(device)][:len(generators[0])]
+        pairs += [("random generator", name, a, b) for name, a, b in zip(names, *generators, strict=True)]
         for what, label, a, b in pairs:
             report.compared += 1
-            if not _same(a, b, bitwise):
+            if not _same(a, b, bitwise or what == "random generator"):
                 report.mismatches.append(Mismatch(iteration, what, label, _max_diff(a, b)))
         if progress is not None:
             progress(iteration)
