@@ -213,7 +213,7 @@ class Recompute:
         for source in sources:
             if source not in from_clones and any(t is not None and t.storage == storage
                                                  for t in self.graph.node(source).tensors):  # fmt: skip
-                # Its producer cannot be replayed (a random op, say dropout): the block would read
+                # Its producer cannot be replayed (a random op with its own generator): the block would read
                 # the very storage it is meant to free, which then stays live and saves nothing.
                 raise NotRecomputable(f"{storage} would be read from its own producer "
                                       f"{self.graph.node(source)!r}, which cannot be replayed")  # fmt: skip

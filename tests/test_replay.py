@@ -26,7 +26,7 @@ from mutwo.ir.replay import batch_norm_from_stats, rng_state, run_with_rng_state
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.select import refused_random_ops
 from mutwo.runtime.api import capture_graph
-from mutwo.runtime.equivalence import compare_graphs
+from mutwo.runtime.equivalence import compare_graphs, deterministic_algorithms, generator_states
 from tests import models
 
 
@@ -102,13 +102,14 @@ def train_both(workload: models.Workload, budget: str, steps: int = 3,
     eager_optimizer = make_optimizer(eager_model.parameters())
     optimizer = make_optimizer(workload.model.parameters())
     step = mutwo.optimize(workload.model, optimizer, workload.batch, workload.loss_fn, budget=budget, check=True)
+    device = next(workload.model.parameters()).device
     torch.manual_seed(1)
     losses = [step(workload.batch) for _ in range(steps)]
-    after = torch.rand(8)
+    after = generator_states(device)
     torch.manual_seed(1)
     eager = models.Workload(eager_model, workload.batch, workload.loss_fn)
     eager_losses = [models.eager_step(eager, eager_optimizer) for _ in range(steps)]
-    assert torch.equal(torch.rand(8), after), "the random stream is not where eager leaves it"
+    assert all(map(torch.equal, generator_states(device), after)), "the random stream is not where eager leaves it"
     assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
     for ours, theirs in zip(workload.model.state_dict().values(), eager_model.state_dict().values(), strict=True):
         assert torch.equal(ours, theirs)
@@ -200,3 +201,68 @@ def test_attention_without_dropout_draws_nothing() -> None:
     seeded = [n for n in lowered.graph if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
     assert seeded, "the captured attention has no SDPA kernel"
     assert not any(n.is_random for n in lowered.graph)
+
+
+# == on the GPU ====================================================================================
+def _on_cuda(workload: models.Workload) -> models.Workload:
+    workload.model.cuda()
+    workload.batch = torch.utils._pytree.tree_map(lambda t: t.cuda(), workload.batch)
+    return workload
+
+
+def _sdpa_call(kernel: str) -> tuple[Any, tuple[Any, ...]]:
+    """An SDPA kernel with attention dropout and its arguments, as the captured graphs call them."""
+    dtype = torch.bfloat16 if kernel == "flash" else torch.float32
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype) for _ in range(3))
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention.default, (q, k, v, 0.2)
+    if kernel == "efficient":
+        return torch.ops.aten._scaled_dot_product_efficient_attention.default, (q, k, v, None, True, 0.2)
+    return torch.ops.aten._scaled_dot_product_attention_math.default, (q, k, v, None, 0.2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "math"])
+def test_cuda_sdpa_kernels_with_dropout_replay_bitwise(kernel: str) -> None:
+    """The replay draws what the original drew (every output, philox seed and offset included) and
+    leaves the generator where the original left it."""
+    op, args = _sdpa_call(kernel)
+    state = rng_state("cuda")
+    first = op(*args)
+    after = torch.cuda.get_rng_state()
+    torch.rand(16, device="cuda")  # move the generator on: the replay must not depend on where it is
+    moved = torch.cuda.get_rng_state()
+    again = run_with_rng_state(state, op, *args)
+    assert torch.equal(torch.cuda.get_rng_state(), moved)
+    assert not torch.equal(after, state), "the kernel drew nothing"
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.cuda
+def test_cuda_dropout_replay_trains_like_eager() -> None:
+    with deterministic_algorithms():
+        optimized = train_both(_on_cuda(token_mlp()), "0.6")
+    assert random_replays(optimized.graph)
+
+
+@pytest.mark.cuda
+def test_cuda_attention_with_dropout_passes_check() -> None:
+    workload = _on_cuda(attention())
+    optimized = mutwo.optimize(workload.model, torch.optim.Adam(workload.model.parameters(), lr=1e-2),
+                               workload.batch, workload.loss_fn, budget="min", check=True).last  # fmt: skip
+    assert optimized.report.equivalent and optimized.report.bitwise, optimized.report.summary()
+    replayed = {c.args[1] for c in random_replays(optimized.graph)}
+    assert replayed & {torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                       torch.ops.aten._scaled_dot_product_flash_attention.default}, replayed  # fmt: skip
+
+
+@pytest.mark.cuda
+def test_cuda_batch_norm_replay_passes_check_within_tolerance() -> None:
+    """On CUDA the replay is ``batch_norm_elemt``, which matches cuDNN's kernel only to rounding:
+    --check compares with tolerance when such a clone is in the graph, and says so."""
+    workload = _on_cuda(models.cnn(batch_size=16))
+    optimized = mutwo.optimize(workload.model, torch.optim.SGD(workload.model.parameters(), lr=0.1, momentum=0.9),
+                               workload.batch, workload.loss_fn, budget="min", check=True).last  # fmt: skip
+    assert any(n.target is batch_norm_from_stats for n in optimized.graph)
+    assert optimized.report.equivalent and not optimized.report.bitwise, optimized.report.summary()

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mutwo.ir.pass_base import write_atomic
+from mutwo.ir.replay import describe
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,6 +219,9 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         row["predicted_added_ms"] = round(plan.added_seconds * 1e3, 3)
         row["profiled_iteration_ms"] = round(plan.base_seconds * 1e3, 3)
         row["recomputed_ops"] = dict(Counter(e["op"] for e in plan.entries).most_common(8))
+        # What the clones replay, and how (a copy, with a generator state, from batch-norm statistics).
+        row["cloned_ops"] = dict(Counter(f"{lowered.graph.node(n.origin).op_name} ({describe(n.target)})"
+                                         for n in lowered.graph if n.origin is not None).most_common(12))  # fmt: skip
     graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding)
     return lambda: graph_step(training.batch)
 
