@@ -65,7 +65,7 @@ def _writes_own_output_only(node: Node) -> bool:
 
 def replayable(node: Node) -> bool:
     """Whether a forward node can be cloned into the backward without changing any result."""
-    if node.op != "call_function" or node.phase is not Phase.FORWARD or node.is_random:
+    if node.op != "call_function" or node.phase is not Phase.FORWARD or node.is_random or node.is_collective:
         return False
     return _writes_own_output_only(node)
 
