@@ -177,6 +177,8 @@ class MutwoStep:
         return step
 
     def __call__(self, batch: Any) -> torch.Tensor:
+        if self.options.get("data_parallel") is not None:
+            self.options["data_parallel"].require_sync()
         output = self.prepare(batch)(batch)
         # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,16 @@ class DataParallel:
     bucket_limits: tuple[int, ...]
     sync_buffers: bool = True
     ignored: frozenset[str] = frozenset()
+    wrapper: nn.parallel.DistributedDataParallel | None = field(default=None, compare=False)  #: the DDP given
+
+    def require_sync(self) -> None:
+        """Refuse a step inside the DDP wrapper's ``no_sync()``: mutwo's step always averages the
+        gradients and applies the optimizer, so it cannot accumulate gradients without syncing."""
+        if self.wrapper is not None and not self.wrapper.require_backward_grad_sync:
+            raise DataParallelError("a mutwo step ran inside DistributedDataParallel.no_sync(): each step averages "
+                                    "the gradients and steps the optimizer, so gradient accumulation is not "
+                                    "supported; call the step outside no_sync (use a larger batch, or recompute "
+                                    "to fit one)")  # fmt: skip
 
     @property
     def rank(self) -> int:
@@ -112,7 +122,7 @@ class DataParallel:
             first = dist._DEFAULT_FIRST_BUCKET_BYTES if ddp.bucket_bytes_cap_default else ddp.bucket_bytes_cap
             limits = (first, ddp.bucket_bytes_cap)
         sync = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True))
-        return cls(ddp.process_group, tuple(limits), bool(sync), frozenset(ddp.parameters_to_ignore))
+        return cls(ddp.process_group, tuple(limits), bool(sync), frozenset(ddp.parameters_to_ignore), ddp)
 
 
 def data_parallel_for(model: nn.Module, enabled: bool | None = None, bucket_cap_mb: float | None = None) -> tuple[
@@ -121,8 +131,10 @@ def data_parallel_for(model: nn.Module, enabled: bool | None = None, bucket_cap_
 
     A ``DistributedDataParallel`` model is unwrapped and its settings are kept. Otherwise, with
     ``enabled=None``, gradients are averaged when a process group of more than one rank is
-    initialised; ``True`` requires one, ``False`` never averages.
+    initialised; ``True`` requires one, ``False`` never averages. Sharded or single-process
+    parallelism (FSDP, DTensor parameters, ``nn.DataParallel``) is refused.
     """
+    refuse_other_parallelism(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         if bucket_cap_mb is not None:
             raise DataParallelError("the model is a DistributedDataParallel: give bucket_cap_mb to it, not to mutwo")
@@ -130,6 +142,30 @@ def data_parallel_for(model: nn.Module, enabled: bool | None = None, bucket_cap_
     if enabled is None:
         enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     return model, (DataParallel.for_group(bucket_cap_mb=bucket_cap_mb) if enabled else None)
+
+
+def refuse_other_parallelism(model: nn.Module) -> None:
+    """Raise :class:`DataParallelError` for a model that another form of parallelism wraps or
+    shards: mutwo captures replicated data parallelism only, every rank holding every parameter."""
+    if isinstance(model, nn.DataParallel):
+        raise DataParallelError("nn.DataParallel (one process driving several GPUs) is not supported; launch one "
+                                "process per GPU with torchrun and wrap the model in DistributedDataParallel")
+    if not dist.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    for name, module in inner.named_modules():
+        if isinstance(module, (FullyShardedDataParallel, FSDPModule)):
+            where = f" at {name}" if name else ""
+            raise DataParallelError(f"the model{where} is sharded with FSDP, which mutwo cannot capture; use "
+                                    "DistributedDataParallel (every rank holds the whole model), with a memory "
+                                    "budget to make it fit")  # fmt: skip
+    sharded = next((name for name, p in inner.named_parameters() if isinstance(p, DTensor)), None)
+    if sharded is not None:
+        raise DataParallelError(f"parameter {sharded} is a DTensor (tensor parallel or FSDP2), which mutwo cannot "
+                                "capture; give it a model of plain tensors wrapped in DistributedDataParallel")
 
 
 def broadcast_model(model: nn.Module, dp: DataParallel) -> None:

@@ -235,3 +235,33 @@ def test_a_batch_that_does_not_split_evenly_is_refused() -> None:
         distributed.shard_batch((torch.zeros(5, 3), torch.zeros(5)), 0, 2)
     shard = distributed.shard_batch({"x": torch.arange(8).reshape(4, 2), "scale": torch.tensor(2.0)}, 1, 2)
     assert shard["x"].tolist() == [[4, 5], [6, 7]] and shard["scale"].item() == 2.0
+
+
+def test_sharded_and_single_process_parallel_models_are_refused(one_rank: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    workload = models.mlp()
+    sharded = copy.deepcopy(workload.model)
+    fully_shard(sharded, mesh=mesh)
+    replicated = copy.deepcopy(workload.model)
+    name, module = next((n, m) for n, m in replicated.named_modules() if isinstance(m, torch.nn.Linear))
+    module.weight = torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+    for model, message in ((sharded, "sharded with FSDP"), (replicated, f"parameter {name}.weight is a DTensor"),
+                           (torch.nn.DataParallel(workload.model), "nn.DataParallel")):  # fmt: skip
+        with pytest.raises(DataParallelError, match=message):
+            optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), workload.batch, workload.loss_fn)
+
+
+def test_a_step_inside_no_sync_is_refused(one_rank: None) -> None:
+    workload = models.mlp()
+    ddp = DistributedDataParallel(workload.model)
+    step = optimize(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), workload.batch, workload.loss_fn)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    with ddp.no_sync(), pytest.raises(DataParallelError, match="no_sync"):
+        step(workload.batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True)), "nothing half-done"
+    step(workload.batch)
+    assert not all(torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True))
