@@ -148,8 +148,10 @@ def refuse_other_parallelism(model: nn.Module) -> None:
     """Raise :class:`DataParallelError` for a model that another form of parallelism wraps or
     shards: mutwo captures replicated data parallelism only, every rank holding every parameter."""
     if isinstance(model, nn.DataParallel):
-        raise DataParallelError("nn.DataParallel (one process driving several GPUs) is not supported; launch one "
-                                "process per GPU with torchrun and wrap the model in DistributedDataParallel")
+        raise DataParallelError(
+            "nn.DataParallel (one process driving several GPUs) is not supported; launch one "
+            "process per GPU with torchrun and wrap the model in DistributedDataParallel"
+        )
     if not dist.is_available():
         return
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -164,8 +166,10 @@ def refuse_other_parallelism(model: nn.Module) -> None:
                                     "budget to make it fit")  # fmt: skip
     sharded = next((name for name, p in inner.named_parameters() if isinstance(p, DTensor)), None)
     if sharded is not None:
-        raise DataParallelError(f"parameter {sharded} is a DTensor (tensor parallel or FSDP2), which mutwo cannot "
-                                "capture; give it a model of plain tensors wrapped in DistributedDataParallel")
+        raise DataParallelError(
+            f"parameter {sharded} is a DTensor (tensor parallel or FSDP2), which mutwo cannot "
+            "capture; give it a model of plain tensors wrapped in DistributedDataParallel"
+        )
 
 
 def broadcast_model(model: nn.Module, dp: DataParallel) -> None:
