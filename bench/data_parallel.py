@@ -1,6 +1,6 @@
-"""Data parallel on several GPUs: eager DistributedDataParallel against mutwo given the same DDP
-model, per-GPU peak memory and step time (the data-parallel issue). Run it under torchrun, one
-process per GPU (NCCL; on CPU it runs with gloo, as the smoke test does):
+"""Data parallel on several GPUs: eager DistributedDataParallel against mutwo averaging the same
+gradients inside its graph, per-GPU peak memory and step time (the data-parallel issue). Run it
+under torchrun, one process per GPU (NCCL; on CPU it runs with gloo, as the smoke test does):
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/data_parallel.py --out DIR/data_parallel.json
 
@@ -9,10 +9,12 @@ seed and trains on its shard of a global batch of ``batch × world size`` sample
 
 - *eager DDP*: ``DistributedDataParallel(model)`` (DDP's default buckets), ``loss.backward()``,
   ``optimizer.step()``;
-- *mutwo, budget*: ``mutwo.optimize(DistributedDataParallel(model), ..., budget=B)``, the whole
-  iteration with its bucketed all-reduces in one graph, recomputing to fit ``B`` = ``fraction``
-  × eager DDP's measured peak (the largest over the ranks; on CPU, where no peak is measured,
-  ``fraction`` of mutwo's own simulated peak);
+- *mutwo, budget*: ``mutwo.optimize(model, ..., budget=B, data_parallel=True)``, the whole
+  iteration with its bucketed all-reduces (DDP's default buckets) in one graph, recomputing to
+  fit ``B`` = ``fraction`` × eager DDP's measured peak (the largest over the ranks; on CPU,
+  where no peak is measured, ``fraction`` of mutwo's own simulated peak). The model is not
+  wrapped in DDP here: a DDP wrapper allocates its own gradient buckets when it is built and
+  keeps them while it lives, memory mutwo's graph does not use;
 - *mutwo, no recompute*: the graph that ``optimize`` captured, before its passes (no second
   capture or profile).
 
@@ -93,11 +95,11 @@ class Bench:
                 "warmup": WARMUP, "measured": MEASURED, "runs": self.rows}  # fmt: skip
 
 
-def training(config: Config, workload: Workload, batch: Any, device: torch.device) -> Training:
-    """A fresh copy of the workload's model on ``device`` wrapped in DDP, with a fresh optimizer."""
+def training(config: Config, workload: Workload, batch: Any, device: torch.device, *, ddp: bool) -> Training:
+    """A fresh copy of the workload's model on ``device``, wrapped in DDP if asked, with a fresh optimizer."""
     copied = copy.deepcopy(workload.model).to(device)
-    ddp = DistributedDataParallel(copied, device_ids=[device] if device.type == "cuda" else None)
-    return Training(ddp, build_optimizer(config, copied), batch, workload.loss_fn, device)
+    model = DistributedDataParallel(copied, device_ids=[device] if device.type == "cuda" else None) if ddp else copied
+    return Training(model, build_optimizer(config, copied), batch, workload.loss_fn, device)
 
 
 def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> None:
@@ -107,7 +109,7 @@ def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> No
     batch = to_device(distributed.shard_batch(workload.batch, rank, world), bench.device)
     base = {"model": name, "batch_per_gpu": batch_size, "global_batch": batch_size * world}
 
-    eager = training(config, workload, batch, bench.device)
+    eager = training(config, workload, batch, bench.device, ddp=True)
     measured = bench.measure(eager.eager_step(), {**base, "variant": "eager DDP"})
     del eager
     if measured["peak_bytes"] is not None:
@@ -116,11 +118,11 @@ def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> No
     else:
         budget, spec = parse_budget(str(fraction)), f"{fraction} x mutwo's simulated peak"
 
-    mutwo = training(config, workload, batch, bench.device)
+    mutwo = training(config, workload, batch, bench.device, ddp=False)
     started = time.perf_counter()
     row = {**base, "variant": f"mutwo {spec}", "budget_bytes": budget.bytes}
     try:
-        step = optimize(mutwo.model, mutwo.optimizer, batch, workload.loss_fn, budget=budget)
+        step = optimize(mutwo.model, mutwo.optimizer, batch, workload.loss_fn, budget=budget, data_parallel=True)
     except PipelineFailure as failure:
         bench.record({**row, "error": str(failure).splitlines()[0]})
         return
