@@ -82,7 +82,7 @@ def stays_in_place(node: Node) -> bool:
 
 def replayable(node: Node) -> bool:
     """Whether a forward node can be cloned into the backward without changing any result."""
-    if node.op != "call_function" or node.phase is not Phase.FORWARD:
+    if node.op != "call_function" or node.phase is not Phase.FORWARD or node.is_collective:
         return False
     if node.is_random and rng_refusal(node) is not None:
         return False

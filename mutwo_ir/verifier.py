@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from mutwo.ir.classify import state_kind_of_update
 from mutwo.ir.graph import Graph
-from mutwo.ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase
+from mutwo.ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase, StorageKey
 from mutwo.ir.printer import format_node
 
 
@@ -151,6 +151,28 @@ def check_storages(graph: Graph) -> None:
                       f"output {index} aliases storage {key} that none of its operands holds")  # fmt: skip
 
 
+def check_collectives(graph: Graph) -> None:
+    """A storage a collective is communicating is read only by its ``wait_tensor``, and every
+    collective is waited for before the iteration ends: reading it earlier reads a half-reduced
+    buffer, and an unwaited collective is still running when the next iteration starts."""
+    in_flight: dict[StorageKey, Node] = {}
+    for node in graph:
+        if node.is_wait:
+            for meta in node.tensors:
+                if meta is not None:
+                    in_flight.pop(meta.storage, None)
+            continue
+        for operand in node.operands:
+            for meta in operand.tensors:
+                if meta is not None and meta.storage in in_flight:
+                    _fail(graph, "collective-wait", node, f"reads storage {meta.storage} while "
+                          f"{in_flight[meta.storage]!r} communicates it; read it after its wait_tensor")  # fmt: skip
+        if node.is_collective:
+            in_flight.update((meta.storage, node) for meta in node.tensors if meta is not None)
+    for key, node in in_flight.items():
+        _fail(graph, "collective-wait", node, f"storage {key} is never waited for; add a wait_tensor on it")
+
+
 def check_origins(graph: Graph) -> None:
     for node in graph:
         if node.origin is not None and node.op != "call_function":
@@ -165,6 +187,7 @@ CHECKS: tuple[Callable[[Graph], None], ...] = (
     check_phases,
     check_kinds,
     check_storages,
+    check_collectives,
     check_origins,
 )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
@@ -30,7 +30,11 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.from_fx import PHASE_META
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime import optim as functional_optim
+from mutwo.runtime.collectives import GradientBuckets, broadcast_coalesced
 from mutwo.runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
+
+if TYPE_CHECKING:
+    from mutwo.runtime.distributed import DataParallel
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -77,9 +81,12 @@ class StepBinding:
     group_of: dict[str, int]  #: trainable parameter name -> index of its param group
     foreach_layout: list[list[str]] = field(default_factory=list)  #: buckets of the multi-tensor update
     checked_steps: list[int] = field(default_factory=list)  #: ids of the step tensors last checked
+    data_parallel: DataParallel | None = None  #: how gradients are averaged across ranks, if they are
+    gradient_buckets: list[list[str]] = field(default_factory=list)  #: the all-reduce buckets, in issue order
 
     @classmethod
-    def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> StepBinding:
+    def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+             data_parallel: DataParallel | None = None) -> StepBinding:  # fmt: skip
         spec = functional_optim.describe(optimizer)
         params = dict(model.named_parameters())
         name_of = {id(p): name for name, p in params.items()}
@@ -95,7 +102,7 @@ class StepBinding:
                     trainable.append(name)
                     group_of[name] = index
         return cls(model, optimizer, loss_fn, spec, list(params), [n for n, _ in model.named_buffers()],
-                   trainable, group_of)  # fmt: skip
+                   trainable, group_of, data_parallel=data_parallel)  # fmt: skip
 
     # -- the flat input list ---------------------------------------------------------------
     def state_names(self, name: str) -> tuple[str, ...]:
@@ -204,6 +211,7 @@ class StepBinding:
                 batch_leaves[position] = tensor
             traced_batch = pytree.tree_unflatten(batch_leaves, batch_spec)
 
+            averaging = self._begin_data_parallel(params, buffers)
             with torch.enable_grad():
                 output = _call_model(self.model, params, buffers, traced_batch)
                 loss = self.loss_fn(output, traced_batch)
@@ -211,6 +219,9 @@ class StepBinding:
             _end_phase(Phase.FORWARD)
             wanted = [params[n] for n in self.trainable]
             grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            if averaging is not None:  # gradients final: their average over the ranks replaces them
+                grads = averaging.averaged(self.trainable, grads)
+                self.gradient_buckets = averaging.layout
             _end_phase(Phase.BACKWARD)
             with torch.no_grad():
                 grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
@@ -234,6 +245,20 @@ class StepBinding:
             return outputs
 
         return step
+
+    def _begin_data_parallel(self, params: dict[str, torch.Tensor],
+                             buffers: dict[str, torch.Tensor]) -> GradientBuckets | None:  # fmt: skip
+        """Data parallel: trace rank 0's buffers into every rank's, and hook the trainable
+        parameters so that their gradients are bucketed and all-reduced as they become final."""
+        dp = self.data_parallel
+        if dp is None:
+            return None
+        if dp.sync_buffers:
+            broadcast_coalesced([b for n, b in buffers.items() if n not in dp.ignored], dp.group_name)
+        buckets = GradientBuckets(dp.group_name, dp.world_size, dp.bucket_limits,
+                                  [n for n in self.trainable if n not in dp.ignored])  # fmt: skip
+        buckets.watch(params)
+        return buckets
 
 
 def learning_rate(group: dict[str, Any]) -> torch.Tensor:
@@ -284,15 +309,16 @@ def _training_mode_kept(model: torch.nn.Module) -> Iterator[None]:
             module.train(training)
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn) -> tuple[
-        CapturedStep, StepBinding]:  # fmt: skip
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
+            data_parallel: DataParallel | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
     Missing optimizer state is created as torch.optim's first step would create it. Raises
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
-    data-dependent control flow) when the iteration cannot be traced.
+    data-dependent control flow) when the iteration cannot be traced. With ``data_parallel``, the
+    graph also averages the gradients across ranks (:mod:`mutwo.runtime.collectives`).
     """
-    binding = StepBinding.bind(model, optimizer, loss_fn)
+    binding = StepBinding.bind(model, optimizer, loss_fn, data_parallel)
     if not binding.trainable:
         raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
     functional_optim.init_state(optimizer, binding.spec)

@@ -36,7 +36,7 @@ aten = torch.ops.aten
 FWD, BWD, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
 OWN = StorageKey(-1)  # "the storage of the node being created"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-KIND_NAMES = ("parameter", "buffer", "optimizer_state", "input", "gradient", "activation", "other")
+KIND_NAMES = ("parameter", "buffer", "optimizer_state", "input", "communication", "gradient", "activation", "other")
 
 
 def meta(nbytes: int, storage: StorageKey = OWN, device: str = "cpu", shape: tuple[int, ...] = (2, 4)) -> TensorMeta:
