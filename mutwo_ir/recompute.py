@@ -11,8 +11,8 @@ The rewrite realises a set of chosen activation storages (a plan):
 * sources are placeholders, activations that are kept, nodes that cannot be replayed, and clones
   made by earlier blocks that are still live at the insertion point; everything else on the way
   is recomputed, chosen activations included (their recompute count grows, as in μ-TWO);
-* clones never replay side effects: in-place ops become their out-of-place form (or, lacking
-  one, write the block's own clone of their operand), training-mode batch norms are replayed from
+* clones never replay side effects: an in-place op writes in place only into the block's own
+  clones (no new allocation), and otherwise becomes its out-of-place form, training-mode batch norms are replayed from
   the mean and inverse std they saved (one pointwise pass, no reduction, no running-statistics
   update), and random ops are replayed with the generator state they consumed, which a node
   right before the original snapshots (:mod:`mutwo.ir.replay`); the generator is left where the
@@ -112,12 +112,15 @@ class Block:
     from_clones: dict[int, int] = field(default_factory=dict)  #: source id -> storage creator of its block
     #: training batch norms replayed from their saved statistics: id -> (mean holder, invstd holder)
     from_stats: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: in-place ops whose clones write in place too: everything they write is the block's own clone
+    in_place: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"storage": str(self.storage), "insert_before": self.insert_before, "nodes": self.nodes,
                 "redirect": self.redirect, "sources": self.sources,
                 "from_clones": {str(k): v for k, v in self.from_clones.items()},
-                "from_stats": {str(k): list(v) for k, v in self.from_stats.items()}}  # fmt: skip
+                "from_stats": {str(k): list(v) for k, v in self.from_stats.items()},
+                "in_place": self.in_place}  # fmt: skip
 
 
 class Recompute:
@@ -176,6 +179,7 @@ class Recompute:
         sources: dict[int, None] = {}
         from_clones: dict[int, int] = {}
         from_stats: dict[int, tuple[int, int]] = {}
+        in_place: list[int] = []
 
         def clone(node: Node) -> None:
             """Recompute ``node``: replay it from its operands, each kept, reused or recomputed."""
@@ -190,10 +194,15 @@ class Recompute:
             for operand in operands:
                 self._check_unchanged(operand, node_rank)
                 walk(operand)
-            if stays_in_place(node) and any(t.storage.creator not in to_clone for w in node.mutated_operands
-                                            for t in w.tensors if t is not None):  # fmt: skip
-                raise NotRecomputable(f"{node!r} ({node.op_name}) writes in place into a value the block would "
-                                      "keep, not recompute")  # fmt: skip
+            if node.mutated_operands and not node.has_undeclared_writes:
+                # Writing the block's own clone in place allocates nothing; writing anything else
+                # (a kept value, an earlier block's clone) needs the out-of-place form.
+                if all(t.storage.creator in to_clone for w in node.mutated_operands for t in w.tensors
+                       if t is not None):  # fmt: skip
+                    in_place.append(node.id)
+                elif stays_in_place(node):
+                    raise NotRecomputable(f"{node!r} ({node.op_name}) writes in place into a value the block "
+                                          "would keep, not recompute")  # fmt: skip
             to_clone[node.id] = None
 
         def walk(node: Node) -> None:
@@ -219,7 +228,7 @@ class Recompute:
                                       f"{self.graph.node(source)!r}, which cannot be replayed")  # fmt: skip
         ordered = sorted(to_clone, key=self.rank.__getitem__)
         return Block(storage, point.id, ordered, [t.id for t in targets], sorted(sources, key=self.rank.__getitem__),
-                     from_clones, from_stats)  # fmt: skip
+                     from_clones, from_stats, in_place)  # fmt: skip
 
     def _kept_stats(self, node: Node, chosen: set[StorageKey]) -> tuple[Node, Node] | None:
         """The saved mean and inverse std of a training batch norm, when the backward keeps both
@@ -295,7 +304,7 @@ def insert_blocks(graph: Graph, blocks: list[Block]) -> dict[int, list[int]]:
                     snapshots[node_id] = _snapshot_rng_state(graph, original)
                 clone = _clone_random(graph, original, snapshots[node_id], remap, point)
             else:
-                clone = _clone(graph, original, remap, point)
+                clone = _clone(graph, original, remap, point, in_place=node_id in block.in_place)
             remap[original] = clone
             clones_of.setdefault(node_id, []).append(clone.id)
         last = remap[graph.node(block.nodes[-1])]
@@ -330,10 +339,11 @@ def _follow_storage(holder: Node, clone: Node, readers: list[Node]) -> None:
         pending.extend(node.users)
 
 
-def _clone(graph: Graph, original: Node, remap: dict[Node, Node], point: Node) -> Node:
-    """A side-effect-free copy of a forward node, placed before ``point`` in the backward phase."""
+def _clone(graph: Graph, original: Node, remap: dict[Node, Node], point: Node, *, in_place: bool = False) -> Node:
+    """A side-effect-free copy of a forward node, placed before ``point`` in the backward phase;
+    ``in_place``: the original's in-place writes hit clones of the same block, so the copy keeps them."""
     clone = graph.copy_node(original, remap, before=point, phase=Phase.BACKWARD)
-    replacement = out_of_place(original.target) if original.mutated_operands else None
+    replacement = out_of_place(original.target) if original.mutated_operands and not in_place else None
     if original.has_undeclared_writes:
         args = list(clone.args)
         args[3] = args[4] = None  # batch statistics only: running statistics are not updated again

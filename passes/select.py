@@ -17,7 +17,7 @@ from mutwo.ir.node import Phase
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks
-from mutwo.ir.replay import rng_refusal
+from mutwo.ir.replay import rng_refusal, rng_state_bytes
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.mu_two import Candidate, GreedyResult, greedy
 
@@ -229,8 +229,15 @@ class SelectPass(Pass):
             end = record.first_backward_use
             assert end is not None
             sources = {t.storage for s in block.sources for t in graph.node(s).tensors if t is not None}
+            # A replayed random op keeps its generator state from the forward on: on the CPU that
+            # state (5 KiB) is memory of the same device, and can outweigh a small activation.
+            memory = allocation_size(record.bytes, device) - sum(
+                allocation_size(rng_state_bytes(device), device) for n in block.nodes
+                if device == "cpu" and graph.node(n).is_random)  # fmt: skip
+            if memory <= 0:
+                continue
             candidates.append(Candidate(
-                key=record.key, memory=allocation_size(record.bytes, device), sources=sources,
+                key=record.key, memory=memory, sources=sources,
                 recompute_time=sum(replay_seconds(profile, n, block) for n in block.nodes), inactive_start=start,
                 first_backward_use=end, last_backward_use=record.last_backward_use or end,
                 inactive_time=idle_seconds(record, elapsed),

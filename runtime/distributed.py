@@ -236,15 +236,19 @@ def require_same_graph(graph: Graph, dp: DataParallel, what: str) -> None:
 
 
 def agreed_profile(profile: Profile, dp: DataParallel) -> Profile:
-    """The profile every rank plans with: each node's slowest time and largest workspace over the
-    ranks, and the slowest whole iteration."""
+    """The profile every rank plans with: each node's slowest time, slowest replay (batch norms
+    replayed from their statistics) and largest workspace over the ranks, and the slowest whole
+    iteration."""
     ids = sorted(profile.nodes)
-    rows = [[profile.nodes[i].seconds, float(profile.nodes[i].workspace)] for i in ids]
-    rows.append([profile.iteration.seconds if profile.iteration else 0.0, 0.0])
+    # A node without a replay time has one on no rank (the same graph): -1 marks it.
+    rows = [[profile.nodes[i].seconds, float(profile.nodes[i].workspace),
+             -1.0 if profile.nodes[i].replay_seconds is None else profile.nodes[i].replay_seconds] for i in ids]
+    rows.append([profile.iteration.seconds if profile.iteration else 0.0, 0.0, -1.0])
     values = torch.tensor(rows, dtype=torch.float64, device=dp.device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=dp.group)
     merged = values.cpu().tolist()
-    nodes = {i: dataclasses.replace(profile.nodes[i], seconds=row[0], workspace=int(row[1]))
+    nodes = {i: dataclasses.replace(profile.nodes[i], seconds=row[0], workspace=int(row[1]),
+                                    replay_seconds=None if row[2] < 0 else row[2])
              for i, row in zip(ids, merged, strict=False)}  # fmt: skip
     iteration = dataclasses.replace(profile.iteration, seconds=merged[-1][0]) if profile.iteration else None
     meta = {**profile.meta, "reduced_over_ranks": dp.world_size}

@@ -309,6 +309,9 @@ class MutwoOpt:
             return self.run_steps()
         finally:
             if self.joined:
+                # Wait for every rank (rank 0 writes the files) before tearing the group down: a
+                # rank that leaves while another still talks to it aborts gloo's threads.
+                torch.distributed.barrier()
                 torch.distributed.destroy_process_group()
 
     def run_steps(self) -> int:
