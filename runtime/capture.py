@@ -32,7 +32,7 @@ from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime import optim as functional_optim
 from mutwo.runtime.input_aliasing import refuse_written_aliases, separate_aliases
 from mutwo.runtime.rnn import run_rnn_layers_in_training_mode
-from mutwo.runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
+from mutwo.runtime.tracing import CaptureError, compiler_tracing, debug_enabled, explain_capture_failure
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -309,7 +309,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     except CaptureError:
         raise
     except Exception as error:  # every tracing failure becomes one readable sentence
-        raise explain_capture_failure(error) from error
+        # torch's traceback says nothing to the user once explained; MUTWO_DEBUG=1 keeps it as the cause.
+        raise explain_capture_failure(error) from (error if debug_enabled() else None)
     refuse_written_aliases(graph_module.graph, aliases, [s.label for s in slots])
     run_rnn_layers_in_training_mode(graph_module.graph)
     constants = _lift_constants(graph_module, slots)

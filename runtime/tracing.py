@@ -22,6 +22,11 @@ class CaptureError(RuntimeError):
     """Tracing the training iteration failed; the message is one sentence for the user."""
 
 
+def debug_enabled() -> bool:
+    """Whether ``MUTWO_DEBUG=1`` (or ``mutwo-opt --debug``) asks for the tracebacks behind errors."""
+    return os.environ.get("MUTWO_DEBUG", "") not in ("", "0")
+
+
 @contextlib.contextmanager
 def compiler_tracing() -> Iterator[None]:
     """Make ``torch.compiler.is_compiling()`` answer True while the step is traced.

@@ -67,7 +67,8 @@ def run_model(entry: ZooModel, passes: str = DEFAULT_PASSES) -> ZooResult:
     model, batch, loss_fn = entry.build()
     result = ZooResult(entry.name, entry.family, "ok", parameters=sum(p.numel() for p in model.parameters()))
     if result.parameters > MAX_PARAMETERS:
-        result.status, result.reason = "skipped", f"{result.parameters / 1e6:.0f}M parameters: too large for a CPU sweep"
+        result.status = "skipped"
+        result.reason = f"{result.parameters / 1e6:.0f}M parameters: too large for a CPU sweep"
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         try:
