@@ -34,7 +34,10 @@ def separate_aliases(inputs: list[torch.Tensor], first: int) -> tuple[list[torch
         key = _storage_key(tensor)
         if key in seen and position >= first:
             aliases[position] = seen[key]
-            separated[position] = tensor.detach().clone()
+            # Same strides (a clone of a strided view would be contiguous, and the graph would
+            # then use views that the real, strided input cannot take).
+            copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+            separated[position] = copy.copy_(tensor.detach()).requires_grad_(tensor.requires_grad)
         seen.setdefault(key, position)
     return separated, aliases
 
