@@ -32,7 +32,13 @@ from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime import optim as functional_optim
 from mutwo.runtime.input_aliasing import refuse_written_aliases, separate_aliases
 from mutwo.runtime.rnn import run_rnn_layers_in_training_mode
-from mutwo.runtime.tracing import CaptureError, compiler_tracing, debug_enabled, explain_capture_failure
+from mutwo.runtime.tracing import (
+    CaptureError,
+    compiler_tracing,
+    debug_enabled,
+    explain_capture_failure,
+    forbid_value_dependent_shapes,
+)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -192,6 +198,7 @@ class StepBinding:
         in_buckets = {name for bucket in buckets for name in bucket}
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            forbid_value_dependent_shapes()
             params = dict(zip(self.param_names, flat[:n_params], strict=True))
             buffers = dict(zip(self.buffer_names, flat[n_params:n_params + n_buffers], strict=True))
             cursor = n_params + n_buffers
