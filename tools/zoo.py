@@ -1,6 +1,7 @@
 """Sweep the model zoo: capture each model's training iteration, rewrite it, check it bitwise.
 
-    python -m mutwo.tools.zoo [--ci] [--only NAME,...] [--passes P] [-o results.json] [--markdown docs/zoo.md]
+    python -m mutwo.tools.zoo [--ci] [--only NAME,...] [--passes P] [--device cpu|cuda] [-o results.json]
+                              [--markdown docs/zoo.md]
     python -m mutwo.tools.zoo --render results.json --markdown docs/zoo.md
 
 Each model (``mutwo.tools.zoo_models``) goes through capture, the pipeline (default
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from mutwo.ir.pass_manager import PipelineFailure
 from mutwo.runtime.api import optimize_graph
 from mutwo.runtime.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
+from mutwo.tools.workloads import to_device
 from mutwo.tools.zoo_models import MAX_PARAMETERS, ZooModel, zoo
 
 DEFAULT_PASSES = "profile{runs=1,warmup=0},select{budget=min},rewrite"
@@ -62,11 +65,13 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def run_model(entry: ZooModel, passes: str = DEFAULT_PASSES) -> ZooResult:
-    """Build, capture, rewrite and check one model; every outcome is a result, never an exception."""
+def run_model(entry: ZooModel, passes: str = DEFAULT_PASSES, device: str = "cpu") -> ZooResult:
+    """Build, capture, rewrite and check one model on ``device``; every outcome is a result, never
+    an exception (the check is bitwise on CPU, with deterministic kernels on CUDA)."""
     started = time.perf_counter()
     torch.manual_seed(0)
     model, batch, loss_fn = entry.build()
+    model, batch = model.to(device), to_device(batch, torch.device(device))
     result = ZooResult(entry.name, entry.family, "ok", parameters=sum(p.numel() for p in model.parameters()))
     if result.parameters > MAX_PARAMETERS:
         result.status = "skipped"
@@ -112,7 +117,8 @@ def markdown(sweep: dict[str, Any]) -> str:
     lines = [
         "# Model zoo: which models mutwo captures, rewrites and checks",
         "",
-        f"Swept on CPU with torch {sweep['torch']} by `python -m mutwo.tools.zoo -o {RESULTS}`; this page is",
+        f"Swept on {sweep.get('device', 'cpu').upper()} with torch {sweep['torch']} by "
+        f"`python -m mutwo.tools.zoo -o {RESULTS}`; this page is",
         f"generated from that file by `python -m mutwo.tools.zoo --render {RESULTS} --markdown docs/zoo.md`.",
         "Every `ok` model was captured, rewritten at the lowest reachable peak (`select{budget=min}`) and",
         "found bitwise equal to the captured step over 3 Adam iterations (loss, gradients, parameters,",
@@ -138,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ci", action="store_true", help="only the cheap subset the test suite sweeps")
     parser.add_argument("--only", default="", metavar="NAME,...", help="only these models")
     parser.add_argument("--passes", default=DEFAULT_PASSES, help=f"the pipeline (default {DEFAULT_PASSES})")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
     parser.add_argument("-o", "--out", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--markdown", metavar="FILE", help="write the results as a markdown table")
     parser.add_argument("--render", metavar="FILE",
@@ -171,15 +178,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.render:
             return _render(args.render, args.markdown)
         models = select_models(args.ci, args.only)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda: no GPU is visible to torch; use --device cpu")
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except UsageError as error:
         print(f"zoo: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    sweep: dict[str, Any] = {"torch": torch.__version__, "passes": args.passes, "results": []}
+    # cuBLAS reads this when it starts; the deterministic check on CUDA needs it.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    sweep: dict[str, Any] = {"torch": torch.__version__, "device": args.device, "passes": args.passes, "results": []}
     results: list[dict[str, Any]] = sweep["results"]
     for entry in models:
-        result = run_model(entry, args.passes)
+        result = run_model(entry, args.passes, args.device)
         results.append(dict(result.__dict__, reduction=result.reduction))
         mark = "" if result.expected else "  <-- unexpected"
         print(f"{entry.name:28} {result.status:15} {result.seconds:7.1f}s {result.reason[:90]}{mark}", flush=True)
