@@ -14,7 +14,7 @@ import mutwo
 from mutwo.runtime.api import optimize_graph
 from mutwo.runtime.capture import capture
 from mutwo.runtime.tracing import CaptureError
-from mutwo.tools.zoo_models import _recurrent
+from mutwo.tools.zoo_models import _Branchy, _recurrent, _refused
 from tests import models
 
 #: Recompute as much as possible (the hardest rewrite), on a one-run profile (the cheapest).
@@ -62,19 +62,10 @@ def test_a_view_of_another_batch_tensor_is_its_own_input() -> None:
     def make() -> tuple[nn.Module, Any, Any]:
         ids = torch.randint(0, 10, (2, 9))
         model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
-        return _Tagger(model), (ids[:, :-1], ids[:, 1:]), lambda logits, b: F.cross_entropy(
+        return models.Classifier(model), (ids[:, :-1], ids[:, 1:]), lambda logits, b: F.cross_entropy(
             logits.reshape(-1, 10), b[1].reshape(-1))  # fmt: skip
 
     _trains_like_eager(make)
-
-
-class _Tagger(nn.Module):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.net(ids)
 
 
 class _ScalesInputInPlace(nn.Module):
@@ -120,25 +111,12 @@ def test_recurrent_language_models_train_like_eager_on_cpu(cell: type[nn.RNNBase
     _trains_like_eager(_recurrent(cell, layers, bidirectional))
 
 
-class _DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
-        if y.sum() > 0:
-            return y.relu()
-        return y
-
-
 @pytest.mark.parametrize("debug", ["", "1"])
 def test_capture_errors_hide_torch_traceback_unless_debugging(debug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MUTWO_DEBUG", debug)
-    model = _DataDependent()
+    model, batch, loss_fn = _refused(_Branchy)()
     with pytest.raises(CaptureError) as info:
-        optimize_graph(model, torch.optim.SGD(model.parameters(), lr=0.1), (torch.randn(2, 4),),
-                       lambda out, b: out.sum())  # fmt: skip
+        optimize_graph(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, loss_fn)
     assert "\n" not in str(info.value) and "if y.sum() > 0" in str(info.value)
     if debug:
         assert info.value.__cause__ is not None

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mutwo.tools.workloads import ImageClassifier
+
 Built = tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor]]
 
 #: torchvision classifiers above this many parameters are left out of the CPU sweep (their
@@ -53,15 +55,6 @@ def _classification_loss(output: Any, batch: Any) -> torch.Tensor:
     return F.cross_entropy(_logits(output), batch[1])
 
 
-class _Classifier(nn.Module):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> Any:
-        return self.net(images)
-
-
 def _torchvision(name: str) -> Callable[[], Built]:
     def build() -> Built:
         import torchvision
@@ -75,7 +68,7 @@ def _torchvision(name: str) -> Callable[[], Built]:
             kwargs["init_weights"] = False  # scipy's truncated normal is slow and not needed here
         net = torchvision.models.get_model(name, weights=None, **kwargs)
         images = torch.randn(2, 3, size, size)
-        return _Classifier(net), (images, torch.randint(0, 10, (2,))), _classification_loss
+        return ImageClassifier(net), (images, torch.randint(0, 10, (2,))), _classification_loss
 
     return build
 
@@ -222,36 +215,32 @@ def _recurrent_models() -> list[ZooModel]:
 
 
 # -- what mutwo refuses -------------------------------------------------------------------------
-class _Branchy(nn.Module):
-    """Python control flow on a tensor's value."""
+class _OneLayer(nn.Module):
+    """A linear layer; the subclasses below each add one construct mutwo refuses."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 8)
+
+
+class _Branchy(_OneLayer):
+    """Python control flow on a tensor's value."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
         return y.relu() if y.sum() > 0 else y
 
 
-class _MaskedSelect(nn.Module):
+class _MaskedSelect(_OneLayer):
     """Boolean-mask indexing: the output's shape depends on the values."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
         return y[y > 0]
 
 
-class _Normalizes(nn.Module):
+class _Normalizes(_OneLayer):
     """Writes into its input, which the batch passes twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         x.sub_(x.mean())
