@@ -423,6 +423,12 @@ def test_bad_option_value_is_refused_before_capture(pipeline: str, words: list[s
         assert word in line
 
 
+def test_bad_option_value_of_a_loaded_pass(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", REPO / "examples/passes/peak_consumers.py",
+                              "-p", "peak-consumers{top=0}", good_config(workdir))  # fmt: skip
+    assert "pass 'peak-consumers': top must be at least 1" in line
+
+
 def test_debug_prints_the_traceback_behind_the_one_line(workdir: Path, capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("MUTWO_DEBUG", "")  # restored afterwards: --debug sets it for the process
