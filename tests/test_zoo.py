@@ -70,4 +70,5 @@ def test_render_writes_the_table_of_a_sweep(tmp_path: Path) -> None:
     table = (tmp_path / "zoo.md").read_text(encoding="utf-8")
     assert "| tiny | rnn | ok | 10 | 2.00 → 1.00 | 3 | 1.5 |  |" in table
     assert "| branchy | refused | refused |  |  |  | 0.0 | it branches \\| on a value; do not |" in table
-    assert "Totals: 1 ok, 1 refused." in table
+    assert f"Totals: {len(MODELS)} not swept, 1 ok, 1 refused." in table  # every zoo model has a row
+    assert "| resnet18 | torchvision | not swept |  |  |  |  |  |" in table

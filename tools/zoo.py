@@ -109,8 +109,11 @@ def met_expectation(entry: ZooModel, result: ZooResult) -> bool:
 
 
 def markdown(sweep: dict[str, Any]) -> str:
-    """The zoo table of a sweep's JSON (``{"torch": version, "results": [...]}``), as in docs/zoo.md."""
-    results = sweep["results"]
+    """The zoo table of a sweep's JSON (``{"torch": version, "results": [...]}``), as in docs/zoo.md;
+    zoo models the sweep did not reach are listed as ``not swept``."""
+    swept = {r["name"] for r in sweep["results"]}
+    results = sweep["results"] + [dict(ZooResult(m.name, m.family, "not swept").__dict__) for m in zoo()
+                                  if m.name not in swept]  # fmt: skip
     counts: dict[str, int] = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -133,9 +136,10 @@ def markdown(sweep: dict[str, Any]) -> str:
     ]
     for r in results:
         peaks = f"{r['peak_before'] / MIB:.2f} → {r['peak_after'] / MIB:.2f}" if r["peak_before"] else ""
+        seconds = r["seconds"] if r["status"] != "not swept" else ""
         note = r["reason"].replace("|", "\\|")
         lines.append(f"| {r['name']} | {r['family']} | {r['status']} | {r['nodes'] or ''} | {peaks} | "
-                     f"{r['recomputed'] if r['status'] == 'ok' else ''} | {r['seconds']} | {note} |")  # fmt: skip
+                     f"{r['recomputed'] if r['status'] == 'ok' else ''} | {seconds} | {note} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
