@@ -38,6 +38,7 @@ from mutwo.runtime.tracing import (
     debug_enabled,
     explain_capture_failure,
     forbid_value_dependent_shapes,
+    quiet_torch_errors,
 )
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -310,7 +311,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     n_batch = sum(1 for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor))
     inputs, aliases = separate_aliases(binding.trace_inputs(batch), len(slots) - n_batch)
     try:
-        with compiler_tracing(), _training_mode_kept(model):
+        with compiler_tracing(), quiet_torch_errors(), _training_mode_kept(model):
             graph_module = make_fx(binding.step_function(batch, gradient_labels), tracing_mode="fake",
                                    _allow_non_fake_inputs=True)(*inputs)  # fmt: skip
     except CaptureError:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import linecache
+import logging
 import os
 import traceback
 from collections.abc import Iterator
@@ -45,6 +46,21 @@ def compiler_tracing() -> Iterator[None]:
         yield
     finally:
         torch.compiler.is_compiling = original  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def quiet_torch_errors() -> Iterator[None]:
+    """Keep torch's fake-tensor logger from printing a traceback when an op's meta function fails
+    while tracing: the failure reaches mutwo, which explains it in one sentence (``MUTWO_DEBUG=1``
+    keeps torch's log)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    if not debug_enabled():
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def forbid_value_dependent_shapes() -> None:

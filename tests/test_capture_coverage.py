@@ -135,3 +135,15 @@ def test_recurrent_language_models_on_cuda_match_the_captured_step(cell: type[nn
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     optimized = optimize_graph(model, optimizer, (ids.cuda(),), loss_fn, passes=CHEAP_PIPELINE, check=True)
     assert optimized.report is not None and optimized.report.equivalent, optimized.report.summary()
+
+
+def test_an_op_that_rejects_its_shapes_is_one_sentence_without_torch_logging(
+        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # torch's fake-tensor logger used to print the meta function's traceback above mutwo's sentence.
+    monkeypatch.setenv("MUTWO_DEBUG", "")
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AvgPool2d(5))
+    with pytest.raises(CaptureError, match="Output size is too small") as info:
+        capture(model, torch.optim.SGD(model.parameters(), lr=0.1), (torch.randn(1, 3, 5, 5),),
+                lambda out, b: out.sum())  # fmt: skip
+    assert "\n" not in str(info.value)
+    assert "Traceback" not in capfd.readouterr().err
