@@ -39,7 +39,7 @@ class ZooModel:
 # -- torchvision ---------------------------------------------------------------------------------
 #: Input sizes for the classifiers that need more than the default 32x32 (or accept a smaller
 #: ``image_size``), and keyword arguments they are built with.
-_IMAGE_SIZE = {"inception_v3": 160, "googlenet": 48, "maxvit_t": 224, "alexnet": 64, "squeezenet1_0": 48,
+_IMAGE_SIZE = {"inception_v3": 80, "googlenet": 48, "maxvit_t": 224, "alexnet": 64, "squeezenet1_0": 48,
                "squeezenet1_1": 48, "vgg11": 32, "swin_t": 64, "swin_s": 64, "swin_b": 64, "swin_v2_t": 64,
                "swin_v2_s": 64, "swin_v2_b": 64}  # fmt: skip
 _VIT = {"vit_b_16": 16, "vit_b_32": 32, "vit_l_16": 16, "vit_l_32": 32, "vit_h_14": 14}
@@ -66,6 +66,8 @@ def _torchvision(name: str) -> Callable[[], Built]:
             kwargs["image_size"] = size
         if name in ("googlenet", "inception_v3"):
             kwargs["init_weights"] = False  # scipy's truncated normal is slow and not needed here
+        if name == "inception_v3":
+            kwargs["aux_logits"] = False  # the auxiliary head needs 299 px inputs: too slow on CPU
         net = torchvision.models.get_model(name, weights=None, **kwargs)
         images = torch.randn(2, 3, size, size)
         return ImageClassifier(net), (images, torch.randint(0, 10, (2,))), _classification_loss
