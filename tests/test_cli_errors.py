@@ -413,20 +413,16 @@ def test_bad_value_for_a_typed_option(workdir: Path, capsys: pytest.CaptureFixtu
     ("profile,select{budget=banana},rewrite", ["pass 'select'", "budget 'banana'", "'6GiB'", "'min'"]),
     ("profile,select{budget=-0.5},rewrite", ["pass 'select'", "budget must be positive"]),
     ("profile{runs=0},select,rewrite", ["pass 'profile'", "runs must be at least 1"]),
-], ids=["select-budget-word", "select-budget-negative", "profile-runs-zero"])  # fmt: skip
+    ("peak-consumers{top=0}", ["pass 'peak-consumers': top must be at least 1"]),
+], ids=["select-budget-word", "select-budget-negative", "profile-runs-zero", "loaded-pass"])  # fmt: skip
 def test_bad_option_value_is_refused_before_capture(pipeline: str, words: list[str], workdir: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     # Caught when the pipeline is built: the forward below would fail capture if it were reached.
     config = write_config(workdir, "model: {source: python, name: tiny.py:branchy}\n")
-    line = expect_usage_error(capsys, workdir / "out", "-p", pipeline, config)
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", REPO / "examples/passes/peak_consumers.py",
+                              "-p", pipeline, config)  # fmt: skip
     for word in words:
         assert word in line
-
-
-def test_bad_option_value_of_a_loaded_pass(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = expect_usage_error(capsys, workdir / "out", "--load-passes", REPO / "examples/passes/peak_consumers.py",
-                              "-p", "peak-consumers{top=0}", good_config(workdir))  # fmt: skip
-    assert "pass 'peak-consumers': top must be at least 1" in line
 
 
 def test_debug_prints_the_traceback_behind_the_one_line(workdir: Path, capsys: pytest.CaptureFixture[str],

@@ -43,7 +43,7 @@ _IMAGE_SIZE = {"inception_v3": 80, "googlenet": 48, "maxvit_t": 224, "alexnet": 
                "squeezenet1_1": 48, "vgg11": 32, "swin_t": 64, "swin_s": 64, "swin_b": 64, "swin_v2_t": 64,
                "swin_v2_s": 64, "swin_v2_b": 64}  # fmt: skip
 _VIT = {"vit_b_16": 16, "vit_b_32": 32, "vit_l_16": 16, "vit_l_32": 32, "vit_h_14": 14}
-_CI_VISION = {"mobilenet_v3_small", "squeezenet1_1"}
+_CI_VISION = {"squeezenet1_1"}
 
 
 def _logits(output: Any) -> torch.Tensor:
