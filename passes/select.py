@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, BudgetError, parse_budget
+from mutwo.ir.budget import Budget, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
@@ -76,10 +76,7 @@ class Plan:
 
 def resolve_budget(option_value: str | None, ctx: PassContext) -> Budget | None:
     if option_value is not None:
-        try:
-            return parse_budget(option_value)
-        except BudgetError as error:
-            raise PassFailure(f"select: {error}") from None
+        return parse_budget(option_value)  # valid: checked when the pass was built
     return ctx.services.get("budget")
 
 
@@ -147,6 +144,11 @@ class SelectPass(Pass):
     requires = ("profile",)
     provides = ("plan",)
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+
+    def __post_init__(self) -> None:
+        # A bad budget is a usage error when the pipeline is built, before anything is captured.
+        if self.budget is not None:
+            parse_budget(self.budget)  # BudgetError is a ValueError: the registry reports it in one line
 
     def run(self, graph: Graph, ctx: PassContext) -> Plan:
         profile = ctx.artifacts["profile"]

@@ -31,7 +31,16 @@ from mutwo.ir.from_fx import PHASE_META
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime import optim as functional_optim
 from mutwo.runtime.collectives import GradientBuckets, broadcast_coalesced
-from mutwo.runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
+from mutwo.runtime.input_aliasing import refuse_written_aliases, separate_aliases
+from mutwo.runtime.rnn import run_rnn_layers_in_training_mode
+from mutwo.runtime.tracing import (
+    CaptureError,
+    compiler_tracing,
+    debug_enabled,
+    explain_capture_failure,
+    forbid_value_dependent_shapes,
+    quiet_torch_errors,
+)
 
 if TYPE_CHECKING:
     from mutwo.runtime.distributed import DataParallel
@@ -197,6 +206,7 @@ class StepBinding:
         in_buckets = {name for bucket in buckets for name in bucket}
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            forbid_value_dependent_shapes()
             params = dict(zip(self.param_names, flat[:n_params], strict=True))
             buffers = dict(zip(self.buffer_names, flat[n_params:n_params + n_buffers], strict=True))
             cursor = n_params + n_buffers
@@ -323,16 +333,20 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
         raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
     functional_optim.init_state(optimizer, binding.spec)
     gradient_labels: list[str] = []
-    inputs = binding.trace_inputs(batch)
+    slots = binding.slots(batch)
+    n_batch = sum(1 for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor))
+    inputs, aliases = separate_aliases(binding.trace_inputs(batch), len(slots) - n_batch)
     try:
-        with compiler_tracing(), _training_mode_kept(model):
+        with compiler_tracing(), quiet_torch_errors(), _training_mode_kept(model):
             graph_module = make_fx(binding.step_function(batch, gradient_labels), tracing_mode="fake",
                                    _allow_non_fake_inputs=True)(*inputs)  # fmt: skip
     except CaptureError:
         raise
     except Exception as error:  # every tracing failure becomes one readable sentence
-        raise explain_capture_failure(error) from error
-    slots = binding.slots(batch)
+        # torch's traceback says nothing to the user once explained; MUTWO_DEBUG=1 keeps it as the cause.
+        raise explain_capture_failure(error) from (error if debug_enabled() else None)
+    refuse_written_aliases(graph_module.graph, aliases, [s.label for s in slots])
+    run_rnn_layers_in_training_mode(graph_module.graph)
     constants = _lift_constants(graph_module, slots)
     _, batch_spec = pytree.tree_flatten(batch)
     return CapturedStep(graph_module, slots, gradient_labels, batch_spec, constants), binding
@@ -343,18 +357,19 @@ def _lift_constants(graph_module: fx.GraphModule, slots: list[InputSlot]) -> dic
     trailing placeholders, so the graph's only inputs are placeholders."""
     graph = graph_module.graph
     constants: dict[str, torch.Tensor] = {}
+    placeholders: dict[str, fx.Node] = {}  # one placeholder per constant, however many nodes read it
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for node in [n for n in graph.nodes if n.op == "get_attr"]:
-        value = getattr(graph_module, node.target)
-        with graph.inserting_after(last_placeholder):
-            placeholder = graph.placeholder(f"constant_{node.target}")
-        placeholder.meta.update(node.meta)
-        placeholder.meta[PHASE_META] = Phase.FORWARD
-        node.replace_all_uses_with(placeholder)
+        if node.target not in placeholders:
+            with graph.inserting_after(last_placeholder):
+                placeholder = graph.placeholder(f"constant_{node.target}")
+            placeholder.meta.update(node.meta)
+            placeholder.meta[PHASE_META] = Phase.FORWARD
+            placeholders[node.target] = last_placeholder = placeholder
+            label = f"constant:{node.target}"
+            constants[label] = getattr(graph_module, node.target)
+            slots.append(InputSlot(NodeKind.INPUT, label))
+        node.replace_all_uses_with(placeholders[node.target])
         graph.erase_node(node)
-        last_placeholder = placeholder
-        label = f"constant:{node.target}"
-        constants[label] = value
-        slots.append(InputSlot(NodeKind.INPUT, label))
     graph_module.recompile()
     return constants

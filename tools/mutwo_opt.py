@@ -44,7 +44,7 @@ from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError
-from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
+from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.reports import memory_timeline, write_reports
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device
@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
                         help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback behind an error (like MUTWO_DEBUG=1)")
     return parser
 
 
@@ -379,13 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         args = build_parser().parse_args(argv)
+        if args.debug:
+            os.environ["MUTWO_DEBUG"] = "1"
         return MutwoOpt(args).run()
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except UsageError as error:
+        print_debug_traceback(error)
         print(f"mutwo-opt: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (Failure, VerificationError) as error:
+        print_debug_traceback(error)
         print(f"mutwo-opt: failed: {str(error).splitlines()[0]}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
