@@ -5,7 +5,8 @@ backward needs only when grad mode is on at *run* time; the captured graph runs 
 ``torch.no_grad()`` (its backward is explicit), so the workspace came back undefined and
 ``mkldnn_rnn_layer_backward`` refused it. ``mutwo::mkldnn_rnn_layer`` is the same op called with
 grad mode on (its inputs never require grad there, so nothing is recorded); capture swaps it in.
-cuDNN's ``_cudnn_rnn`` decides from its ``train`` argument, fixed when traced, and needs nothing.
+On CUDA, cuDNN's RNN reads raw weight pointers while tracing, which fake tensors do not have:
+capture refuses it (``tracing.explain_capture_failure``).
 """
 
 from __future__ import annotations

@@ -114,4 +114,11 @@ def explain_capture_failure(error: BaseException) -> CaptureError:
             "(torch.where) or move it out of the training step"
         )
     first_line = (str(error).strip().splitlines() or [""])[0]
+    if "Cannot access data pointer of Tensor" in first_line:
+        # cuDNN's recurrent layers (nn.LSTM/GRU/RNN on CUDA) pack their weights through raw pointers.
+        return CaptureError(
+            f"capturing the training step failed at {where}: a kernel there reads raw data pointers, which "
+            "tracing over fake tensors cannot give (cuDNN's nn.LSTM/GRU/RNN do); mutwo cannot capture it on "
+            "this device yet (recurrent layers capture on CPU)"
+        )
     return CaptureError(f"capturing the training step failed at {where}: {type(error).__name__}: {first_line}")
