@@ -32,6 +32,8 @@ BUILTIN_PASSES: dict[str, str] = {
     "select": "mutwo.passes.select:SelectPass",
     "extract": "mutwo.passes.extract:ExtractPass",
     "insert-recompute": "mutwo.passes.insert_recompute:InsertRecomputePass",
+    "optimizer-in-backward": "mutwo.passes.optimizer_in_backward:OptimizerInBackwardPass",
+    "foreach-buckets": "mutwo.passes.foreach_buckets:ForeachBucketsPass",
 }
 
 #: Names that stand for several passes.

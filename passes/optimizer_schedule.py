@@ -1,0 +1,81 @@
+"""What the optimizer-scheduling passes share: trying a new order on a copy and reporting it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mutwo.ir.budget import BudgetError, parse_budget
+from mutwo.ir.classify import classify
+from mutwo.ir.graph import Graph
+from mutwo.ir.memory import MemorySimulation
+from mutwo.ir.node import Phase
+from mutwo.ir.optimizer_updates import OptimizerUpdates, Schedule, apply
+from mutwo.ir.pass_base import PassContext, PassFailure
+from mutwo.passes.memory import simulate_with_profile
+
+MIB = 2**20
+WHEN = ("lower", "always")
+
+
+@dataclass
+class ScheduleOutcome:
+    """What an optimizer-scheduling pass did, or why it changed nothing; saved as JSON."""
+
+    applied: bool
+    reason: str  #: why it did not apply ('' when it did)
+    peak_before: int = 0
+    peak_after: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"applied": self.applied, "reason": self.reason, "peak_before": self.peak_before,
+                "peak_after": self.peak_after, **self.details}  # fmt: skip
+
+
+def parse_bytes(pass_name: str, option: str, text: str) -> int:
+    """An option given as bytes with a unit (``64MiB``), as a pass failure naming the fix."""
+    try:
+        value = parse_budget(text)
+    except BudgetError as error:
+        raise PassFailure(f"{pass_name}: {option}: {error}") from None
+    if value.bytes is None:
+        raise PassFailure(f"{pass_name}: {option} needs bytes with a unit, like 64MiB; got {text!r}")
+    return value.bytes
+
+
+def check_when(pass_name: str, when: str) -> None:
+    if when not in WHEN:
+        raise ValueError(f"when must be one of {', '.join(WHEN)}, not {when!r}")
+
+
+def try_schedule(graph: Graph, ctx: PassContext, updates: OptimizerUpdates, plan: Schedule,
+                 finish: Callable[[Graph], None], keep: Callable[[Graph, MemorySimulation, Graph, MemorySimulation], str],
+                 ) -> tuple[MemorySimulation, MemorySimulation, str]:  # fmt: skip
+    """Apply ``plan`` (then ``finish``) to a copy and simulate both; ``keep(graph, before, copy,
+    after)`` says why not to keep it ('' to keep it), and only then is the graph changed the same way."""
+    before = simulate_with_profile(graph, ctx)
+    trial = graph.copy()
+    _apply(trial, updates, plan, finish)
+    after = simulate_with_profile(trial, ctx)
+    reason = keep(graph, before, trial, after)
+    if not reason:
+        _apply(graph, updates, plan, finish)
+    return before, after, reason
+
+
+def _apply(graph: Graph, updates: OptimizerUpdates, plan: Schedule, finish: Callable[[Graph], None]) -> None:
+    apply(graph, updates, plan)
+    finish(graph)
+    classify(graph)
+
+
+def optimizer_peak(graph: Graph, simulation: MemorySimulation) -> int:
+    """The most memory live while an optimizer node runs."""
+    return max((value for node, value in zip(graph, simulation.curve, strict=True) if node.phase is Phase.OPTIMIZER),
+               default=0)  # fmt: skip
+
+
+def mib(value: int) -> str:
+    return f"{value / MIB:.1f} MiB"
