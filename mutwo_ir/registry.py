@@ -37,7 +37,10 @@ BUILTIN_PASSES: dict[str, str] = {
 }
 
 #: Names that stand for several passes.
-BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {"rewrite": ("extract", "insert-recompute")}
+BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {
+    "rewrite": ("extract", "insert-recompute"),
+    "optimizer": ("optimizer-in-backward", "foreach-buckets"),  # each applies only where the peak drops
+}
 
 
 class RegistryError(ValueError):

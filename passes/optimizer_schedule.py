@@ -50,8 +50,11 @@ def check_when(pass_name: str, when: str) -> None:
         raise ValueError(f"when must be one of {', '.join(WHEN)}, not {when!r}")
 
 
+Keep = Callable[[Graph, MemorySimulation, Graph, MemorySimulation], str]
+
+
 def try_schedule(graph: Graph, ctx: PassContext, updates: OptimizerUpdates, plan: Schedule,
-                 finish: Callable[[Graph], None], keep: Callable[[Graph, MemorySimulation, Graph, MemorySimulation], str],
+                 finish: Callable[[Graph], None], keep: Keep,
                  ) -> tuple[MemorySimulation, MemorySimulation, str]:  # fmt: skip
     """Apply ``plan`` (then ``finish``) to a copy and simulate both; ``keep(graph, before, copy,
     after)`` says why not to keep it ('' to keep it), and only then is the graph changed the same way."""
