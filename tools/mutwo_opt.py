@@ -39,6 +39,7 @@ from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
+from mutwo.tools.fit import FitError, run_fit
 from mutwo.tools.reports import memory_timeline, write_reports
 from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
 
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse a profile.json written by the profile pass for this same graph")
     parser.add_argument("--plan-from", metavar="FILE",
                         help="reuse a plan.json written by the select pass for this same graph")
+    parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
+                        "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -256,6 +259,11 @@ class MutwoOpt:
         device = self.resolve_device(config)
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
+        if self.args.fit is not None:
+            try:
+                return run_fit(self, config, device, out)
+            except FitError as error:
+                raise Failure(str(error)) from None
         lowered = self.capture(config, device)
         graph, inputs = lowered.graph, lowered.inputs
         out.mkdir(parents=True, exist_ok=True)
