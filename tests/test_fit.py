@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from mutwo.tools.fit import FitError, FitPoint, search
+import mutwo
+from mutwo.runtime.fit import FitError, FitPoint, search
 from mutwo.tools.mutwo_opt import main
+from tests import models
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_mlp.yaml")
 
@@ -56,7 +59,7 @@ def test_fit_on_cpu_writes_the_batch_plan_and_peaks(tmp_path: Path, capsys: pyte
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--fit", "0.5"], "--fit needs a memory size with a unit, like 16GiB"),
+    (["--fit", "0.5"], "--fit: the memory limit needs a unit, like 16GiB"),
     (["--fit", "lots"], "--fit:"),
     (["--fit", "2MiB", "--budget", "0.5"], "drop --budget"),
 ])  # fmt: skip
@@ -65,3 +68,18 @@ def test_fit_usage_errors(argv: list[str], message: str, tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists(), "nothing is written"
+
+
+def test_fit_batch_from_the_api() -> None:
+    workload = models.mlp()
+    optimizer = models.OPTIMIZERS["adam"](workload.model.parameters())
+
+    def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 16), torch.randint(0, 5, (n,))
+
+    result = mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, "256KiB", start=8)
+    assert result.best is not None and result.best.fits and result.best.predicted_peak <= 256 * 2**10
+    assert result.best.batch_size > 8 and result.measured_peak is None
+    assert any(not p.fits and p.batch_size > result.best.batch_size for p in result.tried)
+    with pytest.raises(FitError, match="needs a unit"):
+        mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, "0.5")

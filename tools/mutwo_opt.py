@@ -34,12 +34,13 @@ from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.fit import FitError
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
-from mutwo.tools.fit import FitError, run_fit
+from mutwo.tools.fit import run_fit
 from mutwo.tools.reports import memory_timeline, write_reports
 from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
 
