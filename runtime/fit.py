@@ -67,6 +67,7 @@ class FitResult:
     best: FitPoint | None = None
     measured_peak: int | None = None
     measured_seconds: float | None = None
+    measured_error: str = ""  #: the measured run's failure (out of memory under the cap)
     assumptions: str = ASSUMPTIONS
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +75,8 @@ class FitResult:
 
     def over_limit(self) -> str:
         """Why the measured run contradicts the prediction ('' when it fits or nothing was measured)."""
+        if self.best is not None and self.measured_error:
+            return f"batch {self.best.batch_size}: the measured run failed: {self.measured_error}"
         if self.measured_peak is None or self.measured_peak <= self.limit_bytes or self.best is None:
             return ""
         return (f"batch {self.best.batch_size}: the measured peak {self.measured_peak / 2**20:.1f} MiB exceeds the "
@@ -207,7 +210,10 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
     if not point.fits:
         raise FitError(f"planning batch {batch} again failed: {point.note}")
     if lowered.device.type == "cuda":
-        result.measured_peak, result.measured_seconds = measure_capped(lowered.graph, lowered.inputs, limit_bytes)
+        try:
+            result.measured_peak, result.measured_seconds = measure_capped(lowered.graph, lowered.inputs, limit_bytes)
+        except torch.OutOfMemoryError:
+            result.measured_error = "out of memory under the cap: the simulator underestimated this model"
     return Fitted(result, point, lowered, context)
 
 

@@ -29,8 +29,11 @@ def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "fit.json", json.dumps({**result.to_json(), "plan": fitted.context.artifacts["plan"].to_json()},
                                               indent=2) + "\n")  # fmt: skip
-    measured = (f", measured {result.measured_peak / 2**20:.1f} MiB ({result.measured_seconds * 1e3:.1f} ms per "
-                "iteration)" if result.measured_peak is not None else " (CPU: nothing measured)")  # fmt: skip
+    if result.measured_peak is not None:
+        seconds = result.measured_seconds or 0.0
+        measured = f", measured {result.measured_peak / 2**20:.1f} MiB ({seconds * 1e3:.1f} ms per iteration)"
+    else:
+        measured = f", measured: {result.measured_error}" if result.measured_error else " (CPU: nothing measured)"
     print(f"largest batch that fits in {cli.args.fit}: {point.batch_size} (tried {len(result.tried)} batch sizes); "
           f"plan: {point.note}; predicted peak {point.predicted_peak / 2**20:.1f} MiB{measured}; wrote {out}/fit.json")
     if result.over_limit():
