@@ -80,19 +80,8 @@ def test_rescheduled_optimizer_trains_bitwise_like_eager(pass_name: str, foreach
     _train_side_by_side(mine, my_opt, optimized, eager, eager_opt)
 
 
-def _tiny_gpt2(seed: int = 0) -> models.Workload:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=2048, n_positions=32, n_embd=64, n_layer=2, n_head=2)
-    model = GPT2LMHeadModel(config)
-    input_ids = torch.randint(0, 2048, (1, 8))
-    return models.Workload(model, {"input_ids": input_ids, "labels": input_ids.clone()},
-                           lambda output, _batch: output.loss)  # fmt: skip
-
-
 def test_optimizer_in_backward_lowers_tiny_gpt2_peak_by_the_freed_gradients() -> None:
-    workload = _tiny_gpt2()
+    workload = models.gpt2()
     optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
     optimized = _optimize(workload, optimizer, "memory,optimizer-in-backward,memory")
     outcome = optimized.context.artifacts["optimizer-in-backward"]
