@@ -31,7 +31,8 @@ class ForeachBucketsPass(Pass):
     when: str = option("lower", "'lower': only where the peak does not grow and the optimizer step's drops; 'always'")
 
     def __post_init__(self) -> None:
-        check_when(self.name, self.when)
+        check_when(self.when)
+        parse_bytes("max_bytes", self.max_bytes)
 
     def run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
         outcome = self._run(graph, ctx)
@@ -47,7 +48,7 @@ class ForeachBucketsPass(Pass):
         return outcome
 
     def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
-        limit = parse_bytes(self.name, "max_bytes", self.max_bytes)
+        limit = parse_bytes("max_bytes", self.max_bytes)
         updates = analyse(graph)
         if updates.conflicts:
             return ScheduleOutcome(False, f"the iteration reads a value after updating it: {updates.conflicts[0]}")

@@ -55,7 +55,8 @@ class OptimizerInBackwardPass(Pass):
     when: str = option("lower", "'lower': only if the simulated peak does not grow; 'always'")
 
     def __post_init__(self) -> None:
-        check_when(self.name, self.when)
+        check_when(self.when)
+        parse_bytes("group_bytes", self.group_bytes)
 
     def run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
         outcome = self._run(graph, ctx)
@@ -70,7 +71,7 @@ class OptimizerInBackwardPass(Pass):
         return outcome
 
     def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
-        limit = parse_bytes(self.name, "group_bytes", self.group_bytes)
+        limit = parse_bytes("group_bytes", self.group_bytes)
         keep = self.keep_grads if self.keep_grads is not None else bool(ctx.services.get("keep_grads", False))
         updates = analyse(graph)
         returned = returned_gradients(graph)

@@ -12,7 +12,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.node import Phase
 from mutwo.ir.optimizer_updates import OptimizerUpdates, Schedule, apply
-from mutwo.ir.pass_base import PassContext, PassFailure
+from mutwo.ir.pass_base import PassContext
 from mutwo.passes.memory import simulate_with_profile
 
 MIB = 2**20
@@ -34,18 +34,20 @@ class ScheduleOutcome:
                 "peak_after": self.peak_after, **self.details}  # fmt: skip
 
 
-def parse_bytes(pass_name: str, option: str, text: str) -> int:
-    """An option given as bytes with a unit (``64MiB``), as a pass failure naming the fix."""
+def parse_bytes(option: str, text: str) -> int:
+    """An option given as bytes with a unit (``64MiB``); a ValueError naming the fix (the registry
+    reports it as a usage error when the pipeline is built)."""
     try:
         value = parse_budget(text)
     except BudgetError as error:
-        raise PassFailure(f"{pass_name}: {option}: {error}") from None
+        raise ValueError(f"{option}: {error}") from None
     if value.bytes is None:
-        raise PassFailure(f"{pass_name}: {option} needs bytes with a unit, like 64MiB; got {text!r}")
+        raise ValueError(f"{option} needs bytes with a unit, like 64MiB; got {text!r}")
     return value.bytes
 
 
-def check_when(pass_name: str, when: str) -> None:
+def check_when(when: str) -> None:
+    """Refuse an unknown ``when`` option."""
     if when not in WHEN:
         raise ValueError(f"when must be one of {', '.join(WHEN)}, not {when!r}")
 

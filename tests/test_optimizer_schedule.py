@@ -6,6 +6,8 @@ model and optimizer, for 3 iterations, and compared bitwise (loss, parameters, o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.passes.optimizer_in_backward import OptimizerInBackwardPass
 from mutwo.runtime.api import Optimized, optimize_graph
 from mutwo.runtime.step import GraphStep
+from mutwo.tools.mutwo_opt import main
 from tests import models
 
 PASSES = {
@@ -117,3 +120,17 @@ def test_optimizer_in_backward_says_why_a_global_gradient_dependence_stops_it() 
     outcome = OptimizerInBackwardPass(when="always").run(graph, PassContext())
     assert not outcome.applied
     assert "combines the gradients of 2 parameters" in outcome.reason and "clipping" in outcome.reason
+
+
+@pytest.mark.parametrize(("passes", "message"), [
+    ("optimizer-in-backward{when=sometimes}", "when must be one of lower, always, not 'sometimes'"),
+    ("optimizer-in-backward{group_bytes=1}", "group_bytes needs bytes with a unit, like 64MiB; got '1'"),
+    ("foreach-buckets{max_bytes=0.5}", "max_bytes needs bytes with a unit, like 64MiB; got '0.5'"),
+])  # fmt: skip
+def test_bad_options_are_usage_errors(passes: str, message: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny_mlp.yaml"
+    assert main([str(example), "--passes", passes, "-o", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
