@@ -215,6 +215,9 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     profile = context.artifacts["profile"]
     row["simulated_peak_bytes"] = simulate(lowered.graph, workspace=profile.workspace()).peak_bytes
     row["nodes"] = len(lowered.graph)
+    for name in ("optimizer-in-backward", "foreach-buckets"):  # whether each applied, or why not
+        if name in context.artifacts:
+            row[name] = context.artifacts[name].to_json()
     plan = context.artifacts.get("plan")
     if plan is not None:  # what the plan predicted, to compare with what was measured
         row["recomputed_tensors"] = len(plan.entries)
