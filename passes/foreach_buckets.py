@@ -7,12 +7,20 @@ from dataclasses import dataclass
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.optimizer_updates import Item, OptimizerUpdates, analyse, schedule
-from mutwo.ir.pass_base import Pass, PassContext, option
-from mutwo.passes.optimizer_schedule import ScheduleOutcome, check_when, mib, optimizer_peak, parse_bytes, try_schedule
+from mutwo.ir.pass_base import PassContext, option
+from mutwo.passes.optimizer_schedule import (
+    ScheduleOutcome,
+    SchedulingPass,
+    check_when,
+    mib,
+    optimizer_peak,
+    parse_bytes,
+    try_schedule,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
-class ForeachBucketsPass(Pass):
+class ForeachBucketsPass(SchedulingPass):
     """Split multi-tensor (foreach) optimizer updates into buckets whose temporaries stay under max_bytes.
 
     A multi-tensor update computes each step for every parameter of a bucket before the next step,
@@ -34,18 +42,11 @@ class ForeachBucketsPass(Pass):
         check_when(self.when)
         parse_bytes("max_bytes", self.max_bytes)
 
-    def run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
-        outcome = self._run(graph, ctx)
-        ctx.artifacts["foreach-buckets"] = outcome
-        ctx.save_json("foreach_buckets.json", outcome.to_json())
-        if outcome.applied:
-            ctx.log(f"foreach-buckets: {outcome.details['buckets']} buckets of at most {self.max_bytes} of "
-                    f"temporaries; optimizer step's peak {mib(outcome.details['optimizer_peak_before'])} -> "
-                    f"{mib(outcome.details['optimizer_peak_after'])}, simulated peak {mib(outcome.peak_before)} -> "
-                    f"{mib(outcome.peak_after)}")
-        else:
-            ctx.log(f"foreach-buckets: does not apply: {outcome.reason}")
-        return outcome
+    def _applied(self, outcome: ScheduleOutcome) -> str:
+        details = outcome.details
+        return (f"{details['buckets']} buckets of at most {self.max_bytes} of temporaries; optimizer step's peak "
+                f"{mib(details['optimizer_peak_before'])} -> {mib(details['optimizer_peak_after'])}, simulated peak "
+                f"{mib(outcome.peak_before)} -> {mib(outcome.peak_after)}")  # fmt: skip
 
     def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
         limit = parse_bytes("max_bytes", self.max_bytes)

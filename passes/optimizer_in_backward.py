@@ -8,8 +8,8 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.node import Node
 from mutwo.ir.optimizer_updates import Item, OptimizerUpdates, analyse, schedule
-from mutwo.ir.pass_base import Pass, PassContext, option
-from mutwo.passes.optimizer_schedule import ScheduleOutcome, check_when, mib, parse_bytes, try_schedule
+from mutwo.ir.pass_base import PassContext, option
+from mutwo.passes.optimizer_schedule import ScheduleOutcome, SchedulingPass, check_when, mib, parse_bytes, try_schedule
 
 
 def returned_gradients(graph: Graph) -> list[Node]:
@@ -31,7 +31,7 @@ def gradient_bytes(nodes: list[Node]) -> int:
 
 
 @dataclass(frozen=True)
-class OptimizerInBackwardPass(Pass):
+class OptimizerInBackwardPass(SchedulingPass):
     """Run each parameter's optimizer update right after its gradient is final, and free the gradient there.
 
     Updates are read off the data flow, whatever the optimizer: the optimizer-phase nodes (list
@@ -58,17 +58,10 @@ class OptimizerInBackwardPass(Pass):
         check_when(self.when)
         parse_bytes("group_bytes", self.group_bytes)
 
-    def run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
-        outcome = self._run(graph, ctx)
-        ctx.artifacts["optimizer-in-backward"] = outcome
-        ctx.save_json("optimizer_in_backward.json", outcome.to_json())
-        if outcome.applied:
-            ctx.log(f"optimizer-in-backward: {outcome.details['moved_parameters']} parameter updates run in the "
-                    f"backward, {mib(outcome.details['freed_gradient_bytes'])} of gradients freed after their "
-                    f"update; simulated peak {mib(outcome.peak_before)} -> {mib(outcome.peak_after)}")
-        else:
-            ctx.log(f"optimizer-in-backward: does not apply: {outcome.reason}")
-        return outcome
+    def _applied(self, outcome: ScheduleOutcome) -> str:
+        return (f"{outcome.details['moved_parameters']} parameter updates run in the backward, "
+                f"{mib(outcome.details['freed_gradient_bytes'])} of gradients freed after their update; "
+                f"simulated peak {mib(outcome.peak_before)} -> {mib(outcome.peak_after)}")  # fmt: skip
 
     def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
         limit = parse_bytes("group_bytes", self.group_bytes)

@@ -6,13 +6,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import BudgetError, parse_budget
+from mutwo.ir.budget import BudgetError
+from mutwo.ir.budget import parse_bytes as budget_bytes
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.node import Phase
 from mutwo.ir.optimizer_updates import OptimizerUpdates, Schedule, apply
-from mutwo.ir.pass_base import PassContext
+from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.passes.memory import simulate_with_profile
 
 MIB = 2**20
@@ -38,12 +39,9 @@ def parse_bytes(option: str, text: str) -> int:
     """An option given as bytes with a unit (``64MiB``); a ValueError naming the fix (the registry
     reports it as a usage error when the pipeline is built)."""
     try:
-        value = parse_budget(text)
+        return budget_bytes(text)
     except BudgetError as error:
         raise ValueError(f"{option}: {error}") from None
-    if value.bytes is None:
-        raise ValueError(f"{option} needs bytes with a unit, like 64MiB; got {text!r}")
-    return value.bytes
 
 
 def check_when(when: str) -> None:
@@ -84,3 +82,21 @@ def optimizer_peak(graph: Graph, simulation: MemorySimulation) -> int:
 
 def mib(value: int) -> str:
     return f"{value / MIB:.1f} MiB"
+
+
+class SchedulingPass(Pass):
+    """What both optimizer-scheduling passes do around their own ``_run``: keep the outcome as the
+    artifact named after the pass, save it as JSON, and log what changed or why nothing did."""
+
+    def run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
+        outcome = self._run(graph, ctx)
+        ctx.artifacts[self.name] = outcome
+        ctx.save_json(f"{self.name.replace('-', '_')}.json", outcome.to_json())
+        ctx.log(f"{self.name}: {self._applied(outcome) if outcome.applied else 'does not apply: ' + outcome.reason}")
+        return outcome
+
+    def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
+        raise NotImplementedError
+
+    def _applied(self, outcome: ScheduleOutcome) -> str:
+        raise NotImplementedError

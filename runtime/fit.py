@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mutwo.ir import to_fx
-from mutwo.ir.budget import Budget, BudgetError, parse_budget
+from mutwo.ir.budget import Budget, BudgetError, parse_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
@@ -168,12 +168,9 @@ def parse_limit(memory: str | int) -> int:
     if isinstance(memory, int):
         return memory
     try:
-        budget = parse_budget(memory)
+        return parse_bytes(memory)
     except BudgetError as error:
-        raise FitError(str(error)) from None
-    if budget.bytes is None:
-        raise FitError(f"the memory limit needs a unit, like 16GiB; got {memory!r}")
-    return budget.bytes
+        raise FitError(f"memory limit: {error}") from None
 
 
 @dataclass

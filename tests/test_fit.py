@@ -59,7 +59,7 @@ def test_fit_on_cpu_writes_the_batch_plan_and_peaks(tmp_path: Path, capsys: pyte
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--fit", "0.5"], "--fit: the memory limit needs a unit, like 16GiB"),
+    (["--fit", "0.5"], "--fit: memory limit: '0.5' is not a memory size: give bytes with a unit, like 16GiB"),
     (["--fit", "lots"], "--fit:"),
     (["--fit", "2MiB", "--budget", "0.5"], "drop --budget"),
 ])  # fmt: skip
@@ -81,5 +81,5 @@ def test_fit_batch_from_the_api() -> None:
     assert result.best is not None and result.best.fits and result.best.predicted_peak <= 256 * 2**10
     assert result.best.batch_size > 8 and result.measured_peak is None
     assert any(not p.fits and p.batch_size > result.best.batch_size for p in result.tried)
-    with pytest.raises(FitError, match="needs a unit"):
+    with pytest.raises(FitError, match="is not a memory size"):
         mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, "0.5")

@@ -124,8 +124,8 @@ def test_optimizer_in_backward_says_why_a_global_gradient_dependence_stops_it() 
 
 @pytest.mark.parametrize(("passes", "message"), [
     ("optimizer-in-backward{when=sometimes}", "when must be one of lower, always, not 'sometimes'"),
-    ("optimizer-in-backward{group_bytes=1}", "group_bytes needs bytes with a unit, like 64MiB; got '1'"),
-    ("foreach-buckets{max_bytes=0.5}", "max_bytes needs bytes with a unit, like 64MiB; got '0.5'"),
+    ("optimizer-in-backward{group_bytes=1}", "group_bytes: '1' is not a memory size: give bytes with a unit"),
+    ("foreach-buckets{max_bytes=0.5}", "max_bytes: '0.5' is not a memory size: give bytes with a unit"),
 ])  # fmt: skip
 def test_bad_options_are_usage_errors(passes: str, message: str, tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip

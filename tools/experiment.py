@@ -259,15 +259,12 @@ def _budget(text: str) -> str:
 def _memory_limit(text: str | None) -> int | None:
     if text is None:
         return None
-    from mutwo.ir.budget import BudgetError, parse_budget
+    from mutwo.ir.budget import BudgetError, parse_bytes
 
     try:
-        limit = parse_budget(text)
+        return parse_bytes(text)
     except BudgetError as error:
         raise UsageError(f"--memory-limit: {error}") from None
-    if limit.bytes is None:
-        raise UsageError(f"--memory-limit needs bytes with a unit, like 16GiB, got {text!r}")
-    return limit.bytes
 
 
 def run_experiment(args: argparse.Namespace) -> int:
