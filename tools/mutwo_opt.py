@@ -227,6 +227,8 @@ class MutwoOpt:
             "pass_seconds": result.timings() if result else {},
             "total_seconds": round(time.perf_counter() - self.started, 3),
             "peak_bytes_before": before.peak_bytes,
+            "peak_phase_before": before.peak_phase,
+            "peak_breakdown_before": before.breakdown,
             "peak_bytes_after": after.peak_bytes,
             "peak_node_after": after.peak_node,
             "peak_phase_after": after.peak_phase,
