@@ -16,6 +16,7 @@ is then confirmed by one measured run of the optimized step, capped at the limit
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from mutwo.ir.printer import fingerprint
 from mutwo.ir.registry import PassRegistry
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.capture import LossFn
-from mutwo.runtime.profiler import Profile, measure_iterations, profile_graph
+from mutwo.runtime.profiler import Profile, device_bytes, measure_iterations, profile_graph
 
 #: What the search plans each batch size with (the profile is given, scaled).
 FIT_PIPELINE = "optimizer,select"
@@ -150,11 +151,17 @@ def plan_at(lowered: CapturedGraph, profile: Profile, profiled: Graph, profiled_
     return FitPoint(batch, True, plan.predicted_peak, f"{len(plan.entries)} activations recomputed"), context
 
 
-def measure_capped(graph: Graph, inputs: list[torch.Tensor], limit_bytes: int) -> tuple[int, float]:
-    """(peak bytes, seconds) of whole iterations of ``graph`` on CUDA with the process capped at the limit."""
-    device = inputs[0].device
+def measure_capped(graph: Graph, inputs: list[torch.Tensor], device: torch.device,
+                   limit_bytes: int) -> tuple[int, float]:  # fmt: skip
+    """(peak bytes, seconds) of whole iterations of ``graph`` on CUDA, the process capped at the
+    limit. The measurement runs on clones of the state (parameters, optimizer state), so the live
+    originals, which a training process would not hold twice, are allowed on top of the limit;
+    the peak it reports is the iteration's own, clones included."""
+    gc.collect()
+    torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+    allowed = limit_bytes + device_bytes(inputs, device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), device)
     try:
         measured = measure_iterations(to_fx(graph), inputs, runs=3, warmup=1)
     finally:
@@ -208,7 +215,8 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         raise FitError(f"planning batch {batch} again failed: {point.note}")
     if lowered.device.type == "cuda":
         try:
-            result.measured_peak, result.measured_seconds = measure_capped(lowered.graph, lowered.inputs, limit_bytes)
+            measured = measure_capped(lowered.graph, lowered.inputs, lowered.device, limit_bytes)
+            result.measured_peak, result.measured_seconds = measured
         except torch.OutOfMemoryError:
             result.measured_error = "out of memory under the cap: the simulator underestimated this model"
     return Fitted(result, point, lowered, context)
