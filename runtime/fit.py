@@ -196,7 +196,11 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
     batch size), rewrite the batch found, and on a GPU measure it capped at the limit."""
     base = capture_at(start)
     log(f"fit: profiling batch size {start} once; other batch sizes scale its times linearly")
-    profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1)
+    try:
+        profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1)
+    except torch.OutOfMemoryError:
+        raise FitError(f"profiling batch size {start} ran out of memory (it runs unoptimized): start the search "
+                       "from a smaller batch size") from None
     profiled = base.graph
     del base
 
