@@ -97,13 +97,19 @@ def check_placeholders_and_output(graph: Graph) -> None:
 
 
 def check_phases(graph: Graph) -> None:
+    """The forward comes first. Optimizer updates may run inside the backward (optimizer-in-backward),
+    but the backward never reads what the optimizer computes."""
     previous = Phase.FORWARD
     for node in graph:
         if node.op == "placeholder" and node.phase is not Phase.FORWARD:
             _fail(graph, "phase-order", node, "placeholders belong to the forward phase")
-        if PHASE_ORDER[node.phase] < PHASE_ORDER[previous]:
-            _fail(graph, "phase-order", node, f"a {node.phase.value} node follows a {previous.value} node")
-        previous = node.phase
+        if node.phase is Phase.FORWARD and previous is not Phase.FORWARD:
+            _fail(graph, "phase-order", node, f"a forward node follows a {previous.value} node")
+        if node.phase is Phase.BACKWARD:
+            for operand in node.operands:
+                if operand.phase is Phase.OPTIMIZER:
+                    _fail(graph, "phase-order", node, f"a backward node reads {operand!r} of the optimizer phase")
+        previous = node.phase if PHASE_ORDER[node.phase] > PHASE_ORDER[previous] else previous
 
 
 def check_kinds(graph: Graph) -> None:

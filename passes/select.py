@@ -12,7 +12,7 @@ import torch
 from mutwo.ir.budget import Budget, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
-from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
+from mutwo.ir.memory import MemorySimulation, allocation_size, describe_breakdown, simulate
 from mutwo.ir.node import Phase
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo.ir.printer import fingerprint
@@ -41,6 +41,7 @@ class Plan:
     met: bool
     #: random ops that cannot be replayed, so their outputs stay live: "%id (op): why"
     refused: list[str] = field(default_factory=list)
+    predicted_breakdown: dict[str, int] = field(default_factory=dict)  #: bytes live at the predicted peak by kind
 
     def keys(self) -> list[tuple[int, int]]:
         return [(e["storage_creator"], e["storage_output"]) for e in self.entries]
@@ -213,7 +214,7 @@ class SelectPass(Pass):
             write_atomic(ctx.out_dir / "plan.csv", plan.csv())
         ctx.log("select:\n" + plan.table())
         if not plan.met:
-            raise PassFailure(self._unreachable(graph, plan, base, budget))
+            raise PassFailure(self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts))
         return plan
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
@@ -262,14 +263,18 @@ class SelectPass(Pass):
         added = sum(replay_seconds(profile, n, block) for block in blocks for n in block.nodes)
         iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
-                    exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum)
+                    exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum,
+                    dict(exact.breakdown))
 
-    def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget) -> str:
+    def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget,
+                     optimizer_passes_ran: bool) -> str:  # fmt: skip
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
+            if not optimizer_passes_ran:
+                why += "; the optimizer passes can: --passes profile,optimizer,select,rewrite"
         else:
             why = "no remaining activation that is idle at that point can be recomputed"
             if plan.refused:
@@ -277,4 +282,5 @@ class SelectPass(Pass):
                 why += ", ...)" if len(plan.refused) > 1 else ")"
         return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
                 f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({100 * plan.predicted_peak / base.peak_bytes:.0f}% "
-                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}; {why}")
+                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}, holding "
+                f"{describe_breakdown(plan.predicted_breakdown)}; {why}")

@@ -38,7 +38,7 @@ from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
 
-DEFAULT_PASSES = "profile,select,rewrite"
+DEFAULT_PASSES = "profile,optimizer,select,rewrite"
 
 
 class NotEquivalentError(RuntimeError):
@@ -90,11 +90,14 @@ def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
 
 
 def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path | None = None,
-                 log: Callable[[str], None] = lambda message: None) -> PassContext:  # fmt: skip
-    """The context passes run in: the budget, and the runtime's profiler and device memory as services."""
+                 log: Callable[[str], None] = lambda message: None,
+                 keep_grads: bool = False) -> PassContext:  # fmt: skip
+    """The context passes run in: the budget, whether the caller reads the gradients (then
+    optimizer-in-backward keeps them), and the runtime's profiler and device memory as services."""
     device = lowered.device
     context = PassContext(out_dir=out_dir, device=str(device), log=log)
     context.services["budget"] = budget
+    context.services["keep_grads"] = keep_grads
     context.services["profiler"] = lambda g, runs, warmup: profile_graph(g, lowered.inputs, runs=runs,
                                                                          warmup=warmup, progress=log)  # fmt: skip
     if device.type == "cuda":
@@ -119,6 +122,7 @@ def optimize_graph(
     budget: Budget | None = None,
     out_dir: Path | None = None,
     check: bool = False,
+    keep_grads: bool = False,
     log: Callable[[str], None] = lambda message: None,
     data_parallel: DataParallel | None = None,
 ) -> Optimized:
@@ -131,7 +135,7 @@ def optimize_graph(
     pipeline = PassRegistry().build_pipeline(passes)
     lowered = capture_graph(model, optimizer, batch, loss_fn, data_parallel)
     original = lowered.graph.copy()
-    context = pass_context(lowered, budget, out_dir=out_dir, log=log)
+    context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
     result = PassManager(pipeline).run(lowered.graph, context)
     optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
     if data_parallel is not None:
@@ -228,7 +232,8 @@ def optimize(
         distributed.broadcast_model(model, dp)
     lead = dp is None or dp.rank == 0
     log = (lambda message: print(message, file=sys.stderr)) if verbose and lead else (lambda message: None)
-    options = {"passes": passes, "budget": budget, "check": check, "data_parallel": dp,
+    options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
+               "data_parallel": dp,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)

@@ -41,11 +41,13 @@ from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.fit import FitError
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
+from mutwo.tools.fit import run_fit
 from mutwo.tools.reports import memory_timeline, write_reports
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device
 
@@ -69,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse a profile.json written by the profile pass for this same graph")
     parser.add_argument("--plan-from", metavar="FILE",
                         help="reuse a plan.json written by the select pass for this same graph")
+    parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
+                        "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -276,6 +280,8 @@ class MutwoOpt:
             "pass_seconds": result.timings() if result else {},
             "total_seconds": round(time.perf_counter() - self.started, 3),
             "peak_bytes_before": before.peak_bytes,
+            "peak_phase_before": before.peak_phase,
+            "peak_breakdown_before": before.breakdown,
             "peak_bytes_after": after.peak_bytes,
             "peak_node_after": after.peak_node,
             "peak_phase_after": after.peak_phase,
@@ -328,6 +334,11 @@ class MutwoOpt:
         device = self.join_data_parallel(self.resolve_device(config))
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
+        if self.args.fit is not None:
+            try:
+                return run_fit(self, config, device, out)
+            except FitError as error:
+                raise Failure(str(error)) from None
         lowered = self.capture(config, device)
         self.gradient_buckets = lowered.binding.gradient_buckets
         graph, inputs = lowered.graph, lowered.inputs
