@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 from dataclasses import dataclass, field
@@ -173,6 +174,34 @@ class SelectPass(Pass):
                     + "; ".join(refused))  # fmt: skip
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {base.peak_bytes / MIB:.1f} MiB, "
                 f"budget {budget_bytes / MIB:.1f} MiB ({budget})")  # fmt: skip
+        # The greedy cannot undo a choice: when its first choice made every exact plan worse than
+        # none (a block's transients, which the estimate ignores, sat at the peak), plan again
+        # without that candidate, a few times at most.
+        banned: set[Any] = set()
+        for _retry in range(4):
+            best, first = self._greedy_plan(graph, liveness, workspace, base, budget_bytes,
+                                            [copy.deepcopy(c) for c in candidates if c.key not in banned])  # fmt: skip
+            if best[0].peak_bytes < base.peak_bytes or first is None:
+                break
+            banned.add(first)
+        exact, chosen, blocks = best
+        plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, blocks, profile)
+        plan.refused = refused
+        ctx.artifacts["plan"] = plan
+        ctx.save_json("plan.json", plan.to_json())
+        if ctx.out_dir is not None:
+            write_atomic(ctx.out_dir / "plan.csv", plan.csv())
+        ctx.log("select:\n" + plan.table())
+        if not plan.met:
+            raise PassFailure(self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts))
+        return plan
+
+    def _greedy_plan(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], base: MemorySimulation,
+                     budget_bytes: int, candidates: list[Candidate]) -> tuple[
+            tuple[MemorySimulation, list[Candidate], list[Block]], Any]:  # fmt: skip
+        """μ-TWO's greedy towards ``budget_bytes``, then towards the lowest peak if that is out of
+        reach: the best exactly simulated plan (simulation, choices, blocks), and the key of the
+        first choice made (None if none)."""
         curve = torch.tensor(base.curve, dtype=torch.int64)
         sizes = {c.key: c.memory for c in candidates}
 
@@ -205,17 +234,7 @@ class SelectPass(Pass):
                     break
             if best[0].peak_bytes <= budget_bytes:
                 break
-        exact, chosen, blocks = best
-        plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, blocks, profile)
-        plan.refused = refused
-        ctx.artifacts["plan"] = plan
-        ctx.save_json("plan.json", plan.to_json())
-        if ctx.out_dir is not None:
-            write_atomic(ctx.out_dir / "plan.csv", plan.csv())
-        ctx.log("select:\n" + plan.table())
-        if not plan.met:
-            raise PassFailure(self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts))
-        return plan
+        return best, state.chosen[0].key if state.chosen else None
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
                     device: str) -> list[Candidate]:  # fmt: skip
