@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,8 +221,9 @@ def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
 
 # -- every rank, the same graph and the same plan -------------------------------------------------
 def graph_digest(graph: Graph) -> str:
-    """A hash of the whole text IR: equal exactly when two ranks hold the same graph."""
-    return hashlib.sha256(print_graph(graph).encode()).hexdigest()[:16]
+    """A hash of the whole text IR: equal exactly when two ranks hold the same graph. Each rank's
+    GPU index is left out (rank 1's ``cuda:1`` is rank 0's ``cuda:0``)."""
+    return hashlib.sha256(re.sub(r"cuda:\d+", "cuda", print_graph(graph)).encode()).hexdigest()[:16]
 
 
 def require_same_graph(graph: Graph, dp: DataParallel, what: str) -> None:

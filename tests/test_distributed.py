@@ -110,7 +110,10 @@ def _against_ddp(rank: int, world: int, device: torch.device, case: str) -> None
     optimizer = make_optimizer(model.parameters())
     given = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB) if wrapped else model
     step = optimize(given, optimizer, batch, workload.loss_fn, budget="min", check=True, keep_grads=True)
-    assert step.last is not None and step.last.plan.entries, "the budget should make select recompute something"
+    plan = step.last.plan if step.last is not None else None
+    assert plan is not None and plan.entries, (f"{case}: the budget should make select recompute something; the peak "
+                                               f"is in the {plan and plan.predicted_peak_phase} phase, holding "
+                                               f"{plan and plan.predicted_breakdown}")  # fmt: skip
     plans: list[str | None] = [None] * world
     dist.all_gather_object(plans, json.dumps(step.last.plan.to_json(), sort_keys=True))
     assert plans[0] == plans[rank], "the ranks planned differently"
