@@ -92,7 +92,7 @@ def _assert_same_state(a: dict, b: dict, what: str) -> None:
 #: or detects the process group (DDP's default buckets)).
 CASES: dict[str, tuple[Callable[[], models.Workload], str, bool]] = {
     "cnn": (lambda: models.cnn(seed=0, batch_size=8), "adam", True),  # batch norm: buffers broadcast
-    "mlp": (lambda: models.mlp(seed=0, batch_size=64), "sgd", False),
+    "mlp": (lambda: models.mlp(seed=0, batch_size=1024), "sgd", False),  # activations over the optimizer step
     "bert": (lambda: models.bert(seed=0, batch_size=4), "adamw", True),  # tied weights, dropout, int buffers
 }
 
