@@ -229,15 +229,19 @@ def test_cuda_sdpa_kernels_with_dropout_replay_bitwise(kernel: str) -> None:
     leaves the generator where the original left it."""
     op, args = _sdpa_call(kernel)
     state = rng_state("cuda")
-    first = op(*args)
+    first = _copied(op(*args))  # copies: an output may share memory with what a later call writes
     after = torch.cuda.get_rng_state()
     torch.rand(16, device="cuda")  # move the generator on: the replay must not depend on where it is
     moved = torch.cuda.get_rng_state()
-    again = run_with_rng_state(state, op, *args)
+    again = _copied(run_with_rng_state(state, op, *args))
     assert torch.equal(torch.cuda.get_rng_state(), moved)
     assert not torch.equal(after, state), "the kernel drew nothing"
-    for a, b in zip(first, again, strict=True):
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    for index, (a, b) in enumerate(zip(first, again, strict=True)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (kernel, index, a, b)
+
+
+def _copied(outputs: tuple[Any, ...]) -> list[Any]:
+    return [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
 
 
 @pytest.mark.cuda
