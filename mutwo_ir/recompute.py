@@ -12,11 +12,11 @@ The rewrite realises a set of chosen activation storages (a plan):
   made by earlier blocks that are still live at the insertion point; everything else on the way
   is recomputed, chosen activations included (their recompute count grows, as in μ-TWO);
 * clones never replay side effects: an in-place op writes in place only into the block's own
-  clones (no new allocation), and otherwise becomes its out-of-place form, training-mode batch norms are replayed from
-  the mean and inverse std they saved (one pointwise pass, no reduction, no running-statistics
-  update), and random ops are replayed with the generator state they consumed, which a node
-  right before the original snapshots (:mod:`mutwo.ir.replay`); the generator is left where the
-  original iteration leaves it.
+  clones (no new allocation) and otherwise becomes its out-of-place form; training-mode batch
+  norms are replayed from the mean and inverse std they saved (one pointwise pass, no reduction,
+  no running-statistics update); random ops are replayed with the generator state they consumed,
+  which a node right before the original snapshots (:mod:`mutwo.ir.replay`), so the generator is
+  left where the original iteration leaves it.
 
 Blocks are planned in the order of their insertion points, so whether a clone is live when a
 later block needs it is known when that block is planned.
@@ -37,6 +37,7 @@ from mutwo.ir.liveness import Liveness, StorageLiveness
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.replay import (
     batch_norm_from_stats,
+    random_device,
     rng_refusal,
     rng_state,
     rng_state_bytes,
@@ -72,12 +73,6 @@ def _writes_own_output_only(node: Node) -> bool:
     meta = node.tensor
     return (meta is not None and len(written) == 1
             and any(t is not None and t.storage == meta.storage for t in written[0].tensors))  # fmt: skip
-
-
-def stays_in_place(node: Node) -> bool:
-    """An in-place op without an out-of-place form (``bernoulli_.float``): its clone writes the
-    clone of its operand, so the block must recompute that operand too."""
-    return bool(node.mutated_operands) and not node.has_undeclared_writes and out_of_place(node.target) is None
 
 
 def replayable(node: Node) -> bool:
@@ -200,7 +195,7 @@ class Recompute:
                 if all(t.storage.creator in to_clone for w in node.mutated_operands for t in w.tensors
                        if t is not None):  # fmt: skip
                     in_place.append(node.id)
-                elif stays_in_place(node):
+                elif out_of_place(node.target) is None:  # bernoulli_.float has no out-of-place form
                     raise NotRecomputable(f"{node!r} ({node.op_name}) writes in place into a value the block "
                                           "would keep, not recompute")  # fmt: skip
             to_clone[node.id] = None
@@ -372,7 +367,8 @@ def _clone_from_stats(graph: Graph, original: Node, stats: list[Node], remap: di
 def _snapshot_rng_state(graph: Graph, original: Node) -> Node:
     """A forward node right before the random op ``original`` that copies the generator state it
     is about to consume (a small CPU tensor the clones replay from)."""
-    device = next(t.device for t in original.tensors if t is not None)
+    device = random_device(original)
+    assert device is not None, "replayable random ops have a device (rng_refusal)"
     size = rng_state_bytes(device)
     return graph.create_node(
         "call_function", rng_state, (device,), name=f"{original.name}_rng_state", kind=NodeKind.OTHER,

@@ -31,8 +31,9 @@ from torch._prims.rng_prims import run_with_rng_state
 
 from mutwo.ir.node import Node
 
-__all__ = ["BATCH_NORM_STATS", "batch_norm_from_stats", "describe", "exact_on", "rng_refusal", "rng_state",
-           "rng_state_bytes", "run_with_rng_state", "stats_holders", "training_batch_norm_stats"]  # fmt: skip
+__all__ = ["BATCH_NORM_STATS", "batch_norm_from_stats", "describe", "exact_on", "random_device", "rng_refusal",
+           "rng_state", "rng_state_bytes", "run_with_rng_state", "stats_holders",
+           "training_batch_norm_stats"]  # fmt: skip
 
 #: Training batch norms replayable from their saved statistics: schema name -> output positions of
 #: (mean, inverse std). Operands 0, 1, 2 are input, weight and bias for all of them.

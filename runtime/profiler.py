@@ -115,6 +115,14 @@ class _TimingInterpreter(fx.Interpreter):
         self.records: list[tuple[int, Any, Any, int | None, int | None, int | None]] = []
         self.replays: list[tuple[int, Any, Any]] = []
 
+    def _mark(self) -> Any:
+        """A point in time: a recorded CUDA event (no synchronisation), or the wall clock on CPU."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):
             return super().run_node(n)
@@ -122,16 +130,15 @@ class _TimingInterpreter(fx.Interpreter):
         if self.cuda:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = self._mark()
             result = super().run_node(n)
-            end.record()
+            end = self._mark()
             self.records.append((node_id, start, end, before, torch.cuda.memory_allocated(),
                                  torch.cuda.max_memory_allocated()))  # fmt: skip
         else:
-            start_time = time.perf_counter()
+            start = self._mark()
             result = super().run_node(n)
-            self.records.append((node_id, start_time, time.perf_counter(), None, None, None))
+            self.records.append((node_id, start, self._mark(), None, None, None))
         stats = training_batch_norm_stats(self.ir.node(node_id))
         if stats is not None:
             self._time_replay(node_id, n, result, stats)
@@ -141,15 +148,9 @@ class _TimingInterpreter(fx.Interpreter):
         """Time the batch norm's replay from the statistics it just saved (after its own record,
         so its memory figures stay the node's own)."""
         operands = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:3]]
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            batch_norm_from_stats(*operands, result[stats[0]], result[stats[1]])
-            end.record()
-        else:
-            start = time.perf_counter()
-            batch_norm_from_stats(*operands, result[stats[0]], result[stats[1]])
-            end = time.perf_counter()
+        start = self._mark()
+        batch_norm_from_stats(*operands, result[stats[0]], result[stats[1]])
+        end = self._mark()
         self.replays.append((node_id, start, end))
 
 
