@@ -139,13 +139,17 @@ class SelectPass(Pass):
     incrementally. The final plan is checked by simulating the rewritten graph exactly; that
     simulation is the predicted peak.
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
-    mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv.
+    mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv. When the budget
+    is out of reach, the greedy goes on to the lowest peak it can reach and the failure says what
+    that is; with ``lowest=false`` it stops there (the failure then reports the best plan it had).
     """
 
     name = "select"
     requires = ("profile",)
     provides = ("plan",)
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+    lowest: bool = option(True, "when the budget is out of reach, go on to the lowest reachable peak, which the "
+                                "failure reports (false: fail at once, as --fit's search does)")
 
     def __post_init__(self) -> None:
         # A bad budget is a usage error when the pipeline is built, before anything is captured.
@@ -220,7 +224,7 @@ class SelectPass(Pass):
         # peak (target 0), an exact check every few choices finds where more recomputation
         # stops paying off.
         chunk = max(4, len(candidates) // 8)
-        for target in (budget_bytes, 0):
+        for target in (budget_bytes, 0) if self.lowest else (budget_bytes,):
             for _attempt in range(8 if target else 64):  # the estimate ignores transients: check exactly
                 rank = int(torch.argmax(curve))
                 grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state,
@@ -290,6 +294,11 @@ class SelectPass(Pass):
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
+        share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {base.peak_bytes / MIB:.1f} MiB"
+        if not self.lowest:
+            return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is out of reach: the best plan peaks at "
+                    f"{plan.predicted_peak / MIB:.1f} MiB ({share}) {where} (lowest=false: the lowest reachable "
+                    "peak was not searched)")  # fmt: skip
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
             if not optimizer_passes_ran:
@@ -300,6 +309,5 @@ class SelectPass(Pass):
                 why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
                 why += ", ...)" if len(plan.refused) > 1 else ")"
         return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
-                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({100 * plan.predicted_peak / base.peak_bytes:.0f}% "
-                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}, holding "
+                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({share}) {where}, holding "
                 f"{describe_breakdown(plan.predicted_breakdown)}; {why}")
