@@ -144,3 +144,12 @@ def test_fit_fails_in_one_line_when_no_run_fits(tmp_path: Path) -> None:
     message = str(error.value)
     assert message.startswith("no batch size measured within 0 MiB in 4 runs (batch ")
     assert "out of memory under the cap" in message and "\n" not in message
+
+
+def test_select_can_stop_at_an_unreachable_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # What --fit's search plans with: a batch whose budget is out of reach fails at once.
+    argv = [EXAMPLE, "-p", "profile,select{lowest=false},rewrite", "--budget", "1KiB", "-o", str(tmp_path), "-q"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "is out of reach: the best plan peaks at" in err and "lowest=false" in err
+    assert len(err.strip().splitlines()) == 1
