@@ -48,7 +48,8 @@ from mutwo.runtime.fit_search import (
 )
 from mutwo.runtime.profiler import device_bytes, measure_iterations, profile_graph
 
-__all__ = ["ASSUMPTIONS", "Attempt", "FitError", "FitPoint", "FitResult", "Fitted", "Measured", "fit", "fit_batch",
+__all__ = ["ASSUMPTIONS", "Attempt", "FitError", "FitPoint", "FitResult", "Fitted", "Measure", "Measured", "fit",
+           "fit_batch",
            "measure_capped", "parse_limit", "search"]  # fmt: skip
 
 #: The share of the limit kept free of the plan, for what the simulator does not see (docs/fit.md).
