@@ -44,6 +44,7 @@ from mutwo.runtime.fit_search import (
     FitResult,
     Planner,
     Search,
+    mib,
     search,
 )
 from mutwo.runtime.profiler import device_bytes, measure_iterations, profile_graph
@@ -128,11 +129,14 @@ class Fitted:
 
 def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int, *,
         margin: float = DEFAULT_MARGIN, measure: Measure | None = None, max_runs: int = MAX_RUNS,
-        log: Callable[[str], None] = lambda message: None) -> Fitted:  # fmt: skip
+        log: Callable[[str], None] = lambda message: None,
+        progress: Callable[[FitResult], None] = lambda result: None) -> Fitted:  # fmt: skip
     """Profile the iteration at ``start`` once, search (``capture_at(batch)`` captures it at a
     batch size), rewrite the batch found and, with ``measure`` (given, or by default on a GPU),
     run it capped at the limit, stepping back after a failed run (see the module docstring).
-    ``result.best`` is None when no batch measured within the limit; ``result.failure`` says why."""
+    ``result.best`` is None when no batch measured within the limit; ``result.failure`` says why.
+    ``progress`` sees the result so far after every search and every measured run."""
+    budget = int(limit_bytes * (1 - check_margin(margin)))
     began = time.perf_counter()
 
     def note(message: str) -> None:
@@ -149,7 +153,6 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
                        "from a smaller batch size") from None
     planner = Planner(capture_at, profile, base.graph, start, note)
     del base
-    budget = int(limit_bytes * (1 - check_margin(margin)))
     result = FitResult(limit_bytes, start, margin, budget)
     kept: Plan | None = None  # the plan of ``fitting`` (no tensors: a later run must not pay for them)
     fitting: Attempt | None = None  # the largest batch measured within the limit
@@ -159,16 +162,18 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         top = failed.batch_size - 1 if failed is not None else None
         found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top)
         result.tried.extend(found.tried)
+        progress(result)
         if found.best is None or (fitting is not None and found.best.batch_size <= fitting.batch_size):
             break  # nothing new to measure at this budget
         planned = planner.rewrite(found.best.batch_size, budget)
         if measure is None:
             result.best = planned.point
             return Fitted(result, planned.context.artifacts["plan"])
-        note(f"measuring batch {planned.point.batch_size} capped at {limit_bytes / 2**20:.0f} MiB")
         point = planned.point
+        note(f"measuring batch {point.batch_size} capped at {mib(limit_bytes)}")
         attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
         result.attempts.append(attempt)
+        progress(result)
         note(attempt.describe())
         if attempt.fits:
             fitting, result.best, kept = attempt, point, planned.context.artifacts["plan"]
@@ -207,7 +212,7 @@ def _nothing_fits(result: FitResult, last: Search) -> str:
         return last.failure
     runs = "; ".join(a.describe() for a in result.attempts)
     then = f"; then {last.failure}" if last.best is None and last.failure else ""
-    return (f"no batch size measured within {result.limit_bytes / 2**20:,.0f} MiB in {len(result.attempts)} runs "
+    return (f"no batch size measured within {mib(result.limit_bytes)} in {len(result.attempts)} runs "
             f"({runs}){then}; give a larger limit or a larger margin")  # fmt: skip
 
 

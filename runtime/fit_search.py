@@ -31,6 +31,11 @@ MAX_BATCH = 1 << 16
 MIB = 2**20
 
 
+def mib(size: int) -> str:
+    """Bytes as MiB for messages: ``16,384 MiB``, ``14,745.6 MiB``, ``0.25 MiB``."""
+    return f"{size / MIB:,.6g} MiB"
+
+
 class FitError(ValueError):
     """No batch fits, graphs differ between batch sizes, or planning crashed."""
 
@@ -67,14 +72,13 @@ class Attempt:
                    measured.error, fits)  # fmt: skip
 
     def describe(self) -> str:
-        head = (f"batch {self.batch_size} (planned for {self.planned_budget / MIB:,.0f} MiB, predicted "
-                f"{self.predicted_peak / MIB:,.0f} MiB)")  # fmt: skip
+        head = f"batch {self.batch_size} (planned for {mib(self.planned_budget)}, predicted {mib(self.predicted_peak)})"
         if self.error:
             return f"{head}: {self.error}"
         peak = self.measured_peak or 0
         where = "within the limit" if self.fits else "over the limit"
         milliseconds = (self.measured_seconds or 0) * 1e3
-        return f"{head}: measured {peak / MIB:,.0f} MiB, {where} ({milliseconds:.1f} ms/iteration)"
+        return f"{head}: measured {mib(peak)}, {where} ({milliseconds:.1f} ms/iteration)"
 
 
 @dataclass
@@ -139,7 +143,7 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
     if low == 0:
-        found.failure = f"not even batch size 1 fits in {budget / MIB:,.1f} MiB: {cache[1].note}"
+        found.failure = f"not even batch size 1 fits in {mib(budget)}: {cache[1].note}"
         return found
     found.best = cache[low]
     return found
@@ -195,8 +199,8 @@ class Planner:
                               verify=False)  # fmt: skip
         point.seconds = time.perf_counter() - began
         summary = point.note.splitlines()[0] if point.note else ""
-        self.log(f"batch {batch}: {'fits' if point.fits else 'does not fit'} {budget / MIB:,.0f} MiB, predicted peak "
-                 f"{point.predicted_peak / MIB:,.1f} MiB ({summary}; {point.seconds:.1f} s)")  # fmt: skip
+        self.log(f"batch {batch}: {'fits' if point.fits else 'does not fit'} {mib(budget)}, predicted peak "
+                 f"{mib(point.predicted_peak)} ({summary}; {point.seconds:.1f} s)")  # fmt: skip
         return point
 
     def rewrite(self, batch: int, budget: int) -> Planned:

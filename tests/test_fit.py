@@ -59,7 +59,19 @@ def test_fit_on_cpu_writes_the_batch_plan_and_peaks(tmp_path: Path, capsys: pyte
     larger = [p for p in fit["tried"] if p["batch_size"] > best]
     assert larger and not any(p["fits"] for p in larger), "a larger batch was tried and did not fit"
     assert fit["measured_peak"] is None and fit["attempts"] == [] and "scaled linearly" in fit["assumptions"]
+    assert fit["finished"] and not fit["failure"]
     assert f"largest batch that fits in 2MiB: {best}" in capsys.readouterr().out
+
+
+def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([EXAMPLE, "--fit", "1KiB", "--batch-size", "2", "-o", str(tmp_path), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "mutwo-opt: failed: not even batch size 1 fits in" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert fit["finished"] and fit["best"] is None and fit["plan"] is None
+    assert [p["batch_size"] for p in fit["tried"]] == [2, 1] and fit["failure"] in err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -148,7 +160,7 @@ def test_fit_fails_in_one_line_when_no_run_fits() -> None:
     with pytest.raises(FitError) as error:
         _mlp_fit("256KiB", FakeGpu(fits_up_to=0))
     message = str(error.value)
-    assert message.startswith("no batch size measured within 0 MiB in 4 runs (batch ")
+    assert message.startswith("no batch size measured within 0.25 MiB in 4 runs (batch ")
     assert "out of memory under the cap" in message and "\n" not in message
 
 

@@ -11,10 +11,9 @@ import torch
 
 from mutwo.ir.pass_base import write_atomic
 from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, fit, parse_limit
+from mutwo.runtime.fit_search import mib
 from mutwo.tools.cli import EXIT_OK, UsageError
 from mutwo.tools.config import Config
-
-MIB = 2**20
 
 
 def fit_options(cli: Any) -> tuple[int, float]:
@@ -34,14 +33,19 @@ def fit_options(cli: Any) -> tuple[int, float]:
 
 def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
     """Search from the config's batch size, print every measured run, the batch, the plan and the
-    peaks, write fit.json (also when no batch fits: the record of what was tried)."""
+    peaks, write fit.json (as the search goes, and also when no batch fits: the record of what was
+    tried; ``finished`` says whether the search ended)."""
     limit, margin = fit_options(cli)
+
+    def record(result: FitResult, plan: dict[str, Any] | None = None, finished: bool = False) -> None:
+        # Rewritten as the search goes: a run stopped from outside leaves what it had tried.
+        write_atomic(out / "fit.json", json.dumps({**result.to_json(), "plan": plan, "finished": finished},
+                                                  indent=2) + "\n")  # fmt: skip
+
     fitted = fit(lambda batch: cli.capture(dataclasses.replace(config, batch_size=batch), device),
-                 config.batch_size, limit, margin=margin, log=cli.log)  # fmt: skip
+                 config.batch_size, limit, margin=margin, log=cli.log, progress=record)  # fmt: skip
     result = fitted.result
-    out.mkdir(parents=True, exist_ok=True)
-    plan = fitted.plan.to_json() if fitted.plan is not None else None
-    write_atomic(out / "fit.json", json.dumps({**result.to_json(), "plan": plan}, indent=2) + "\n")
+    record(result, fitted.plan.to_json() if fitted.plan is not None else None, finished=True)
     for attempt in result.attempts:
         print(f"measured run {attempt.describe()}")
     if result.failure:
@@ -56,10 +60,10 @@ def summary(result: FitResult, limit_text: str, out: Path) -> str:
     assert best is not None
     if result.measured_peak is not None:
         seconds = result.measured_seconds or 0.0
-        measured = f", measured {result.measured_peak / MIB:,.1f} MiB ({seconds * 1e3:.1f} ms per iteration)"
+        measured = f", measured {mib(result.measured_peak)} ({seconds * 1e3:.1f} ms per iteration)"
     else:
         measured = " (CPU: nothing measured)"
     return (f"largest batch that fits in {limit_text}: {best.batch_size} (planned {len(result.tried)} times, "
-            f"{len(result.attempts)} measured runs); plan: {best.note}, for {best.budget / MIB:,.1f} MiB (margin "
-            f"{result.margin:.0%}); predicted peak {best.predicted_peak / MIB:,.1f} MiB{measured}; "
+            f"{len(result.attempts)} measured runs); plan: {best.note}, for {mib(best.budget)} (margin "
+            f"{result.margin:.0%}); predicted peak {mib(best.predicted_peak)}{measured}; "
             f"wrote {out}/fit.json")  # fmt: skip
