@@ -224,7 +224,7 @@ class Planner:
             plan = context.artifacts.get("plan")
             if failure.pass_name != "select" or not isinstance(failure.cause, PassFailure) or plan is None:
                 # Not "the budget is unreachable" but a crash: that is no answer about fitting.
-                raise FitError(f"planning batch {batch} failed: {failure}") from None
+                raise FitError(f"planning batch {batch} failed: {failure}") from failure
             return FitPoint(batch, False, plan.predicted_peak, str(failure), budget), context
         plan = context.artifacts["plan"]
         note = f"{len(plan.entries)} activations recomputed"

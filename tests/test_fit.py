@@ -10,6 +10,7 @@ import torch
 
 import mutwo
 from mutwo.ir.memory import simulate
+from mutwo.passes.select import SelectPass
 from mutwo.runtime.api import CapturedGraph
 from mutwo.runtime.fit import FitError, FitPoint, FitResult, Measure, Measured, search
 from mutwo.tools.mutwo_opt import main
@@ -171,3 +172,14 @@ def test_select_can_stop_at_an_unreachable_budget(tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err
     assert "is out of reach: the best plan peaks at" in err and "lowest=false" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_plan_that_crashes_is_an_error_not_a_batch_that_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A crash inside select (BERT-base once hit Python's recursion limit there) once read as
+    # "does not fit", and the search went on to smaller batches as if nothing was wrong.
+    def crash(*args: object, **kwargs: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(SelectPass, "_greedy_plan", crash)
+    with pytest.raises(FitError, match=r"planning batch 64 failed: pass 'select' failed .*maximum recursion depth"):
+        _mlp_fit("256KiB")
