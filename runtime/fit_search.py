@@ -221,11 +221,11 @@ class Planner:
         try:
             PassManager(pipeline, Instrumentation(verify=verify)).run(graph, context)
         except PipelineFailure as failure:
-            plan = context.artifacts.get("plan")
-            if failure.pass_name != "select" or not isinstance(failure.cause, PassFailure) or plan is None:
-                # Not "the budget is unreachable" but a crash: that is no answer about fitting.
+            if failure.pass_name != "select" or not isinstance(failure.cause, PassFailure):
+                # Not "the budget is out of reach" but a crash: that is no answer about fitting.
                 raise FitError(f"planning batch {batch} failed: {failure}") from failure
-            return FitPoint(batch, False, plan.predicted_peak, str(failure), budget), context
+            plan = context.artifacts.get("plan")  # none when select failed on its estimate alone
+            return FitPoint(batch, False, plan.predicted_peak if plan else 0, str(failure), budget), context
         plan = context.artifacts["plan"]
         note = f"{len(plan.entries)} activations recomputed"
         return FitPoint(batch, True, plan.predicted_peak, note, budget), context
