@@ -199,8 +199,9 @@ class Planner:
                               verify=False)  # fmt: skip
         point.seconds = time.perf_counter() - began
         summary = point.note.splitlines()[0] if point.note else ""
-        self.log(f"batch {batch}: {'fits' if point.fits else 'does not fit'} {mib(budget)}, predicted peak "
-                 f"{mib(point.predicted_peak)} ({summary}; {point.seconds:.1f} s)")  # fmt: skip
+        peak = f"predicted peak {mib(point.predicted_peak)}" if point.predicted_peak else "not simulated"
+        self.log(f"batch {batch}: {'fits' if point.fits else 'does not fit'} {mib(budget)}, {peak} ({summary}; "
+                 f"{point.seconds:.1f} s)")  # fmt: skip
         return point
 
     def rewrite(self, batch: int, budget: int) -> Planned:
