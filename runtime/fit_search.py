@@ -32,8 +32,9 @@ MIB = 2**20
 
 
 def mib(size: int) -> str:
-    """Bytes as MiB for messages: ``16,384 MiB``, ``14,745.6 MiB``, ``0.25 MiB``."""
-    return f"{size / MIB:,.6g} MiB"
+    """Bytes as MiB for messages: ``16,384.0 MiB``, ``14,745.6 MiB``, ``0.25 MiB``."""
+    value = size / MIB
+    return f"{value:,.1f} MiB" if value >= 1 else f"{value:.3g} MiB"
 
 
 class FitError(ValueError):
@@ -200,7 +201,7 @@ class Planner:
         point.seconds = time.perf_counter() - began
         summary = point.note.splitlines()[0] if point.note else ""
         peak = f"predicted peak {mib(point.predicted_peak)}" if point.predicted_peak else "not simulated"
-        self.log(f"batch {batch}: {'fits' if point.fits else 'does not fit'} {mib(budget)}, {peak} ({summary}; "
+        self.log(f"batch {batch}: {'fits' if point.fits else 'does not fit'} in {mib(budget)}, {peak} ({summary}; "
                  f"{point.seconds:.1f} s)")  # fmt: skip
         return point
 
