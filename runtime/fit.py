@@ -160,7 +160,8 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
     guess = start
     while True:
         top = failed.batch_size - 1 if failed is not None else None
-        found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top)
+        found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
+                       frozenset(planner.graphs))  # fmt: skip
         result.tried.extend(found.tried)
         progress(result)
         if found.best is None or (fitting is not None and found.best.batch_size <= fitting.batch_size):

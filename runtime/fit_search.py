@@ -111,11 +111,14 @@ class FitResult:
         return dataclasses.asdict(self)
 
 
-def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batch: int | None = None) -> Search:
+def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batch: int | None = None,
+           cheap: frozenset[int] = frozenset()) -> Search:  # fmt: skip
     """The largest batch size in 1..max_batch for which ``predict`` says it fits (fitting is
     assumed monotone in the batch size): doubling from ``start`` (or bisecting below it), then
     bisection until the gap to the smallest size that does not fit is at most 1/16 of the size
-    found (each try is a capture and a plan: the last few percent are not worth their minutes)."""
+    found (each try is a capture and a plan: the last few percent are not worth their minutes).
+    Bisection tries the size in ``cheap`` (already captured) nearest the middle when one lies in
+    the middle half of the gap."""
     top = MAX_BATCH if max_batch is None else max_batch
     found = Search()
     if top < 1:
@@ -142,6 +145,8 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
     if high is not None:
         while high - low > max(1, low // 16):
             middle = (low + high) // 2
+            near = [b for b in cheap if abs(b - middle) <= (high - low) // 4 and low < b < high]
+            middle = min(near, key=lambda b: abs(b - middle)) if near else middle
             low, high = (middle, high) if fits(middle) else (low, middle)
     if low == 0:
         found.failure = f"not even batch size 1 fits in {mib(budget)}: {cache[1].note}"

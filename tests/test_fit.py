@@ -38,6 +38,14 @@ def test_search_finds_the_largest_fitting_batch_within_a_sixteenth(start: int) -
     assert len({p.batch_size for p in found.tried}) == len(found.tried), "each size is planned once"
 
 
+def test_search_bisects_through_sizes_already_captured_where_it_can() -> None:
+    limit = 10_000 + 300 * 100
+    found = search(_linear(100, 10_000, limit), 64, limit, cheap=frozenset({280, 310, 330}))
+    assert found.best is not None and 300 - found.best.batch_size <= found.best.batch_size // 16
+    tried = [p.batch_size for p in found.tried]
+    assert tried[:6] == [64, 128, 256, 512, 330, 280], "the captured sizes nearest the middles"
+
+
 def test_search_stops_at_the_largest_batch_it_may_try() -> None:
     found = search(_linear(1, 0, 10**9), 3, 10**9, max_batch=40)
     assert found.best is not None and found.best.batch_size == 40
