@@ -94,6 +94,11 @@ def measure_capped(batch: int, lowered: CapturedGraph, limit_bytes: int) -> Meas
         measured = measure_iterations(to_fx(lowered.graph), lowered.inputs, runs=1, warmup=1)
     except torch.OutOfMemoryError:
         return Measured(None, None, "out of memory under the cap")
+    except RuntimeError as error:  # cuBLAS and cuDNN report a failed allocation in their own words
+        first = (str(error).strip().splitlines() or [""])[0]
+        if not any(sign in first for sign in ("out of memory", "ALLOC_FAILED")):
+            raise
+        return Measured(None, None, f"out of memory under the cap ({first[:120]})")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         gc.collect()
