@@ -157,6 +157,7 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         raise FitError(f"profiling batch size {start} ran out of memory (it runs unoptimized): start the search "
                        "from a smaller batch size") from None
     planner = Planner(capture_at, profile, base.graph, start, note)
+    planner.graphs[start] = base.graph  # profiling read it, changed nothing: no second capture
     del base
     result = FitResult(limit_bytes, start, margin, budget)
     kept: Plan | None = None  # the plan of ``fitting`` (no tensors: a later run must not pay for them)
