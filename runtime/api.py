@@ -31,7 +31,7 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineResult
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import CapturedStep, LossFn, StepBinding, capture
+from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
@@ -129,10 +129,13 @@ def optimize_graph(
 class MutwoStep:
     """A training step made by :func:`optimize`; call it with a batch, it returns the loss.
 
-    ``steps`` keeps one optimized graph per batch signature (shapes and dtypes); ``last`` is the
-    one used by the latest call. With ``keep_grads``, each parameter's ``.grad`` is set to the
-    step's gradient, as ``loss.backward()`` would (this keeps the gradients alive until the next
-    step, like eager training without ``zero_grad``).
+    ``steps`` keeps the optimized graphs by what a graph is specific to (:func:`capture_key`): the
+    batch's shapes and dtypes, every module's training flag, the optimizer's hyperparameters other
+    than the learning rate. A graph is also dropped when a branch the optimizer took on its step
+    count goes the other way (RAdam) or when the optimizer created its state in it (SGD's first
+    momentum buffer). ``last`` is the graph used by the latest call. With ``keep_grads``, each
+    parameter's ``.grad`` is set to the step's gradient, as ``loss.backward()`` would (this keeps
+    the gradients alive until the next step, like eager training without ``zero_grad``).
     """
 
     model: torch.nn.Module
@@ -141,25 +144,40 @@ class MutwoStep:
     options: dict[str, Any]
     keep_grads: bool = False
     log: Callable[[str], None] = field(default=lambda message: None)
-    steps: dict[tuple[Any, ...], tuple[Optimized, GraphStep]] = field(default_factory=dict)
+    steps: dict[tuple[Any, ...], list[tuple[Optimized, GraphStep]]] = field(default_factory=dict)
     last: Optimized | None = None
 
-    def prepare(self, batch: Any) -> GraphStep:
-        """The optimized step for ``batch``'s signature, captured and optimized on first sight."""
-        key = _signature(batch)
-        if key not in self.steps:
-            if self.steps:
-                self.log(f"mutwo: a batch of another shape ({_describe(batch)}): capturing and optimizing "
-                         "the iteration again for it")  # fmt: skip
-            optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, **self.options)
-            if optimized.report is not None and not optimized.report.equivalent:
-                raise NotEquivalentError(optimized.report.summary())
-            self.steps[key] = (optimized, GraphStep(optimized.graph, optimized.captured, optimized.binding))
-        self.last, step = self.steps[key]
-        return step
+    def prepare(self, batch: Any) -> tuple[GraphStep, list[torch.Tensor]]:
+        """The optimized step for ``batch`` and its inputs, captured and optimized when no graph fits."""
+        key = capture_key(self.model, self.optimizer, batch)
+        candidates = self.steps.setdefault(key, [])
+        reasons: list[str] = []
+        for optimized, step in list(candidates):
+            try:
+                flat = step.flat_inputs(batch)
+            except StaleCaptureError as stale:
+                reasons.append(str(stale).split(";")[0])
+                if step.stale is not None:
+                    candidates.remove((optimized, step))
+                continue
+            self.last = optimized
+            return step, flat
+        if reasons:
+            self.log(f"mutwo: {reasons[0]}: capturing and optimizing the iteration again")
+        elif len(self.steps) > 1:
+            self.log(f"mutwo: {_describe_change(self.steps, key, batch)}: capturing and optimizing the iteration "
+                     "again for it")  # fmt: skip
+        optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, **self.options)
+        if optimized.report is not None and not optimized.report.equivalent:
+            raise NotEquivalentError(optimized.report.summary())
+        step = GraphStep(optimized.graph, optimized.captured, optimized.binding)
+        candidates.append((optimized, step))
+        self.last = optimized
+        return step, step.flat_inputs(batch)
 
     def __call__(self, batch: Any) -> torch.Tensor:
-        output = self.prepare(batch)(batch)
+        step, flat = self.prepare(batch)
+        output = step.run(flat)
         # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.keep_grads:
@@ -167,6 +185,32 @@ class MutwoStep:
             for name, grad in output.gradients.items():
                 params[name].grad = grad
         return output.loss
+
+
+def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> tuple[Any, ...]:
+    """What a captured graph is specific to: the batch's structure, shapes, dtypes and devices,
+    every module's ``training`` flag (train and eval iterations differ: batch norm statistics,
+    dropout), and each param group's hyperparameters except the learning rate (a graph input)."""
+    modes = tuple(module.training for module in model.modules())
+    hyper = tuple(tuple(sorted((k, _frozen(v)) for k, v in group.items() if k not in ("params", "lr")))
+                  for group in optimizer.param_groups)  # fmt: skip
+    return ("batch", _signature(batch), "modes", modes, "hyperparameters", hyper)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
+
+
+def _describe_change(steps: dict[tuple[Any, ...], Any], key: tuple[Any, ...], batch: Any) -> str:
+    """What differs from the graphs captured before, in words."""
+    previous = next(k for k in steps if k != key)
+    if previous[1] != key[1]:
+        return f"a batch of another shape ({_describe(batch)})"
+    if previous[3] != key[3]:
+        return "the model is in another mode (model.train() / model.eval())"
+    return "the optimizer's hyperparameters changed"
 
 
 def optimize(
