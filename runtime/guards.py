@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 from torch.utils import _pytree as pytree
 
 from mutwo.runtime.host_scalars import HostScalar, describe_encoded, evaluate
@@ -93,11 +93,13 @@ def run_slice(nodes: Sequence[fx.Node], placeholder_values: dict[fx.Node, torch.
     return env
 
 
-def _source_node(graph: fx.Graph, tensor: torch.Tensor) -> fx.Node:
-    for node in graph.nodes:
-        if node.meta.get("val") is tensor:
-            return node
-    raise CaptureError("the optimizer reads a number from a tensor the graph does not hold; please report it")
+def _source_node(tracer: Any, tensor: torch.Tensor) -> fx.Node:
+    # The node's meta value is a snapshot of the traced tensor, not the tensor itself: ask the
+    # tracer which node currently produces it (after in-place writes, the last writer).
+    slot = get_proxy_slot(tensor, tracer, None)
+    if slot is None:
+        raise CaptureError("the optimizer reads a number from a tensor the graph does not hold; please report it")
+    return slot.proxy.node
 
 
 @dataclass
@@ -107,6 +109,8 @@ class RecordedGuard:
     condition: Any  #: encoded expression; ``["src", i]`` reads ``sources[i]``
     sources: list[str]
     outcome: bool
+    #: the last node traced when the branch was taken: later writes to the sources do not count
+    upto: str
 
     def describe(self) -> str:
         return f"{describe_encoded(self.condition)} is {self.outcome}"
@@ -125,7 +129,7 @@ class TraceDecider:
         if mode is None:
             raise CaptureError("a branch on a host number outside tracing; please report it")
         graph = mode.tracer.graph
-        sources = [_source_node(graph, t) for t in condition.sources()]
+        sources = [_source_node(mode.tracer, t) for t in condition.sources()]
         nodes = list(graph.nodes)
         placeholders = {n: self.inputs[i] for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
         with disable_proxy_modes_tracing(), unset_fake_temporarily(), torch._C.DisableTorchFunction():
@@ -133,7 +137,7 @@ class TraceDecider:
             values = [env[s].item() for s in sources]
         encoded = condition.encode({id(t): i for i, t in enumerate(condition.sources())})
         outcome = bool(evaluate(encoded, values))
-        self.recorded.append(RecordedGuard(encoded, [s.name for s in sources], outcome))
+        self.recorded.append(RecordedGuard(encoded, [s.name for s in sources], outcome, nodes[-1].name))
         return outcome
 
 
@@ -144,19 +148,19 @@ class GuardCheck:
         self.guards = list(guards)
         nodes = list(graph_module.graph.nodes)
         by_name = {n.name: n for n in nodes}
+        position = {n: i for i, n in enumerate(nodes)}
         self.sources = [[by_name[name] for name in guard.sources] for guard in self.guards]
-        wanted = list(dict.fromkeys(n for sources in self.sources for n in sources))
-        self.slice = scalar_slice(nodes, wanted) if wanted else []
+        # Each guard sees the graph as it was when its branch was taken.
+        self.slices = [scalar_slice(nodes[:position[by_name[guard.upto]] + 1], sources)
+                       for guard, sources in zip(self.guards, self.sources, strict=True)]  # fmt: skip
         self.placeholder_index = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
 
     def failing(self, inputs: Sequence[torch.Tensor]) -> RecordedGuard | None:
         """The first guard that would branch the other way on ``inputs``, or None."""
-        if not self.guards:
-            return None
-        placeholders = {n: inputs[self.placeholder_index[n]] for n in self.slice if n.op == "placeholder"}
-        with torch.no_grad():
-            env = run_slice(self.slice, placeholders)
-        for guard, sources in zip(self.guards, self.sources, strict=True):
+        for guard, sources, nodes in zip(self.guards, self.sources, self.slices, strict=True):
+            placeholders = {n: inputs[self.placeholder_index[n]] for n in nodes if n.op == "placeholder"}
+            with torch.no_grad():
+                env = run_slice(nodes, placeholders)
             if bool(evaluate(guard.condition, [env[s].item() for s in sources])) != guard.outcome:
                 return guard
         return None

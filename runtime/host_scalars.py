@@ -283,7 +283,7 @@ def _decode(text: str) -> tuple[Callable[..., Any], pytree.TreeSpec, list[dict[s
 
 
 def _rebuild(text: str, mutated: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
-             scalar: Callable[[dict[str, Any]], Any]) -> tuple[Callable[..., Any], list[Any], dict[str, Any]]:  # fmt: skip
+             scalar: Callable[[dict[str, Any]], Any]) -> tuple[Callable[..., Any], Any, Any]:  # fmt: skip
     func, spec, encoded = _decode(text)
     leaves: list[Any] = []
     for leaf in encoded:
@@ -339,7 +339,8 @@ def _host_call(call: str, tensors: list[torch.Tensor], sources: list[torch.Tenso
     return [r.clone() if any(r is t for t in tensors) else r for r in _results(run_call(call, [], tensors, sources))]
 
 
-def _host_call_(call: str, mutated: list[torch.Tensor], tensors: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+def _host_call_(call: str, mutated: list[torch.Tensor], tensors: list[torch.Tensor],
+                sources: list[torch.Tensor]) -> None:  # fmt: skip
     run_call(call, mutated, tensors, sources)
 
 

@@ -67,8 +67,10 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
     hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
              optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks)  # fmt: skip
     if any(hooks):
-        raise UnsupportedOptimizerError(f"{name} has optimizer step hooks, which would not run in the captured "
-                                        "step; remove them (register_step_pre_hook / register_step_post_hook)")  # fmt: skip
+        raise UnsupportedOptimizerError(
+            f"{name} has optimizer step hooks, which would not run in the captured step; remove them "
+            "(register_step_pre_hook, register_step_post_hook)"
+        )
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor) and not group.get("capturable"):
             raise UnsupportedOptimizerError(
@@ -140,7 +142,8 @@ def _pointed_at(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor
     try:
         for group, params, lr in zip(optimizer.param_groups, groups, lrs, strict=True):
             group["params"], group["lr"] = params, lr
-        optimizer.state = defaultdict(dict, state)
+        # Copies: what step() writes must not show in ``state``, which says what existed before.
+        optimizer.state = defaultdict(dict, {param: dict(entries) for param, entries in state.items()})
         yield
     finally:
         for group, (params, lr) in zip(optimizer.param_groups, saved[0], strict=True):
@@ -163,8 +166,10 @@ def traced_step(
     input. ``fresh`` maps (parameter, state name) to the input that receives state the step creates;
     state it creates otherwise raises :class:`FreshStateCreated`."""
     hidden = {(name, key) for name, key in fresh}
-    traced_state = {params[name]: {key: value for key, value in states.get(name, {}).items()
-                                   if (name, key) not in hidden} for names in group_names for name in names}  # fmt: skip
+    traced_state = {
+        params[name]: {key: value for key, value in states.get(name, {}).items() if (name, key) not in hidden}
+        for names in group_names for name in names
+    }
     with HostScalarMode(decide), not_compiling():
         # A Python-number learning rate is read like a step count: a host number of the graph. A
         # tensor one (capturable groups only) stays a tensor, as torch.optim computes with it.
