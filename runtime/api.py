@@ -35,6 +35,7 @@ from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepB
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
+from mutwo.runtime.training import TrainingOptions
 
 DEFAULT_PASSES = "profile,select,rewrite"
 
@@ -76,9 +77,9 @@ class CapturedGraph:
 
 
 def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                  loss_fn: LossFn) -> CapturedGraph:  # fmt: skip
+                  loss_fn: LossFn, training: TrainingOptions | None = None) -> CapturedGraph:  # fmt: skip
     """Capture one iteration (model, optimizer and batch already on their device) into verified IR."""
-    captured, binding = capture(model, optimizer, batch, loss_fn)
+    captured, binding = capture(model, optimizer, batch, loss_fn, training)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
     verify(graph)
     return CapturedGraph(graph, captured, binding, binding.flat_inputs(batch) + list(captured.constants.values()))
@@ -107,6 +108,7 @@ def optimize_graph(
     budget: Budget | None = None,
     out_dir: Path | None = None,
     check: bool = False,
+    training: TrainingOptions | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Optimized:
     """Capture the iteration, lower it, and run ``passes`` over it, as ``mutwo-opt`` does.
@@ -115,7 +117,7 @@ def optimize_graph(
     cloned state (bitwise on CPU; with deterministic kernels on CUDA).
     """
     pipeline = PassRegistry().build_pipeline(passes)
-    lowered = capture_graph(model, optimizer, batch, loss_fn)
+    lowered = capture_graph(model, optimizer, batch, loss_fn, training)
     original = lowered.graph.copy()
     context = pass_context(lowered, budget, out_dir=out_dir, log=log)
     result = PassManager(pipeline).run(lowered.graph, context)
@@ -225,6 +227,9 @@ def optimize(
     keep_grads: bool = False,
     out_dir: str | Path | None = None,
     verbose: bool = False,
+    max_grad_norm: float | None = None,
+    norm_type: float = 2.0,
+    precision: str = "fp32",
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -233,11 +238,16 @@ def optimize(
     ``check``: compare the optimized step with the captured one before first use and raise
     :class:`NotEquivalentError` on any difference. The model, optimizer state and batches must
     be on the device to train on. ``example_batch`` is captured right away.
+    ``max_grad_norm`` / ``norm_type``: clip the gradients as ``torch.nn.utils.clip_grad_norm_(
+    model.parameters(), max_grad_norm, norm_type)`` before the optimizer step, inside the graph.
+    ``precision``: ``"fp32"``, ``"bf16-autocast"`` or ``"fp16-autocast"`` (the model and the loss
+    under ``torch.autocast``); see :mod:`mutwo.runtime.training`.
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
     log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
-    options = {"passes": passes, "budget": budget, "check": check,
+    training = TrainingOptions(max_grad_norm, norm_type, precision)
+    options = {"passes": passes, "budget": budget, "check": check, "training": training,
                "out_dir": Path(out_dir) if out_dir is not None else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)

@@ -32,6 +32,7 @@ from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime import optim as functional_optim
 from mutwo.runtime.guards import RecordedGuard, TraceDecider
 from mutwo.runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
+from mutwo.runtime.training import TrainingOptions
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -80,9 +81,11 @@ class StepBinding:
     state_layout: dict[str, tuple[str, ...]]  #: the optimizer state tensors of each trainable parameter
     #: state the optimizer creates inside step(), and the tensors allocated to receive it
     fresh: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    training: TrainingOptions = field(default_factory=TrainingOptions)  #: clipping and precision
 
     @classmethod
-    def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> StepBinding:
+    def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+             training: TrainingOptions | None = None) -> StepBinding:  # fmt: skip
         functional_optim.check_supported(optimizer)
         params = dict(model.named_parameters())
         name_of = {id(p): name for name, p in params.items()}
@@ -99,7 +102,7 @@ class StepBinding:
         functional_optim.init_state(optimizer, [params[n] for n in trainable])
         layout = {name: functional_optim.state_names(optimizer, params[name]) for name in trainable}
         return cls(model, optimizer, loss_fn, list(params), [n for n, _ in model.named_buffers()], trainable,
-                   group_names, layout)  # fmt: skip
+                   group_names, layout, training=training or TrainingOptions())  # fmt: skip
 
     # -- the flat input list ---------------------------------------------------------------
     def state_names(self, name: str) -> tuple[str, ...]:
@@ -176,16 +179,19 @@ class StepBinding:
                 batch_leaves[position] = tensor
             traced_batch = pytree.tree_unflatten(batch_leaves, batch_spec)
 
-            with torch.enable_grad():
+            device = next(iter(params.values())).device
+            with torch.enable_grad(), self.training.forward_context(device):
                 output = _call_model(self.model, params, buffers, traced_batch)
                 loss = self.loss_fn(output, traced_batch)
-                _check_loss(loss)
+            _check_loss(loss)
             _end_phase(Phase.FORWARD)
             wanted = [params[n] for n in self.trainable]
             grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
+            # Clipping writes the gradients: it ends the backward, as in the eager loop.
+            self.training.clip([(params[n], grad_of[n]) for n in self.param_names if n in grad_of])
             _end_phase(Phase.BACKWARD)
             with torch.no_grad():
-                grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
                 # torch.optim skips parameters without a gradient.
                 gradient_labels.extend(name for name in self.trainable if name in grad_of)
                 fresh = {(name, key): states[name][key] for name, key in self.fresh}
@@ -237,15 +243,16 @@ def _training_mode_kept(model: torch.nn.Module) -> Iterator[None]:
             module.train(training)
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn) -> tuple[
-        CapturedStep, StepBinding]:  # fmt: skip
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
+            training: TrainingOptions | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
+    ``training`` adds gradient clipping and mixed precision (:mod:`mutwo.runtime.training`).
     Missing optimizer state is created as torch.optim's first step would create it. Raises
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
     data-dependent control flow) when the iteration cannot be traced.
     """
-    binding = StepBinding.bind(model, optimizer, loss_fn)
+    binding = StepBinding.bind(model, optimizer, loss_fn, training)
     try:
         graph_module, gradient_labels, guards = _trace(binding, batch)
     except functional_optim.FreshStateCreated as fresh:
