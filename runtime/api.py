@@ -76,10 +76,12 @@ class CapturedGraph:
         return device_of(self.inputs)
 
 
-def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                  loss_fn: LossFn, training: TrainingOptions | None = None) -> CapturedGraph:  # fmt: skip
-    """Capture one iteration (model, optimizer and batch already on their device) into verified IR."""
-    captured, binding = capture(model, optimizer, batch, loss_fn, training)
+def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
+                  training: TrainingOptions | None = None, micro: str = "step",
+                  accumulated: dict[str, torch.Tensor] | None = None) -> CapturedGraph:  # fmt: skip
+    """Capture one iteration (model, optimizer and batch already on their device) into verified IR;
+    ``training``, ``micro`` and ``accumulated`` as for :func:`mutwo.runtime.capture.capture`."""
+    captured, binding = capture(model, optimizer, batch, loss_fn, training, micro, accumulated)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
     verify(graph)
     return CapturedGraph(graph, captured, binding, binding.flat_inputs(batch) + list(captured.constants.values()))
@@ -109,6 +111,8 @@ def optimize_graph(
     out_dir: Path | None = None,
     check: bool = False,
     training: TrainingOptions | None = None,
+    micro: str = "step",
+    accumulated: dict[str, torch.Tensor] | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Optimized:
     """Capture the iteration, lower it, and run ``passes`` over it, as ``mutwo-opt`` does.
@@ -117,7 +121,7 @@ def optimize_graph(
     cloned state (bitwise on CPU; with deterministic kernels on CUDA).
     """
     pipeline = PassRegistry().build_pipeline(passes)
-    lowered = capture_graph(model, optimizer, batch, loss_fn, training)
+    lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated)
     original = lowered.graph.copy()
     context = pass_context(lowered, budget, out_dir=out_dir, log=log)
     result = PassManager(pipeline).run(lowered.graph, context)
@@ -148,10 +152,21 @@ class MutwoStep:
     log: Callable[[str], None] = field(default=lambda message: None)
     steps: dict[tuple[Any, ...], list[tuple[Optimized, GraphStep]]] = field(default_factory=dict)
     last: Optimized | None = None
+    micro_index: int = 0  #: with gradient accumulation: the micro-batch the next call runs
+    #: with gradient accumulation: the gradients accumulated so far (shared with the graphs' bindings)
+    accumulated: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def micro(self) -> str:
+        """Which graph the next call runs: "step" without accumulation, else "first", "middle" or "last"."""
+        k = self.options["training"].accumulation_steps
+        if k == 1:
+            return "step"
+        return "first" if self.micro_index == 0 else "last" if self.micro_index == k - 1 else "middle"
 
     def prepare(self, batch: Any) -> tuple[GraphStep, list[torch.Tensor]]:
         """The optimized step for ``batch`` and its inputs, captured and optimized when no graph fits."""
-        key = capture_key(self.model, self.optimizer, batch)
+        key = capture_key(self.model, self.optimizer, batch) + ("micro", self.micro)
         candidates = self.steps.setdefault(key, [])
         reasons: list[str] = []
         for optimized, step in list(candidates):
@@ -169,7 +184,8 @@ class MutwoStep:
         elif len(self.steps) > 1:
             self.log(f"mutwo: {_describe_change(self.steps, key, batch)}: capturing and optimizing the iteration "
                      "again for it")  # fmt: skip
-        optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, **self.options)
+        optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, micro=self.micro,
+                                   accumulated=self.accumulated, **self.options)  # fmt: skip
         if optimized.report is not None and not optimized.report.equivalent:
             raise NotEquivalentError(optimized.report.summary())
         step = GraphStep(optimized.graph, optimized.captured, optimized.binding)
@@ -179,12 +195,22 @@ class MutwoStep:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         step, flat = self.prepare(batch)
+        micro = self.micro
         output = step.run(flat)
-        # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        gradients = output.gradients
+        if micro == "first":
+            self.accumulated.clear()  # in place: the bindings of the other graphs read this dict
+            self.accumulated.update(gradients)
+        if micro in ("middle", "last"):
+            gradients = self.accumulated
+        if micro in ("step", "last"):
+            # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if micro != "step":
+            self.micro_index = (self.micro_index + 1) % self.options["training"].accumulation_steps
         if self.keep_grads:
             params = dict(self.model.named_parameters())
-            for name, grad in output.gradients.items():
+            for name, grad in gradients.items():
                 params[name].grad = grad
         return output.loss
 
@@ -212,6 +238,8 @@ def _describe_change(steps: dict[tuple[Any, ...], Any], key: tuple[Any, ...], ba
         return f"a batch of another shape ({_describe(batch)})"
     if previous[3] != key[3]:
         return "the model is in another mode (model.train() / model.eval())"
+    if previous[7] != key[7]:
+        return f"the {key[7]} micro-batch of gradient accumulation"
     return "the optimizer's hyperparameters changed"
 
 
@@ -230,6 +258,7 @@ def optimize(
     max_grad_norm: float | None = None,
     norm_type: float = 2.0,
     precision: str = "fp32",
+    accumulation_steps: int = 1,
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -241,12 +270,14 @@ def optimize(
     ``max_grad_norm`` / ``norm_type``: clip the gradients as ``torch.nn.utils.clip_grad_norm_(
     model.parameters(), max_grad_norm, norm_type)`` before the optimizer step, inside the graph.
     ``precision``: ``"fp32"``, ``"bf16-autocast"`` or ``"fp16-autocast"`` (the model and the loss
-    under ``torch.autocast``); see :mod:`mutwo.runtime.training`.
+    under ``torch.autocast``). ``accumulation_steps=k``: each call takes one micro-batch and
+    returns its loss (before the division by k); every k-th call steps the optimizer, as an eager
+    loop of ``(loss / k).backward()`` would; see :mod:`mutwo.runtime.training`.
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
     log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
-    training = TrainingOptions(max_grad_norm, norm_type, precision)
+    training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps)
     options = {"passes": passes, "budget": budget, "check": check, "training": training,
                "out_dir": Path(out_dir) if out_dir is not None else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)

@@ -82,10 +82,16 @@ class StepBinding:
     #: state the optimizer creates inside step(), and the tensors allocated to receive it
     fresh: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     training: TrainingOptions = field(default_factory=TrainingOptions)  #: clipping and precision
+    #: with gradient accumulation, which micro-batch the graph runs: "first" (returns the gradients),
+    #: "middle" (adds them to ``accumulated``) or "last" (adds them, then clips and steps); else "step"
+    micro: str = "step"
+    #: the gradients accumulated so far, by parameter name (inputs of the middle and last graphs)
+    accumulated: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-             training: TrainingOptions | None = None) -> StepBinding:  # fmt: skip
+             training: TrainingOptions | None = None, micro: str = "step",
+             accumulated: dict[str, torch.Tensor] | None = None) -> StepBinding:  # fmt: skip
         functional_optim.check_supported(optimizer)
         params = dict(model.named_parameters())
         name_of = {id(p): name for name, p in params.items()}
@@ -102,7 +108,8 @@ class StepBinding:
         functional_optim.init_state(optimizer, [params[n] for n in trainable])
         layout = {name: functional_optim.state_names(optimizer, params[name]) for name in trainable}
         return cls(model, optimizer, loss_fn, list(params), [n for n, _ in model.named_buffers()], trainable,
-                   group_names, layout, training=training or TrainingOptions())  # fmt: skip
+                   group_names, layout, training=training or TrainingOptions(), micro=micro,
+                   accumulated=accumulated if accumulated is not None else {})  # fmt: skip
 
     # -- the flat input list ---------------------------------------------------------------
     def state_names(self, name: str) -> tuple[str, ...]:
@@ -112,6 +119,7 @@ class StepBinding:
         slots = [InputSlot(NodeKind.PARAMETER, n) for n in self.param_names]
         slots += [InputSlot(NodeKind.BUFFER, n) for n in self.buffer_names]
         slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:{s}") for n in self.trainable for s in self.state_names(n)]
+        slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:accumulated_grad") for n in self.accumulated_inputs()]
         slots += [InputSlot(NodeKind.OTHER, f"lr:group{i}") for i in range(len(self.optimizer.param_groups))]
         leaves, _ = pytree.tree_flatten_with_path(batch)
         slots += [InputSlot(NodeKind.INPUT, "batch" + pytree.keystr(path)) for path, leaf in leaves
@@ -128,6 +136,7 @@ class StepBinding:
             state = self.optimizer.state[params[name]]
             flat += [state[s] for s in self.state_layout[name]]
             flat += [tensor for (owner, _), tensor in self.fresh.items() if owner == name]
+        flat += list(self.accumulated_inputs().values())
         flat += [functional_optim.learning_rate(g) for g in self.optimizer.param_groups]
         flat += [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
         return flat
@@ -139,6 +148,10 @@ class StepBinding:
         for index, name in enumerate(self.param_names):
             flat[index] = flat[index].requires_grad_(name in trainable)
         return flat
+
+    def accumulated_inputs(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradients the graph reads and adds to (middle and last micro-batches)."""
+        return self.accumulated if self.micro in ("middle", "last") else {}
 
     def allocate_fresh(self, created: dict[tuple[str, str], torch.Tensor]) -> None:
         """Allocate real tensors for the state the optimizer creates inside step() (their values are
@@ -161,7 +174,9 @@ class StepBinding:
         tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         n_params, n_buffers = len(self.param_names), len(self.buffer_names)
         state_layout = [(n, self.state_names(n)) for n in self.trainable]
-        n_state = sum(len(s) for _, s in state_layout)
+        accumulated_names = list(self.accumulated_inputs())
+        n_state = sum(len(s) for _, s in state_layout) + len(accumulated_names)
+        k = self.training.accumulation_steps
         n_groups = len(self.optimizer.param_groups)
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -172,6 +187,8 @@ class StepBinding:
             for name, names in state_layout:
                 states[name] = dict(zip(names, flat[cursor:cursor + len(names)], strict=True))
                 cursor += len(names)
+            accumulated = dict(zip(accumulated_names, flat[cursor:cursor + len(accumulated_names)], strict=True))
+            cursor += len(accumulated_names)
             lrs = list(flat[cursor:cursor + n_groups])
             batch_leaves = list(leaves)
             for position, tensor in zip(tensor_positions, flat[n_params + n_buffers + n_state + n_groups:],
@@ -186,22 +203,45 @@ class StepBinding:
             _check_loss(loss)
             _end_phase(Phase.FORWARD)
             wanted = [params[n] for n in self.trainable]
-            grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            # An eager loop accumulating over k micro-batches calls (loss / k).backward() on each.
+            grads = torch.autograd.grad(loss / k if k > 1 else loss, wanted, allow_unused=True)
             grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
-            # Clipping writes the gradients: it ends the backward, as in the eager loop.
-            self.training.clip([(params[n], grad_of[n]) for n in self.param_names if n in grad_of])
+            if accumulated:
+                grad_of = _accumulate(accumulated, grad_of)
+            if self.micro in ("step", "last"):
+                # Clipping writes the gradients: it ends the backward, as in the eager loop.
+                self.training.clip([(params[n], grad_of[n]) for n in self.param_names if n in grad_of])
+            if self.micro in ("first", "middle"):
+                # No optimizer step: the first returns its gradients (the accumulation starts from
+                # them, as .grad does), the middle ones have added theirs to the inputs in place.
+                returned = grad_of if self.micro == "first" else {}
+                gradient_labels.extend(returned)
+                outputs = (loss.detach(), *returned.values())
+                _end_phase(Phase.BACKWARD)
+                return outputs
             _end_phase(Phase.BACKWARD)
             with torch.no_grad():
                 # torch.optim skips parameters without a gradient.
-                gradient_labels.extend(name for name in self.trainable if name in grad_of)
+                gradient_labels.extend(name for name in self.trainable if name in grad_of and name not in accumulated)
                 fresh = {(name, key): states[name][key] for name, key in self.fresh}
                 functional_optim.traced_step(self.optimizer, self.group_names, params, grad_of, states, lrs, decide,
                                              fresh)  # fmt: skip
-                outputs = (loss.detach(), *[g for g in grads if g is not None])
+                outputs = (loss.detach(), *[grad_of[n] for n in gradient_labels])
             _end_phase(Phase.OPTIMIZER)
             return outputs
 
         return step
+
+
+def _accumulate(accumulated: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add this micro-batch's gradients to the accumulated ones in place, as ``.grad`` accumulates."""
+    if set(grads) != set(accumulated):
+        raise CaptureError("this micro-batch gives gradients to other parameters than the first one did; "
+                           "gradient accumulation needs the same parameters used in every micro-batch")  # fmt: skip
+    with torch.no_grad():
+        for name, grad in grads.items():
+            accumulated[name].add_(grad)
+    return accumulated
 
 
 def _call_model(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
@@ -244,15 +284,18 @@ def _training_mode_kept(model: torch.nn.Module) -> Iterator[None]:
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
-            training: TrainingOptions | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
+            training: TrainingOptions | None = None, micro: str = "step",
+            accumulated: dict[str, torch.Tensor] | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
-    ``training`` adds gradient clipping and mixed precision (:mod:`mutwo.runtime.training`).
+    ``training`` adds gradient clipping, mixed precision and gradient accumulation
+    (:mod:`mutwo.runtime.training`); with accumulation, ``micro`` says which micro-batch the graph
+    runs and ``accumulated`` holds the gradients accumulated before it (see :class:`StepBinding`).
     Missing optimizer state is created as torch.optim's first step would create it. Raises
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
     data-dependent control flow) when the iteration cannot be traced.
     """
-    binding = StepBinding.bind(model, optimizer, loss_fn, training)
+    binding = StepBinding.bind(model, optimizer, loss_fn, training, micro, accumulated)
     try:
         graph_module, gradient_labels, guards = _trace(binding, batch)
     except functional_optim.FreshStateCreated as fresh:

@@ -1,13 +1,19 @@
 """How the captured iteration trains, beyond forward, backward and ``optimizer.step()``: gradient
-clipping and mixed precision, each traced into the graph with torch's own code so that the captured
-iteration stays bitwise equal to the eager loop it stands for:
+clipping, mixed precision and gradient accumulation, each traced into the graph with torch's own
+code so that the captured iteration stays bitwise equal to the eager loop it stands for:
 
 - ``max_grad_norm`` / ``norm_type``: ``torch.nn.utils.clip_grad_norm_(model.parameters(),
   max_grad_norm, norm_type)`` between ``backward()`` and ``optimizer.step()`` (torch's own function,
   on the traced gradients, in the model's parameter order, foreach where torch uses it);
 - ``precision``: ``"fp32"`` (the model's own dtypes), or ``"bf16-autocast"`` / ``"fp16-autocast"``:
   the model and the loss run under ``torch.autocast(device_type, dtype)``, as in an eager loop that
-  wraps them in it (the backward and the optimizer step run outside it, as there).
+  wraps them in it (the backward and the optimizer step run outside it, as there);
+- ``accumulation_steps=k``: each call of the step takes one micro-batch; the loop it stands for
+  calls ``(loss_fn(model(x), batch) / k).backward()`` on each and ``optimizer.step()`` (then
+  ``zero_grad``) after every k-th. Three graphs express it: the first micro-batch returns its
+  gradients, the middle ones add theirs to them in place (``.grad``'s own accumulation), the last
+  adds its own, clips and steps. The accumulated gradients are inputs of the middle and last graphs,
+  so the memory simulator and ``select`` see them live throughout.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class TrainingOptions:
     max_grad_norm: float | None = None
     norm_type: float = 2.0
     precision: str = "fp32"
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -43,6 +50,10 @@ class TrainingOptions:
                                       f"{', '.join(PRECISIONS)}")  # fmt: skip
         if self.max_grad_norm is not None and not float(self.max_grad_norm) > 0:
             raise TrainingOptionError(f"max_grad_norm must be a positive number, not {self.max_grad_norm!r}")
+        if isinstance(self.accumulation_steps, bool) or not isinstance(self.accumulation_steps, int) \
+                or self.accumulation_steps < 1:  # fmt: skip
+            raise TrainingOptionError(f"accumulation_steps must be a whole number of micro-batches (1 or more), "
+                                      f"not {self.accumulation_steps!r}")  # fmt: skip
         if not float(self.norm_type) > 0:
             raise TrainingOptionError(f"norm_type must be positive (2.0, 1.0 or inf), not {self.norm_type!r}")
 
