@@ -55,7 +55,8 @@ def _same(mine: nn.Module, my_opt: torch.optim.Optimizer, eager: nn.Module, eage
 
 def _side_by_side(batches: list[Batch], eager_step: Callable[[nn.Module, torch.optim.Optimizer, Batch], torch.Tensor],
                   dtype: torch.dtype = torch.float32, between: Callable[[int, nn.Module], None] = lambda i, m: None,
-                  compare_at: Callable[[int], bool] = lambda i: True, **options: object) -> Callable[..., object]:  # fmt: skip
+                  compare_at: Callable[[int], bool] = lambda i: True,
+                  **options: object) -> Callable[..., object]:  # fmt: skip
     """Train through mutwo and eagerly; ``between(i, model)`` runs on both models before step ``i``;
     the models and optimizers are compared after each step ``i`` where ``compare_at(i)``."""
     torch.manual_seed(0)
