@@ -259,6 +259,7 @@ def optimize(
     norm_type: float = 2.0,
     precision: str = "fp32",
     accumulation_steps: int = 1,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -272,12 +273,15 @@ def optimize(
     ``precision``: ``"fp32"``, ``"bf16-autocast"`` or ``"fp16-autocast"`` (the model and the loss
     under ``torch.autocast``). ``accumulation_steps=k``: each call takes one micro-batch and
     returns its loss (before the division by k); every k-th call steps the optimizer, as an eager
-    loop of ``(loss / k).backward()`` would; see :mod:`mutwo.runtime.training`.
+    loop of ``(loss / k).backward()`` would. ``grad_scaler``: a ``torch.amp.GradScaler`` whose
+    scale, unscale, inf check, skipped step and scale update run inside the graph, as
+    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` would; see
+    :mod:`mutwo.runtime.training`.
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
     log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
-    training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps)
+    training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
     options = {"passes": passes, "budget": budget, "check": check, "training": training,
                "out_dir": Path(out_dir) if out_dir is not None else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)

@@ -120,6 +120,9 @@ class StepBinding:
         slots += [InputSlot(NodeKind.BUFFER, n) for n in self.buffer_names]
         slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:{s}") for n in self.trainable for s in self.state_names(n)]
         slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:accumulated_grad") for n in self.accumulated_inputs()]
+        if self.training.scaler is not None:
+            slots += [InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:scale"),
+                      InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:growth_tracker")]  # fmt: skip
         slots += [InputSlot(NodeKind.OTHER, f"lr:group{i}") for i in range(len(self.optimizer.param_groups))]
         leaves, _ = pytree.tree_flatten_with_path(batch)
         slots += [InputSlot(NodeKind.INPUT, "batch" + pytree.keystr(path)) for path, leaf in leaves
@@ -137,6 +140,7 @@ class StepBinding:
             flat += [state[s] for s in self.state_layout[name]]
             flat += [tensor for (owner, _), tensor in self.fresh.items() if owner == name]
         flat += list(self.accumulated_inputs().values())
+        flat += self.training.scaler_state(params[self.trainable[0]].device)
         flat += [functional_optim.learning_rate(g) for g in self.optimizer.param_groups]
         flat += [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
         return flat
@@ -175,7 +179,9 @@ class StepBinding:
         n_params, n_buffers = len(self.param_names), len(self.buffer_names)
         state_layout = [(n, self.state_names(n)) for n in self.trainable]
         accumulated_names = list(self.accumulated_inputs())
-        n_state = sum(len(s) for _, s in state_layout) + len(accumulated_names)
+        n_scaler = 2 if self.training.scaler is not None else 0
+        n_state = sum(len(s) for _, s in state_layout) + len(accumulated_names) + n_scaler
+        in_optimizer_order = [name for names in self.group_names for name in names]
         k = self.training.accumulation_steps
         n_groups = len(self.optimizer.param_groups)
 
@@ -189,6 +195,8 @@ class StepBinding:
                 cursor += len(names)
             accumulated = dict(zip(accumulated_names, flat[cursor:cursor + len(accumulated_names)], strict=True))
             cursor += len(accumulated_names)
+            scaler_state = flat[cursor:cursor + n_scaler]  # the scale and the growth tracker
+            cursor += n_scaler
             lrs = list(flat[cursor:cursor + n_groups])
             batch_leaves = list(leaves)
             for position, tensor in zip(tensor_positions, flat[n_params + n_buffers + n_state + n_groups:],
@@ -203,13 +211,20 @@ class StepBinding:
             _check_loss(loss)
             _end_phase(Phase.FORWARD)
             wanted = [params[n] for n in self.trainable]
-            # An eager loop accumulating over k micro-batches calls (loss / k).backward() on each.
-            grads = torch.autograd.grad(loss / k if k > 1 else loss, wanted, allow_unused=True)
+            # An eager loop accumulating over k micro-batches calls (loss / k).backward() on each;
+            # with a grad scaler, scaler.scale(loss / k).backward().
+            objective = loss / k if k > 1 else loss
+            if scaler_state:
+                objective = objective * scaler_state[0].to(objective.device)
+            grads = torch.autograd.grad(objective, wanted, allow_unused=True)
             grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
             if accumulated:
                 grad_of = _accumulate(accumulated, grad_of)
             if self.micro in ("step", "last"):
-                # Clipping writes the gradients: it ends the backward, as in the eager loop.
+                if scaler_state:
+                    found_inf = self.training.unscale([grad_of[n] for n in in_optimizer_order if n in grad_of],
+                                                      scaler_state[0])  # fmt: skip
+                # Unscaling and clipping write the gradients: they end the backward, as in the eager loop.
                 self.training.clip([(params[n], grad_of[n]) for n in self.param_names if n in grad_of])
             if self.micro in ("first", "middle"):
                 # No optimizer step: the first returns its gradients (the accumulation starts from
@@ -224,8 +239,14 @@ class StepBinding:
                 # torch.optim skips parameters without a gradient.
                 gradient_labels.extend(name for name in self.trainable if name in grad_of and name not in accumulated)
                 fresh = {(name, key): states[name][key] for name, key in self.fresh}
-                functional_optim.traced_step(self.optimizer, self.group_names, params, grad_of, states, lrs, decide,
-                                             fresh)  # fmt: skip
+                written = [t for n in grad_of for t in (params[n], *states.get(n, {}).values())]
+                skipped = (self.training.skipped_on_inf(found_inf, written) if scaler_state
+                           else contextlib.nullcontext())  # fmt: skip
+                with skipped:
+                    functional_optim.traced_step(self.optimizer, self.group_names, params, grad_of, states, lrs,
+                                                 decide, fresh)  # fmt: skip
+                if scaler_state:
+                    self.training.update_scale(scaler_state[0], scaler_state[1], found_inf)
                 outputs = (loss.detach(), *[grad_of[n] for n in gradient_labels])
             _end_phase(Phase.OPTIMIZER)
             return outputs

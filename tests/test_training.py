@@ -196,3 +196,37 @@ def test_accumulated_gradients_are_graph_inputs_the_memory_simulator_sees() -> N
     last = next(o for key, found in step.steps.items() if key[-1] == "last" for o, _ in found)
     labels = [p.label for p in last.graph.placeholders if p.label.endswith(":accumulated_grad")]
     assert sorted(labels) == sorted(f"{n}:accumulated_grad" for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["plain", "accumulating"])
+def test_fp16_grad_scaler_equals_eager_including_skipped_steps(k: int) -> None:
+    """The scale grows every step (growth_interval=1) until the fp16 gradients overflow: those
+    steps are skipped and the scale backs off, in both loops."""
+
+    def scaler() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=1)
+
+    eager_scaler, my_scaler = scaler(), scaler()
+    calls = []
+    scales: list[float] = []
+
+    def scaled(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model(batch[0]), batch)
+        eager_scaler.scale(loss / k if k > 1 else loss).backward()
+        calls.append(None)
+        if len(calls) % k == 0:
+            eager_scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            eager_scaler.step(optimizer)
+            eager_scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scales.append(eager_scaler.get_scale())
+            assert my_scaler.get_scale() == scales[-1], "the captured scale update"
+            assert torch.equal(my_scaler._growth_tracker, eager_scaler._growth_tracker)
+        return loss.detach()
+
+    _side_by_side(_batches(12 * k), scaled, precision="fp16-autocast", grad_scaler=my_scaler, max_grad_norm=1.0,
+                  accumulation_steps=k, compare_at=lambda i: i >= k - 1)  # fmt: skip
+    backoffs = sum(1 for a, b in zip(scales, scales[1:], strict=False) if b < a)
+    assert backoffs >= 1 and scales[-1] > scales[0] / 2, f"the test must skip steps and recover: {scales}"
