@@ -40,7 +40,7 @@ from mutwo.runtime.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.reports import memory_timeline, write_reports
-from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
+from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device, training_options
 
 
 class Failure(Exception):
@@ -149,7 +149,7 @@ class MutwoOpt:
             batch = to_device(workload.batch, device)
             optimizer = build_optimizer(config, model)
             self.log("capturing one training iteration (forward, backward, optimizer step)")
-            lowered = capture_graph(model, optimizer, batch, workload.loss_fn)
+            lowered = capture_graph(model, optimizer, batch, workload.loss_fn, training_options(config, device))
         except (ConfigError, CaptureError, UnsupportedOptimizerError) as error:
             raise UsageError(str(error)) from None
         lowered.graph.meta.update(model=config.model.name, batch_size=config.batch_size, device=str(device))
