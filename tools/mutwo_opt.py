@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, help="override the config's batch size")
     parser.add_argument("--budget", help="memory budget: a fraction of the unoptimized peak (0.5) or bytes (6GiB)")
     parser.add_argument("--seed", type=int, help="override the config's seed")
+    parser.add_argument("--precision", help="override the config's precision: fp32, bf16-autocast, fp16-autocast")
     parser.add_argument("--check", action="store_true",
                         help="run the original and final graphs for 3 iterations and compare every number")
     parser.add_argument("--profile-from", metavar="FILE",
@@ -102,7 +103,8 @@ class MutwoOpt:
         try:
             config = load_config(self.args.config)
             apply_overrides(config, batch_size=self.args.batch_size, device=self.args.device,
-                            budget=self.args.budget, passes=self.args.passes, seed=self.args.seed)  # fmt: skip
+                            budget=self.args.budget, passes=self.args.passes, seed=self.args.seed,
+                            precision=self.args.precision)  # fmt: skip
         except ConfigError as error:
             raise UsageError(str(error)) from None
         return config
