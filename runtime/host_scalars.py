@@ -324,8 +324,9 @@ def _fake_call(text: str, mutated: Sequence[torch.Tensor], tensors: Sequence[tor
 # -- the custom ops ---------------------------------------------------------------------------------
 _LIBRARY = torch.library.Library("mutwo", "FRAGMENT")
 _LIBRARY.define("host_call(str call, Tensor[] tensors, Tensor[] sources) -> Tensor[]")
-_LIBRARY.define("host_call_(str call, Tensor(a!)[] mutated, Tensor[] tensors, Tensor[] sources) -> ()")
-_LIBRARY.define("host_call_one_(str call, Tensor(a!) mutated, Tensor[] tensors, Tensor[] sources) -> Tensor(a!)")
+# The written tensors come first, as in aten's in-place ops.
+_LIBRARY.define("host_call_(Tensor(a!)[] mutated, str call, Tensor[] tensors, Tensor[] sources) -> ()")
+_LIBRARY.define("host_call_one_(Tensor(a!) mutated, str call, Tensor[] tensors, Tensor[] sources) -> Tensor(a!)")
 
 
 def _results(value: Any) -> list[torch.Tensor]:
@@ -339,12 +340,12 @@ def _host_call(call: str, tensors: list[torch.Tensor], sources: list[torch.Tenso
     return [r.clone() if any(r is t for t in tensors) else r for r in _results(run_call(call, [], tensors, sources))]
 
 
-def _host_call_(call: str, mutated: list[torch.Tensor], tensors: list[torch.Tensor],
+def _host_call_(mutated: list[torch.Tensor], call: str, tensors: list[torch.Tensor],
                 sources: list[torch.Tensor]) -> None:  # fmt: skip
     run_call(call, mutated, tensors, sources)
 
 
-def _host_call_one_(call: str, mutated: torch.Tensor, tensors: list[torch.Tensor],
+def _host_call_one_(mutated: torch.Tensor, call: str, tensors: list[torch.Tensor],
                     sources: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
     run_call(call, [mutated], tensors, sources)
     return mutated
@@ -361,13 +362,13 @@ def _host_call_fake(call: str, tensors: list[torch.Tensor], sources: list[torch.
 
 
 @torch.library.register_fake("mutwo::host_call_", lib=_LIBRARY)
-def _host_call__fake(call: str, mutated: list[torch.Tensor], tensors: list[torch.Tensor],
+def _host_call__fake(mutated: list[torch.Tensor], call: str, tensors: list[torch.Tensor],
                      sources: list[torch.Tensor]) -> None:  # fmt: skip
     return None
 
 
 @torch.library.register_fake("mutwo::host_call_one_", lib=_LIBRARY)
-def _host_call_one__fake(call: str, mutated: torch.Tensor, tensors: list[torch.Tensor],
+def _host_call_one__fake(mutated: torch.Tensor, call: str, tensors: list[torch.Tensor],
                          sources: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
     return mutated
 
@@ -387,9 +388,9 @@ def record_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         return pytree.tree_unflatten(list(results), spec)
     written = _mutated(function_name(func), args, kwargs)
     if isinstance(written, torch.Tensor):
-        torch.ops.mutwo.host_call_one_(call.text, written, call.tensors, call.sources)
+        torch.ops.mutwo.host_call_one_(written, call.text, call.tensors, call.sources)
     else:
-        torch.ops.mutwo.host_call_(call.text, call.mutated, call.tensors, call.sources)
+        torch.ops.mutwo.host_call_(call.mutated, call.text, call.tensors, call.sources)
     # In-place tensor methods return the tensor they wrote; foreach functions return None.
     return written if isinstance(written, torch.Tensor) and function_name(func).startswith("Tensor.") else None
 
