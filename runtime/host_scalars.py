@@ -9,10 +9,18 @@ step it was traced at.
 While :class:`HostScalarMode` is active, ``tensor.item()`` returns a :class:`HostScalar`: an
 expression over the tensors read, which Python arithmetic extends (``1 - 0.9 ** step`` is still a
 :class:`HostScalar`). A tensor op that receives one is recorded as one of three custom ops,
-``mutwo::host_call`` (out of place), ``mutwo::host_call_`` (in place on a list, like
-``_foreach_*_``) or ``mutwo::host_call_one_`` (in place on one tensor, returning it). Their
-arguments are the tensors of the call, the tensors the numbers are read from, and a text
-description of the call with each number's expression. When the graph runs, the op reads those
+``mutwo::host_call`` (out of place), ``mutwo::host_call_`` (in place on a list) or
+``mutwo::host_call_one_`` (in place on one tensor, returning it). Their arguments are the tensors
+of the call, the tensors the numbers are read from, and a text description of the call with each
+number's expression.
+
+A multi-tensor call (``torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)``, one step
+size per parameter) is recorded position by position instead, so that the optimizer passes can
+split it by parameter (:mod:`mutwo.ir.multi_tensor`): each number becomes a 0-dim CPU tensor made
+by ``mutwo::host_scalar`` from the tensors it reads (one per parameter: its own step count and the
+learning rate), and the call becomes ``mutwo::foreach_host_call_`` (or ``foreach_host_call``)
+whose every argument is a list with one entry per position; its text says which list feeds which
+argument of the torch function. When the graph runs, the op reads those
 tensors with ``.item()``, evaluates each expression with Python numbers — the very operations eager
 torch.optim performs, in the same order, so the result is identical bit for bit — and calls the
 original function. Step counts and learning rates stay graph inputs, and a step count on the CPU
@@ -54,8 +62,8 @@ _COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 class HostScalar:
     """A Python number computed on the host from tensors' values, as an expression.
 
-    ``op`` is ``"src"`` (the value of ``args[0]``, a tensor, read with ``.item()``), ``"const"``
-    (``args[0]``, a Python number) or an operator of ``_BINARY`` / ``_UNARY`` applied to ``args``.
+    ``op`` is ``"src"`` (the value of ``args[0]``, a tensor, read with ``.item()``) or an operator
+    of ``_BINARY`` / ``_UNARY`` applied to ``args``.
     ``kind`` is the Python type the expression evaluates to (``float``, ``int`` or ``bool``).
     """
 
@@ -327,6 +335,12 @@ _LIBRARY.define("host_call(str call, Tensor[] tensors, Tensor[] sources) -> Tens
 # The written tensors come first, as in aten's in-place ops.
 _LIBRARY.define("host_call_(Tensor(a!)[] mutated, str call, Tensor[] tensors, Tensor[] sources) -> ()")
 _LIBRARY.define("host_call_one_(Tensor(a!) mutated, str call, Tensor[] tensors, Tensor[] sources) -> Tensor(a!)")
+_LIBRARY.define("host_scalar(str expression, Tensor[] sources) -> Tensor")
+#: Position lists a recorded multi-tensor call may use besides the one it writes.
+_FOREACH_LISTS = 5
+_LISTS_SCHEMA = ", ".join(f"Tensor[] t{i}" for i in range(_FOREACH_LISTS))
+_LIBRARY.define(f"foreach_host_call(str call, {_LISTS_SCHEMA}) -> Tensor[]")
+_LIBRARY.define(f"foreach_host_call_(Tensor(a!)[] self, str call, {_LISTS_SCHEMA}) -> ()")
 
 
 def _results(value: Any) -> list[torch.Tensor]:
@@ -351,6 +365,60 @@ def _host_call_one_(mutated: torch.Tensor, call: str, tensors: list[torch.Tensor
     return mutated
 
 
+_SCALAR_DTYPES = {"float": torch.float64, "int": torch.int64, "bool": torch.bool}
+
+
+def _host_scalar(expression: str, sources: list[torch.Tensor]) -> torch.Tensor:
+    """The number as a 0-dim CPU tensor of a dtype that holds a Python number exactly."""
+    encoded = _decode_scalar(expression)
+    value = evaluate(encoded["scalar"], [s.item() for s in sources])
+    return torch.tensor(value, dtype=_SCALAR_DTYPES[encoded["kind"]])
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_scalar(expression: str) -> dict[str, Any]:
+    return json.loads(expression)
+
+
+def _foreach_call(call: str, written: list[torch.Tensor] | None, lists: Sequence[list[torch.Tensor]],
+                  fake: bool = False) -> Any:  # fmt: skip
+    """Call the torch function a multi-tensor record names, with its arguments rebuilt from the lists."""
+    func, arguments, keywords = _decode_foreach(call)
+
+    def value(entry: dict[str, Any]) -> Any:
+        if "written" in entry:
+            return written
+        if "list" in entry:
+            return lists[entry["list"]]
+        if "one" in entry:  # one tensor, repeated at every position
+            return lists[entry["one"]][0]
+        if "scalars" in entry:
+            return [1.0 if fake else t.item() for t in lists[entry["scalars"]]]
+        if "scalar" in entry:  # one number, repeated at every position
+            return 1.0 if fake else lists[entry["scalar"]][0].item()
+        return entry["value"]
+
+    return func(*[value(a) for a in arguments], **{k: value(v) for k, v in keywords.items()})
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_foreach(call: str) -> tuple[Callable[..., Any], list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    decoded = json.loads(call)
+    return resolve(decoded["func"]), decoded["args"], decoded["kwargs"]
+
+
+def _foreach_host_call(call: str, *lists: list[torch.Tensor]) -> list[torch.Tensor]:
+    inputs = {id(t) for entries in lists for t in entries}
+    return [r.clone() if id(r) in inputs else r for r in _results(_foreach_call(call, None, lists))]
+
+
+def _foreach_host_call_(written: list[torch.Tensor], call: str, *lists: list[torch.Tensor]) -> None:
+    _foreach_call(call, written, lists)
+
+
+_LIBRARY.impl("host_scalar", _host_scalar, "CompositeExplicitAutograd")
+_LIBRARY.impl("foreach_host_call", _foreach_host_call, "CompositeExplicitAutograd")
+_LIBRARY.impl("foreach_host_call_", _foreach_host_call_, "CompositeExplicitAutograd")
 _LIBRARY.impl("host_call", _host_call, "CompositeExplicitAutograd")
 _LIBRARY.impl("host_call_", _host_call_, "CompositeExplicitAutograd")
 _LIBRARY.impl("host_call_one_", _host_call_one_, "CompositeExplicitAutograd")
@@ -373,6 +441,21 @@ def _host_call_one__fake(mutated: torch.Tensor, call: str, tensors: list[torch.T
     return mutated
 
 
+@torch.library.register_fake("mutwo::host_scalar", lib=_LIBRARY)
+def _host_scalar_fake(expression: str, sources: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty((), dtype=_SCALAR_DTYPES[_decode_scalar(expression)["kind"]], device="cpu")
+
+
+@torch.library.register_fake("mutwo::foreach_host_call", lib=_LIBRARY)
+def _foreach_host_call_fake(call: str, *lists: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(r) for r in _results(_foreach_call(call, None, lists, fake=True))]
+
+
+@torch.library.register_fake("mutwo::foreach_host_call_", lib=_LIBRARY)
+def _foreach_host_call__fake(written: list[torch.Tensor], call: str, *lists: list[torch.Tensor]) -> None:
+    return None
+
+
 HOST_CALL_OPS = (torch.ops.mutwo.host_call.default, torch.ops.mutwo.host_call_.default,
                  torch.ops.mutwo.host_call_one_.default)  # fmt: skip
 
@@ -380,6 +463,8 @@ HOST_CALL_OPS = (torch.ops.mutwo.host_call.default, torch.ops.mutwo.host_call_.d
 def record_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Record ``func(*args, **kwargs)``, whose arguments hold :class:`HostScalar` s, as a lifted op;
     return what ``func`` would return to its caller."""
+    if function_name(func).startswith("torch._foreach_"):
+        return _record_foreach_call(func, args, kwargs)
     call = _encode_call(func, args, kwargs)
     if not call.mutated:
         results = torch.ops.mutwo.host_call(call.text, call.tensors, call.sources)
@@ -393,6 +478,61 @@ def record_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         torch.ops.mutwo.host_call_(call.mutated, call.text, call.tensors, call.sources)
     # In-place tensor methods return the tensor they wrote; foreach functions return None.
     return written if isinstance(written, torch.Tensor) and function_name(func).startswith("Tensor.") else None
+
+
+def _record_foreach_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Record a multi-tensor call position by position (see the module docstring)."""
+    name = function_name(func)
+    first = args[0] if args else None
+    if not isinstance(first, (list, tuple)) or not first:
+        raise CaptureError(f"the optimizer calls {name} with numbers computed from tensors and no list of "
+                           "tensors first, which mutwo cannot record; please report it")  # fmt: skip
+    positions = len(first)
+    written = _mutated(name, args, kwargs)
+    lists: list[list[torch.Tensor]] = []
+
+    def position_list(entries: list[torch.Tensor], kind: str) -> dict[str, int]:
+        if len(lists) == _FOREACH_LISTS:
+            raise CaptureError(f"the optimizer calls {name} with more than {_FOREACH_LISTS} lists, which mutwo "
+                               "cannot record; please report it")  # fmt: skip
+        lists.append(entries)
+        return {kind: len(lists) - 1}
+
+    def entry(value: Any) -> dict[str, Any]:
+        if written is not None and value is written:
+            return {"written": True}
+        if isinstance(value, (list, tuple)) and len(value) == positions:
+            if all(isinstance(v, torch.Tensor) for v in value):
+                return position_list(list(value), "list")
+            if all(isinstance(v, (HostScalar, int, float)) for v in value):
+                return position_list([_scalar_tensor(v) for v in value], "scalars")
+        if isinstance(value, HostScalar):
+            return position_list([_scalar_tensor(value)] * positions, "scalar")
+        if isinstance(value, torch.Tensor):
+            return position_list([value] * positions, "one")
+        if value is None or isinstance(value, (bool, int, str)) or isinstance(value, float):
+            return {"value": _number(value) if isinstance(value, float) else value}
+        raise CaptureError(f"the optimizer passes {type(value).__name__} to {name} together with numbers computed "
+                           "from tensors, which mutwo cannot record; please report it")  # fmt: skip
+
+    text = json.dumps({"func": name, "args": [entry(a) for a in args],
+                       "kwargs": {k: entry(v) for k, v in kwargs.items()}}, separators=(",", ":"))  # fmt: skip
+    padded = lists + [[] for _ in range(_FOREACH_LISTS - len(lists))]
+    if written is not None:
+        torch.ops.mutwo.foreach_host_call_(list(written), text, *padded)
+        return None
+    return list(torch.ops.mutwo.foreach_host_call(text, *padded))
+
+
+def _scalar_tensor(value: HostScalar | Number) -> torch.Tensor:
+    """A number of a multi-tensor call as the 0-dim CPU tensor ``mutwo::host_scalar`` makes."""
+    if isinstance(value, HostScalar):
+        sources = value.sources()
+        encoded, kind = value.encode({id(t): i for i, t in enumerate(sources)}), value.kind
+    else:
+        sources, encoded, kind = [], _number(value), type(value)
+    expression = json.dumps({"scalar": encoded, "kind": kind.__name__}, separators=(",", ":"))
+    return torch.ops.mutwo.host_scalar(expression, sources)
 
 
 # -- the mode ---------------------------------------------------------------------------------------

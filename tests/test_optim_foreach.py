@@ -63,9 +63,10 @@ def test_foreach_graph_is_much_smaller_than_the_single_tensor_one() -> None:
     n_params = sum(1 for _ in single.model.parameters())
 
     def optimizer_ops(step: GraphStep) -> int:
-        """Optimizer-phase ops that launch work (list-element getitems do not)."""
+        """Optimizer-phase ops that launch device work: not list-element getitems, nor the host
+        numbers (a step size from a CPU step count) that torch.optim computes in Python per parameter."""
         return sum(1 for node in step.graph.nodes if node.phase.name == "OPTIMIZER" and node.op == "call_function"
-                   and "getitem" not in str(node.target))  # fmt: skip
+                   and "getitem" not in str(node.target) and "host_scalar" not in str(node.target))  # fmt: skip
 
     assert optimizer_ops(multi_step) < 40 < 5 * n_params < optimizer_ops(single_step)
 
