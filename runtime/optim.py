@@ -137,18 +137,35 @@ def _step_function(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Op
 @contextlib.contextmanager
 def _pointed_at(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], lrs: list[Any],
                 state: dict[torch.Tensor, dict[str, Any]]) -> Iterator[None]:  # fmt: skip
-    """Point the param groups and the state at traced tensors, and back afterwards."""
-    saved = [(group["params"], group["lr"]) for group in optimizer.param_groups], optimizer.state
+    """Point the param groups and the state at traced tensors, and back afterwards.
+
+    A group that leaves ``foreach`` to torch.optim gets the form eager would pick for its real
+    parameters (multi-tensor on a GPU): torch.optim decides from the tensors' types, and would
+    pick the single-tensor form for traced ones, whose kernels round differently on a GPU.
+    """
+    saved = [(group["params"], group["lr"], group.get("foreach")) for group in optimizer.param_groups]
+    saved_state = optimizer.state
     try:
         for group, params, lr in zip(optimizer.param_groups, groups, lrs, strict=True):
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = _eager_foreach(group)
             group["params"], group["lr"] = params, lr
         # Copies: what step() writes must not show in ``state``, which says what existed before.
         optimizer.state = defaultdict(dict, {param: dict(entries) for param, entries in state.items()})
         yield
     finally:
-        for group, (params, lr) in zip(optimizer.param_groups, saved[0], strict=True):
+        for group, (params, lr, foreach) in zip(optimizer.param_groups, saved, strict=True):
             group["params"], group["lr"] = params, lr
-        optimizer.state = saved[1]
+            if "foreach" in group:
+                group["foreach"] = foreach
+        optimizer.state = saved_state
+
+
+def _eager_foreach(group: dict[str, Any]) -> bool:
+    """Whether eager torch.optim takes the multi-tensor form for ``group``'s (real) parameters."""
+    differentiable = bool(group.get("differentiable", False))
+    _, foreach = optimizer_module._default_to_fused_or_foreach(list(group["params"]), differentiable, use_fused=False)
+    return bool(foreach)
 
 
 def traced_step(
