@@ -27,6 +27,9 @@ from mutwo.runtime.profiler import device_of
 #: differ from run to run unless deterministic algorithms are on.
 CUDA_RTOL = 1e-4
 CUDA_ATOL = 1e-5
+#: A graph computing in reduced precision (autocast, bf16/fp16 parameters) is compared, when not
+#: bitwise, with torch.testing.assert_close's tolerances for its lowest-precision dtype.
+REDUCED_PRECISION_TOLERANCES = {torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
 
 #: When the reference varies between two runs from the same state (a kernel that is not
 #: deterministic even in deterministic mode), a tensor may differ from it by up to this many times
@@ -58,13 +61,15 @@ class EquivalenceReport:
     gradients_not_returned: int = 0
     #: what differed between two runs of the reference itself, when it did (then not bitwise)
     reference_varies: str | None = None
+    rtol: float = CUDA_RTOL  #: tolerances when not bitwise
+    atol: float = CUDA_ATOL
 
     @property
     def equivalent(self) -> bool:
         return not self.mismatches
 
     def summary(self) -> str:
-        mode = "bitwise" if self.bitwise else f"rtol={CUDA_RTOL}, atol={CUDA_ATOL}"
+        mode = "bitwise" if self.bitwise else f"rtol={self.rtol:g}, atol={self.atol:g}"
         if self.reference_varies is not None:
             mode += (f"; not bitwise because the original itself varies from run to run ({self.reference_varies}): "
                      f"each tensor within those tolerances or {REFERENCE_SPREAD:g}x the original's own variation")
@@ -131,12 +136,21 @@ def _varies_between_runs(module: fx.GraphModule, inputs: list[torch.Tensor], see
     return None
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool) -> bool:
+def tolerances(graph: Graph) -> tuple[float, float]:
+    """(rtol, atol) for comparing ``graph``'s results when not bitwise: see :data:`REDUCED_PRECISION_TOLERANCES`."""
+    dtypes = {t.dtype for node in graph for t in node.tensors if t is not None}
+    for dtype, tolerance in REDUCED_PRECISION_TOLERANCES.items():
+        if dtype in dtypes:
+            return tolerance
+    return CUDA_RTOL, CUDA_ATOL
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool, rtol: float = CUDA_RTOL, atol: float = CUDA_ATOL) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if bitwise:
         return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
-    return torch.allclose(a, b, rtol=CUDA_RTOL, atol=CUDA_ATOL, equal_nan=True)
+    return torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -178,6 +192,7 @@ def compare_graphs(
         varies = _varies_between_runs(modules[0], inputs, seed, output_names, [label for _, label in ref_slots])
     bitwise = bitwise and varies is None
     report = EquivalenceReport(iterations, bitwise, reference_varies=varies)
+    report.rtol, report.atol = tolerances(reference)
     if varies is not None:  # a second run of the reference measures how much it varies by itself
         modules.append(modules[0])
     states = [[t.clone() for t in inputs] for _ in modules]
@@ -211,7 +226,7 @@ def compare_graphs(
         for what, label, runs in compared:
             report.compared += 1
             a, b = runs[0], runs[1]
-            if _same(a, b, bitwise or what == "random generator"):
+            if _same(a, b, bitwise or what == "random generator", report.rtol, report.atol):
                 continue
             # The rewrite may differ from the original as much as the original differs from itself.
             if len(runs) == 3 and _max_diff(a, b) <= REFERENCE_SPREAD * _max_diff(a, runs[2]):

@@ -12,6 +12,7 @@ from mutwo.ir.to_fx import to_fx
 from mutwo.runtime import equivalence
 from mutwo.runtime.api import capture_graph
 from mutwo.runtime.equivalence import EquivalenceReport, _varies_between_runs
+from mutwo.runtime.training import TrainingOptions
 from tests import models
 
 
@@ -76,3 +77,15 @@ def _mlp_with_sgd() -> tuple[Any, ...]:
     workload = models.mlp()
     model = workload.model.eval()  # no dropout: the graphs differ only by the injected noise
     return model, torch.optim.SGD(model.parameters(), lr=0.1), workload.batch, workload.loss_fn
+
+
+@pytest.mark.parametrize(("precision", "expected"), [("fp32", (equivalence.CUDA_RTOL, equivalence.CUDA_ATOL)),
+                                                     ("bf16-autocast", (1.6e-2, 1e-5)),
+                                                     ("fp16-autocast", (1e-3, 1e-5))])  # fmt: skip
+def test_tolerances_follow_the_graphs_lowest_precision(precision: str, expected: tuple[float, float]) -> None:
+    """When not bitwise, a graph that computes in bf16 or fp16 is compared with torch.testing's
+    tolerances for that dtype, and the summary states them."""
+    lowered = capture_graph(*_mlp_with_sgd(), TrainingOptions(precision=precision))
+    assert equivalence.tolerances(lowered.graph) == expected
+    report = EquivalenceReport(3, bitwise=False, rtol=expected[0], atol=expected[1])
+    assert f"rtol={expected[0]:g}, atol={expected[1]:g}" in report.summary()
