@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,21 @@ def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict
     return simulation, projected, blocks
 
 
+def estimator(base: MemorySimulation, candidates: list[Candidate]) -> tuple[
+        torch.Tensor, Callable[[Candidate], tuple[int, int]]]:  # fmt: skip
+    """The greedy's estimate: the unoptimized curve, and a function that drops a candidate's
+    bytes over its idle window and returns the new (peak, rank)."""
+    curve = torch.tensor(base.curve, dtype=torch.int64)
+    sizes = {c.key: c.memory for c in candidates}
+
+    def peak_after(candidate: Candidate) -> tuple[int, int]:
+        curve[candidate.inactive_start + 1:candidate.first_backward_use] -= sizes[candidate.key]
+        rank = int(torch.argmax(curve))
+        return int(curve[rank]), rank
+
+    return curve, peak_after
+
+
 def refused_random_ops(graph: Graph) -> list[str]:
     """Forward random ops that recomputation cannot replay, each as "%id (op): why"."""
     refused = []
@@ -139,13 +155,20 @@ class SelectPass(Pass):
     incrementally. The final plan is checked by simulating the rewritten graph exactly; that
     simulation is the predicted peak.
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
-    mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv.
+    mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv. When the budget
+    is out of reach, the greedy goes on to the lowest peak it can reach and the failure says what
+    that is; with ``lowest=false`` it stops there (the failure then reports the best plan it had),
+    and fails before any exact simulation if the estimate, recomputing every candidate it can,
+    stays above the budget.
     """
 
     name = "select"
     requires = ("profile",)
     provides = ("plan",)
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+    lowest: bool = option(True, "when the budget is out of reach, go on to the lowest reachable peak, which the "
+                                "failure reports (false: fail at once, even before simulating exactly when the "
+                                "greedy's estimate cannot reach the budget, as --fit's search does)")
 
     def __post_init__(self) -> None:
         # A bad budget is a usage error when the pipeline is built, before anything is captured.
@@ -174,6 +197,8 @@ class SelectPass(Pass):
                     + "; ".join(refused))  # fmt: skip
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {base.peak_bytes / MIB:.1f} MiB, "
                 f"budget {budget_bytes / MIB:.1f} MiB ({budget})")  # fmt: skip
+        if not self.lowest:
+            self._fail_fast(base, budget, budget_bytes, candidates)
         # The greedy cannot undo a choice: when its first choice made every exact plan worse than
         # none (a block's transients, which the estimate ignores, sat at the peak), plan again
         # without that candidate, a few times at most.
@@ -202,14 +227,7 @@ class SelectPass(Pass):
         """μ-TWO's greedy towards ``budget_bytes``, then towards the lowest peak if that is out of
         reach: the best exactly simulated plan (simulation, choices, blocks), and the key of the
         first choice made (None if none)."""
-        curve = torch.tensor(base.curve, dtype=torch.int64)
-        sizes = {c.key: c.memory for c in candidates}
-
-        def peak_after(candidate: Candidate) -> tuple[int, int]:
-            curve[candidate.inactive_start + 1:candidate.first_backward_use] -= sizes[candidate.key]
-            rank = int(torch.argmax(curve))
-            return int(curve[rank]), rank
-
+        curve, peak_after = estimator(base, candidates)
         state = GreedyResult()
         remaining = list(candidates)
         # The best exactly simulated plan so far: a later choice can raise the exact peak (its
@@ -220,7 +238,7 @@ class SelectPass(Pass):
         # peak (target 0), an exact check every few choices finds where more recomputation
         # stops paying off.
         chunk = max(4, len(candidates) // 8)
-        for target in (budget_bytes, 0):
+        for target in (budget_bytes, 0) if self.lowest else (budget_bytes,):
             for _attempt in range(8 if target else 64):  # the estimate ignores transients: check exactly
                 rank = int(torch.argmax(curve))
                 grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state,
@@ -235,6 +253,23 @@ class SelectPass(Pass):
             if best[0].peak_bytes <= budget_bytes:
                 break
         return best, state.chosen[0].key if state.chosen else None
+
+    def _fail_fast(self, base: MemorySimulation, budget: Budget, budget_bytes: int,
+                   candidates: list[Candidate]) -> None:  # fmt: skip
+        """Fail before any exact simulation when the greedy's estimate cannot reach the budget:
+        it ignores the transients of recompute blocks, so no exact plan gets lower (what makes
+        a batch far out of reach cheap to refuse for --fit, whose search tries many)."""
+        remaining = [copy.deepcopy(c) for c in candidates]
+        curve, peak_after = estimator(base, remaining)
+        rank = int(torch.argmax(curve))
+        state = GreedyResult()
+        greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
+        if state.peak > budget_bytes:
+            raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is out of reach: recomputing every "
+                              f"activation idle at the peak, the estimate stays at {state.peak / MIB:.1f} MiB "
+                              f"({100 * state.peak / base.peak_bytes:.0f}% of the unoptimized "
+                              f"{base.peak_bytes / MIB:.1f} MiB), and recompute blocks only add to it (lowest=false: "
+                              "the lowest reachable peak was not searched)")  # fmt: skip
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
                     device: str) -> list[Candidate]:  # fmt: skip
@@ -290,6 +325,11 @@ class SelectPass(Pass):
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
+        share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {base.peak_bytes / MIB:.1f} MiB"
+        if not self.lowest:
+            return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is out of reach: the best plan peaks at "
+                    f"{plan.predicted_peak / MIB:.1f} MiB ({share}) {where} (lowest=false: the lowest reachable "
+                    "peak was not searched)")  # fmt: skip
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
             if not optimizer_passes_ran:
@@ -300,6 +340,5 @@ class SelectPass(Pass):
                 why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
                 why += ", ...)" if len(plan.refused) > 1 else ")"
         return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
-                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({100 * plan.predicted_peak / base.peak_bytes:.0f}% "
-                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}, holding "
+                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({share}) {where}, holding "
                 f"{describe_breakdown(plan.predicted_breakdown)}; {why}")

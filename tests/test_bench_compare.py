@@ -34,6 +34,21 @@ def test_a_budget_naming_an_unmeasured_variant_is_refused() -> None:
         compare.mutwo_budget("checkpoint", ROWS[:1])
 
 
+def test_a_cpu_dry_run_plans_for_the_stand_in_budget_only_where_asked() -> None:
+    cpu = [{"variant": "eager", "peak_bytes": None}, {"variant": "checkpoint", "peak_bytes": None}]
+    assert compare.mutwo_budget("checkpoint", cpu, "0.5") == "0.5"
+    assert compare.mutwo_budget("checkpoint", ROWS, "0.5") == Budget(bytes=400), "a measured peak wins"
+    with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
+        compare.mutwo_budget("checkpoint", cpu)
+    with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
+        compare.mutwo_budget("checkpoint", [{"variant": "checkpoint", "error": "out of memory"}], "0.5")
+
+
+def test_a_model_is_a_known_name_or_a_config_file(tmp_path: Path) -> None:
+    assert compare.config_path("bert") == compare.ROOT / "examples" / "bert.yaml"
+    assert compare.config_path(str(tmp_path / "my.yaml")) == tmp_path / "my.yaml"
+
+
 def test_every_residual_block_is_checkpointed_and_the_numbers_stay_the_same() -> None:
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)

@@ -3,7 +3,7 @@
     mutwo-opt [-p/--passes LIST] [-o/--out DIR] [--device auto|cpu|cuda] [--batch-size N]
               [--budget B] [--check] [--list-passes] [--load-passes M] [--no-verify]
               [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot] [--time-passes]
-              [--bucket-cap-mb MB] CONFIG.yaml
+              [--bucket-cap-mb MB] [--fit MEMORY [--fit-margin SHARE]] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
 captures the data-parallel iteration on its shard of the batch, the gradients are averaged
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse a plan.json written by the select pass for this same graph")
     parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
                         "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
+    parser.add_argument("--fit-margin", type=float, metavar="SHARE",
+                        help="with --fit: the share of MEMORY the plans keep free for what the simulator does not "
+                        "see (default 0.1)")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -337,6 +340,8 @@ class MutwoOpt:
         device = self.join_data_parallel(self.resolve_device(config))
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
+        if self.args.fit_margin is not None and self.args.fit is None:
+            raise UsageError("--fit-margin applies to --fit; add --fit MEMORY (like --fit 16GiB)")
         if self.args.fit is not None:
             try:
                 return run_fit(self, config, device, out)
