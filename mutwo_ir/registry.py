@@ -32,6 +32,8 @@ BUILTIN_PASSES: dict[str, str] = {
     "select": "mutwo.passes.select:SelectPass",
     "extract": "mutwo.passes.extract:ExtractPass",
     "insert-recompute": "mutwo.passes.insert_recompute:InsertRecomputePass",
+    "select-swap": "mutwo.passes.select_swap:SelectSwapPass",
+    "insert-swap": "mutwo.passes.insert_swap:InsertSwapPass",
 }
 
 #: Names that stand for several passes.

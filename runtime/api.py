@@ -35,6 +35,7 @@ from mutwo.runtime.capture import CapturedStep, LossFn, StepBinding, capture
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
+from mutwo.runtime.transfer import measure_transfers
 
 DEFAULT_PASSES = "profile,select,rewrite"
 
@@ -92,6 +93,7 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
     context.services["budget"] = budget
     context.services["profiler"] = lambda g, runs, warmup: profile_graph(g, lowered.inputs, runs=runs,
                                                                          warmup=warmup, progress=log)  # fmt: skip
+    context.services["transfer"] = lambda: measure_transfers(device)
     if device.type == "cuda":
         context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
     return context
