@@ -10,6 +10,9 @@ variant's measured peak, so that iteration times are compared at equal memory:
 - ``mutwo-eager0.5``: half of eager's measured peak;
 - ``mutwo-checkpoint``: the peak per-block checkpointing measured.
 
+``mutwo+opt-<budget>`` is the same with the optimizer passes (optimizer-in-backward and
+foreach-buckets) before select; ``mutwo+opt-none`` runs them without recompute.
+
     python bench/compare.py --out bench/results/compare_h100.json --models resnet152:128,bert:64
 """
 
@@ -32,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from mutwo.ir.budget import Budget  # noqa: E402
 from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
 
-CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml"}
+CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
+           "tiny": "examples/tiny_mlp.yaml"}  # fmt: skip
 VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "mutwo-checkpoint", "mutwo-eager0.5"]
 WARMUP, MEASURED = 3, 10
 
@@ -49,11 +53,11 @@ class Checkpointed(nn.Module):
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
-    """Wrap every ResNet bottleneck / BERT encoder layer; return how many were wrapped."""
+    """Wrap every ResNet bottleneck / BERT encoder layer / GPT-2 block; return how many were wrapped."""
     wrapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child).__name__ in ("Bottleneck", "BasicBlock", "BertLayer"):
+            if type(child).__name__ in ("Bottleneck", "BasicBlock", "BertLayer", "GPT2Block"):
                 setattr(module, name, Checkpointed(child))
                 wrapped += 1
     return wrapped
@@ -78,7 +82,8 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
     if variant.startswith("mutwo"):
         spec: Any = json.loads(budget) if budget else variant.split("-", 1)[1]
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
-        row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED)
+        row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
+                                optimizer_passes=variant.startswith("mutwo+opt"))  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row

@@ -5,6 +5,7 @@ promised to stay put:
 
 - :func:`optimize` turns a model, its optimizer, an example batch and a loss function into a
   training step that runs the whole iteration as one rewritten graph.
+- :func:`fit_batch` finds the largest batch size whose optimized iteration fits a memory limit.
 - :class:`Pass`, :func:`option`, :class:`PassContext`, :class:`PassFailure` and
   :func:`register_pass` are what a pass author subclasses, declares, reads and raises.
 - :class:`Graph`, :class:`Node`, :class:`NodeKind`, :class:`Phase`, :class:`TensorMeta` and
@@ -24,6 +25,7 @@ from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
 from mutwo.ir.registry import register_pass
 from mutwo.runtime.api import optimize
+from mutwo.runtime.fit import fit_batch
 
 try:
     __version__ = version("mutwo")
@@ -32,5 +34,5 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 __all__ = [
     "Graph", "Node", "NodeKind", "Pass", "PassContext", "PassFailure", "Phase", "StorageKey", "TensorMeta",
-    "__version__", "optimize", "option", "register_pass",
+    "__version__", "fit_batch", "optimize", "option", "register_pass",
 ]  # fmt: skip

@@ -66,3 +66,11 @@ def _fraction_or_bytes(number: float, unit: str, text: str) -> Budget:
     if not unit and number < 1024:
         raise BudgetError(f"budget {text} is ambiguous: a fraction must be in (0, 1], bytes need a unit like '6GiB'")
     return Budget(bytes=int(number * _UNITS[unit]))
+
+
+def parse_bytes(text: str) -> int:
+    """A memory size given with a unit (``16GiB``, ``64MiB``) in bytes; BudgetError otherwise."""
+    value = parse_budget(text)
+    if value.bytes is None:
+        raise BudgetError(f"{text!r} is not a memory size: give bytes with a unit, like 16GiB")
+    return value.bytes

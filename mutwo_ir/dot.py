@@ -19,6 +19,7 @@ KIND_COLOURS: dict[NodeKind, str] = {
     NodeKind.ACTIVATION: "#ffa07a",
     NodeKind.GRADIENT: "#dda0dd",
     NodeKind.OPTIMIZER_STATE: "#87ceeb",
+    NodeKind.COMMUNICATION: "#ffd700",
     NodeKind.OTHER: "#f5f5f5",
 }
 HIGHLIGHT_COLOUR = "#d62728"

@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
-from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta, is_wait
 
 PHASE_META = "mutwo_phase"
 
@@ -51,6 +51,8 @@ def from_fx(
             raise LoweringError(f"fx node {fx_node.name} has no phase; capture it with runtime.capture")
         node_id = len(mapping)
         value = fx_node.meta.get("val")
+        if fx_node.op == "call_function" and is_wait(fx_node.target):
+            value = _waited(value, fx_node.args[0].meta.get("val"), storages)
         tensors, is_tuple = _tensor_metas(value, node_id, storages)
         kind, label = slot_of.get(fx_node, (NodeKind.OTHER, ""))
         args, kwargs = pytree.tree_map(
@@ -65,6 +67,17 @@ def from_fx(
 
     _classify(graph, gradient_labels)
     return graph
+
+
+def _waited(value: Any, operand: Any, storages: dict[int, tuple[StorageKey, int]]) -> Any:
+    """A collective's wait returns its operand itself at run time, but its fake kernel returns a
+    new tensor: make that tensor's storage (and so every view later taken of it) the operand's,
+    or the buffer would be counted twice."""
+    if isinstance(value, torch.Tensor) and isinstance(operand, torch.Tensor):
+        known = storages.get(operand.untyped_storage()._cdata)
+        if known is not None:
+            storages[value.untyped_storage()._cdata] = known
+    return operand
 
 
 def _tensor_metas(value: Any, node_id: int, storages: dict[int, tuple[StorageKey, int]]) -> tuple[

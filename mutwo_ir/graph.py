@@ -208,6 +208,15 @@ class Graph:
             changed += 1
         return changed
 
+    def reorder(self, order: list[Node]) -> None:
+        """Put the nodes in ``order``, which must hold exactly this graph's nodes (verify the
+        result: a node placed before one of its operands breaks the topological order)."""
+        if len(order) != len(self._nodes) or set(order) != set(self._nodes):
+            raise GraphError("reorder needs every node of the graph exactly once")
+        self._nodes = list(order)
+        self._index, self._scans = None, 0
+        self.mark_changed()
+
     def erase(self, node: Node) -> None:
         """Remove a node that nothing uses."""
         if node.graph is not self:

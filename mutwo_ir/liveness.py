@@ -18,8 +18,8 @@ from mutwo.ir.node import Node, NodeKind, Phase, StorageKey
 
 #: When one storage is held by nodes of several kinds, the first kind in this list names it.
 KIND_PRECEDENCE = (
-    NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.OPTIMIZER_STATE, NodeKind.INPUT, NodeKind.GRADIENT,
-    NodeKind.ACTIVATION, NodeKind.OTHER,
+    NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.OPTIMIZER_STATE, NodeKind.INPUT, NodeKind.COMMUNICATION,
+    NodeKind.GRADIENT, NodeKind.ACTIVATION, NodeKind.OTHER,
 )  # fmt: skip
 
 

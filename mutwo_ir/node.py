@@ -20,6 +20,7 @@ class NodeKind(str, enum.Enum):
     ACTIVATION = "activation"
     GRADIENT = "gradient"
     OPTIMIZER_STATE = "optimizer_state"
+    COMMUNICATION = "communication"
     OTHER = "other"
 
 
@@ -209,12 +210,43 @@ class Node:
 
     @property
     def is_random(self) -> bool:
-        """True for ops that draw from the random number generator (dropout, bernoulli, rand...)."""
+        """True for ops that draw from the random number generator (dropout, bernoulli, rand...);
+        attention kernels tagged so draw only with a non-zero ``dropout_p`` (as torch's
+        partitioner decides, ``is_rng_op``)."""
         tags = getattr(self.target, "tags", ())
-        return torch.Tag.nondeterministic_seeded in tags
+        if torch.Tag.nondeterministic_seeded not in tags:
+            return False
+        schema = self.target._schema
+        for index, argument in enumerate(schema.arguments):
+            if argument.name == "dropout_p":
+                value = self._args[index] if index < len(self._args) else \
+                    self._kwargs.get("dropout_p", argument.default_value)  # fmt: skip
+                return not isinstance(value, (int, float)) or value != 0
+        return True
+
+    @property
+    def is_collective(self) -> bool:
+        """True for torch's functional collectives (``_c10d_functional``: all_reduce_, broadcast_,
+        wait_tensor...): every rank must run them, in the same order, exactly once per iteration."""
+        return isinstance(self.target, torch._ops.OpOverload) and self.target.namespace in COLLECTIVE_NAMESPACES
+
+    @property
+    def is_wait(self) -> bool:
+        """A collective's ``wait_tensor``: at run time it returns its operand, once the communication is done."""
+        return is_wait(self.target)
 
     def __repr__(self) -> str:
         return f"%{self.id}({self.name})"
+
+
+#: Namespaces of torch's functional collectives (``torch.distributed._functional_collectives``).
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional"})
+
+
+def is_wait(target: Any) -> bool:
+    """Whether ``target`` is a functional collective's ``wait_tensor``."""
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace in COLLECTIVE_NAMESPACES
+            and target._schema.name.endswith("::wait_tensor"))  # fmt: skip
 
 
 #: Ops that update some arguments in place although their schema does not say so:

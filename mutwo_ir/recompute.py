@@ -11,9 +11,12 @@ The rewrite realises a set of chosen activation storages (a plan):
 * sources are placeholders, activations that are kept, nodes that cannot be replayed, and clones
   made by earlier blocks that are still live at the insertion point; everything else on the way
   is recomputed, chosen activations included (their recompute count grows, as in μ-TWO);
-* clones never replay side effects: in-place ops become their out-of-place form, training-mode
-  batch norms run without running statistics (same outputs, no update), and random ops are never
-  replayed (their outputs are sources, kept alive).
+* clones never replay side effects: an in-place op writes in place only into the block's own
+  clones (no new allocation) and otherwise becomes its out-of-place form; training-mode batch
+  norms are replayed from the mean and inverse std they saved (one pointwise pass, no reduction,
+  no running-statistics update); random ops are replayed with the generator state they consumed,
+  which a node right before the original snapshots (:mod:`mutwo.ir.replay`), so the generator is
+  left where the original iteration leaves it.
 
 Blocks are planned in the order of their insertion points, so whether a clone is live when a
 later block needs it is known when that block is planned.
@@ -31,7 +34,16 @@ import torch
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, StorageLiveness
-from mutwo.ir.node import Node, Phase, StorageKey, TensorMeta
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.replay import (
+    batch_norm_from_stats,
+    random_device,
+    rng_refusal,
+    rng_state,
+    rng_state_bytes,
+    run_with_rng_state,
+    stats_holders,
+)
 
 
 class NotRecomputable(Exception):
@@ -59,13 +71,15 @@ def _writes_own_output_only(node: Node) -> bool:
     if node.has_undeclared_writes:
         return True  # batch norm: the clone drops the running statistics
     meta = node.tensor
-    return (meta is not None and len(written) == 1 and out_of_place(node.target) is not None
+    return (meta is not None and len(written) == 1
             and any(t is not None and t.storage == meta.storage for t in written[0].tensors))  # fmt: skip
 
 
 def replayable(node: Node) -> bool:
     """Whether a forward node can be cloned into the backward without changing any result."""
-    if node.op != "call_function" or node.phase is not Phase.FORWARD or node.is_random:
+    if node.op != "call_function" or node.phase is not Phase.FORWARD or node.is_collective:
+        return False
+    if node.is_random and rng_refusal(node) is not None:
         return False
     return _writes_own_output_only(node)
 
@@ -91,11 +105,17 @@ class Block:
     redirect: list[int]  #: holders whose readers after the insertion point move to their clones
     sources: list[int]  #: original ids read from outside the block (kept or earlier clones)
     from_clones: dict[int, int] = field(default_factory=dict)  #: source id -> storage creator of its block
+    #: training batch norms replayed from their saved statistics: id -> (mean holder, invstd holder)
+    from_stats: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: in-place ops whose clones write in place too: everything they write is the block's own clone
+    in_place: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"storage": str(self.storage), "insert_before": self.insert_before, "nodes": self.nodes,
                 "redirect": self.redirect, "sources": self.sources,
-                "from_clones": {str(k): v for k, v in self.from_clones.items()}}  # fmt: skip
+                "from_clones": {str(k): v for k, v in self.from_clones.items()},
+                "from_stats": {str(k): list(v) for k, v in self.from_stats.items()},
+                "in_place": self.in_place}  # fmt: skip
 
 
 class Recompute:
@@ -153,15 +173,31 @@ class Recompute:
         to_clone: dict[int, None] = {}
         sources: dict[int, None] = {}
         from_clones: dict[int, int] = {}
+        from_stats: dict[int, tuple[int, int]] = {}
+        in_place: list[int] = []
 
         def clone(node: Node) -> None:
             """Recompute ``node``: replay it from its operands, each kept, reused or recomputed."""
             if not replayable(node):
                 raise NotRecomputable(f"{node!r} ({node.op_name}) is needed but can neither be kept nor replayed")
             node_rank = self.rank[node.id]
-            for operand in node.operands:
+            operands = node.operands
+            stats = self._kept_stats(node, chosen)
+            if stats is not None:
+                from_stats[node.id] = (stats[0].id, stats[1].id)
+                operands = [a for a in node.args[:3] if isinstance(a, Node)] + list(stats)
+            for operand in operands:
                 self._check_unchanged(operand, node_rank)
                 walk(operand)
+            if node.mutated_operands and not node.has_undeclared_writes:
+                # Writing the block's own clone in place allocates nothing; writing anything else
+                # (a kept value, an earlier block's clone) needs the out-of-place form.
+                if all(t.storage.creator in to_clone for w in node.mutated_operands for t in w.tensors
+                       if t is not None):  # fmt: skip
+                    in_place.append(node.id)
+                elif out_of_place(node.target) is None:  # bernoulli_.float has no out-of-place form
+                    raise NotRecomputable(f"{node!r} ({node.op_name}) writes in place into a value the block "
+                                          "would keep, not recompute")  # fmt: skip
             to_clone[node.id] = None
 
         def walk(node: Node) -> None:
@@ -181,13 +217,25 @@ class Recompute:
         for source in sources:
             if source not in from_clones and any(t is not None and t.storage == storage
                                                  for t in self.graph.node(source).tensors):  # fmt: skip
-                # Its producer cannot be replayed (a random op, say dropout): the block would read
+                # Its producer cannot be replayed (a random op with its own generator): the block would read
                 # the very storage it is meant to free, which then stays live and saves nothing.
                 raise NotRecomputable(f"{storage} would be read from its own producer "
                                       f"{self.graph.node(source)!r}, which cannot be replayed")  # fmt: skip
         ordered = sorted(to_clone, key=self.rank.__getitem__)
         return Block(storage, point.id, ordered, [t.id for t in targets], sorted(sources, key=self.rank.__getitem__),
-                     from_clones)  # fmt: skip
+                     from_clones, from_stats, in_place)  # fmt: skip
+
+    def _kept_stats(self, node: Node, chosen: set[StorageKey]) -> tuple[Node, Node] | None:
+        """The saved mean and inverse std of a training batch norm, when the backward keeps both
+        anyway (so replaying from them costs no memory), else None."""
+        holders = stats_holders(node)
+        if holders is None:
+            return None
+        for holder in holders:
+            key = holder.tensors[0].storage
+            if key in chosen or self.liveness.storages[key].first_backward_use is None:
+                return None
+        return holders
 
     def _is_source(self, node: Node, chosen: set[StorageKey], at: int) -> bool:
         if node.op == "placeholder":
@@ -244,12 +292,21 @@ def insert_blocks(graph: Graph, blocks: list[Block], live: dict[int, Node] | Non
     """
     clones_of: dict[int, list[int]] = {}
     live = dict(live or {})  # original id -> clone that later blocks may read
+    snapshots: dict[int, Node] = {}  # random original id -> the generator state it consumed
     for block in blocks:
         point = graph.node(block.insert_before)
         remap: dict[Node, Node] = {graph.node(s): live[s] for s in block.from_clones}
         for node_id in block.nodes:
             original = graph.node(node_id)
-            clone = _clone(graph, original, remap, point)
+            if node_id in block.from_stats:
+                clone = _clone_from_stats(graph, original, [graph.node(h) for h in block.from_stats[node_id]],
+                                          remap, point)  # fmt: skip
+            elif original.is_random:
+                if node_id not in snapshots:
+                    snapshots[node_id] = _snapshot_rng_state(graph, original)
+                clone = _clone_random(graph, original, snapshots[node_id], remap, point)
+            else:
+                clone = _clone(graph, original, remap, point, in_place=node_id in block.in_place)
             remap[original] = clone
             clones_of.setdefault(node_id, []).append(clone.id)
         last = remap[graph.node(block.nodes[-1])]
@@ -284,10 +341,11 @@ def _follow_storage(holder: Node, clone: Node, readers: list[Node]) -> None:
         pending.extend(node.users)
 
 
-def _clone(graph: Graph, original: Node, remap: dict[Node, Node], point: Node) -> Node:
-    """A side-effect-free copy of a forward node, placed before ``point`` in the backward phase."""
+def _clone(graph: Graph, original: Node, remap: dict[Node, Node], point: Node, *, in_place: bool = False) -> Node:
+    """A side-effect-free copy of a forward node, placed before ``point`` in the backward phase;
+    ``in_place``: the original's in-place writes hit clones of the same block, so the copy keeps them."""
     clone = graph.copy_node(original, remap, before=point, phase=Phase.BACKWARD)
-    replacement = out_of_place(original.target) if original.mutated_operands else None
+    replacement = out_of_place(original.target) if original.mutated_operands and not in_place else None
     if original.has_undeclared_writes:
         args = list(clone.args)
         args[3] = args[4] = None  # batch statistics only: running statistics are not updated again
@@ -299,6 +357,40 @@ def _clone(graph: Graph, original: Node, remap: dict[Node, Node], point: Node) -
             None if t is None else replace(t, storage=StorageKey(clone.id, i), storage_bytes=fresh_storage_bytes(t))
             for i, t in enumerate(clone.tensors)
         )
+    return clone
+
+
+def _clone_from_stats(graph: Graph, original: Node, stats: list[Node], remap: dict[Node, Node], point: Node) -> Node:
+    """A training batch norm replayed from its saved mean and inverse std: the one-element tuple
+    :func:`~mutwo.ir.replay.batch_norm_from_stats` returns holds its output 0."""
+    clone = graph.copy_node(original, remap, before=point, phase=Phase.BACKWARD)
+    clone.target = batch_norm_from_stats
+    clone.set_operands(tuple(remap.get(a, a) if isinstance(a, Node) else a for a in original.args[:3]) + tuple(stats),
+                       {})  # fmt: skip
+    clone.tensors = clone.tensors[:1]
+    return clone
+
+
+def _snapshot_rng_state(graph: Graph, original: Node) -> Node:
+    """A forward node right before the random op ``original`` that copies the generator state it
+    is about to consume (a small CPU tensor the clones replay from)."""
+    device = random_device(original)
+    assert device is not None, "replayable random ops have a device (rng_refusal)"
+    size = rng_state_bytes(device)
+    return graph.create_node(
+        "call_function", rng_state, (device,), name=f"{original.name}_rng_state", kind=NodeKind.OTHER,
+        phase=Phase.FORWARD, tensors=(TensorMeta((size,), torch.uint8, "cpu", StorageKey(-1, 0), size),),
+        before=original,
+    )  # fmt: skip
+
+
+def _clone_random(graph: Graph, original: Node, snapshot: Node, remap: dict[Node, Node], point: Node) -> Node:
+    """A random op replayed through ``run_with_rng_state`` with the generator state ``snapshot``
+    holds: the same kernel on the same state draws the same numbers, and the generator is put
+    back afterwards. In-place random ops (``bernoulli_``) write the block's clone of their operand."""
+    clone = graph.copy_node(original, remap, before=point, phase=Phase.BACKWARD)
+    clone.target = run_with_rng_state
+    clone.set_operands((snapshot, original.target) + tuple(clone.args), clone.kwargs)
     return clone
 
 

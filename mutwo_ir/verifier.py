@@ -98,13 +98,19 @@ def check_placeholders_and_output(graph: Graph) -> None:
 
 
 def check_phases(graph: Graph) -> None:
+    """The forward comes first. Optimizer updates may run inside the backward (optimizer-in-backward),
+    but the backward never reads what the optimizer computes."""
     previous = Phase.FORWARD
     for node in graph:
         if node.op == "placeholder" and node.phase is not Phase.FORWARD:
             _fail(graph, "phase-order", node, "placeholders belong to the forward phase")
-        if PHASE_ORDER[node.phase] < PHASE_ORDER[previous]:
-            _fail(graph, "phase-order", node, f"a {node.phase.value} node follows a {previous.value} node")
-        previous = node.phase
+        if node.phase is Phase.FORWARD and previous is not Phase.FORWARD:
+            _fail(graph, "phase-order", node, f"a forward node follows a {previous.value} node")
+        if node.phase is Phase.BACKWARD:
+            for operand in node.operands:
+                if operand.phase is Phase.OPTIMIZER:
+                    _fail(graph, "phase-order", node, f"a backward node reads {operand!r} of the optimizer phase")
+        previous = node.phase if PHASE_ORDER[node.phase] > PHASE_ORDER[previous] else previous
 
 
 def check_kinds(graph: Graph) -> None:
@@ -150,6 +156,28 @@ def check_storages(graph: Graph) -> None:
             if not any(key == t.storage for op in node.operands for t in op.tensors if t is not None):
                 _fail(graph, "alias-storage", node,
                       f"output {index} aliases storage {key} that none of its operands holds")  # fmt: skip
+
+
+def check_collectives(graph: Graph) -> None:
+    """A storage a collective is communicating is read only by its ``wait_tensor``, and every
+    collective is waited for before the iteration ends: reading it earlier reads a half-reduced
+    buffer, and an unwaited collective is still running when the next iteration starts."""
+    in_flight: dict[StorageKey, Node] = {}
+    for node in graph:
+        if node.is_wait:
+            for meta in node.tensors:
+                if meta is not None:
+                    in_flight.pop(meta.storage, None)
+            continue
+        for operand in node.operands:
+            for meta in operand.tensors:
+                if meta is not None and meta.storage in in_flight:
+                    _fail(graph, "collective-wait", node, f"reads storage {meta.storage} while "
+                          f"{in_flight[meta.storage]!r} communicates it; read it after its wait_tensor")  # fmt: skip
+        if node.is_collective:
+            in_flight.update((meta.storage, node) for meta in node.tensors if meta is not None)
+    for key, node in in_flight.items():
+        _fail(graph, "collective-wait", node, f"storage {key} is never waited for; add a wait_tensor on it")
 
 
 def check_origins(graph: Graph) -> None:
@@ -201,6 +229,7 @@ CHECKS: tuple[Callable[[Graph], None], ...] = (
     check_phases,
     check_kinds,
     check_storages,
+    check_collectives,
     check_origins,
     check_swaps,
 )

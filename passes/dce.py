@@ -11,13 +11,15 @@ from mutwo.ir.pass_base import Pass, PassContext
 
 
 def is_removable(node: Node) -> bool:
-    """An unused computed node with no side effect: it writes nothing in place and draws no
-    random numbers (removing a random op would shift every later draw of the generator)."""
+    """An unused computed node with no side effect: it writes nothing in place, draws no random
+    numbers (removing a random op would shift every later draw of the generator) and is no
+    collective (every rank must run the same collectives)."""
     return (
         node.op == "call_function"
         and not node.users
         and not node.mutated_operands
         and not node.is_random
+        and not node.is_collective
         and not _schema_mutates(node)
     )
 
@@ -31,7 +33,8 @@ def _schema_mutates(node: Node) -> bool:
 class DeadCodeEliminationPass(Pass):
     """Erase computed values that nothing uses and that have no side effect.
 
-    In-place updates (parameters, optimizer state, batch-norm statistics) and random ops are kept.
+    In-place updates (parameters, optimizer state, batch-norm statistics), random ops and
+    collectives are kept.
     """
 
     name = "dce"

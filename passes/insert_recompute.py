@@ -15,8 +15,10 @@ class InsertRecomputePass(Pass):
 
     Clones carry ``origin`` (the text IR shows ``clone-of(%id)``, dot dumps draw them red); the
     forward originals lose their backward readers, so the generated code frees them after their
-    last forward use. In-place ops are cloned out of place, batch norms without running
-    statistics; random ops are never replayed.
+    last forward use. In-place ops are cloned out of place (or onto the block's own clone of
+    their operand), training batch norms are replayed from their saved mean and inverse std, and
+    random ops with the generator state they consumed, which a node right before the original
+    copies; the generator ends where the original iteration leaves it.
     """
 
     name = "insert-recompute"

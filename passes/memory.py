@@ -36,7 +36,9 @@ class MemoryPass(Pass):
         peak_node = graph.node(simulation.peak_node)
         persistent = simulation.persistent_bytes / 2**20
         ctx.log(f"memory: simulated peak {simulation.peak_bytes / 2**20:.1f} MiB at %{peak_node.id} "
-                f"({peak_node.op_name}, {simulation.peak_phase}); persistent {persistent:.1f} MiB")
+                f"({peak_node.op_name}, {simulation.peak_phase}); persistent {persistent:.1f} MiB; "
+                f"the peak holds {simulation.attribution()}")
         if simulation.peak_phase == "optimizer":
-            ctx.log("memory: the peak lies in the optimizer step, where recomputing activations cannot lower it")
+            ctx.log("memory: the peak lies in the optimizer step, where recomputing activations cannot lower it; "
+                    "the optimizer passes (optimizer-in-backward, foreach-buckets) can")
         return simulation

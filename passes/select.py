@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, BudgetError, parse_budget
+from mutwo.ir.budget import Budget, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
-from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
+from mutwo.ir.memory import MemorySimulation, allocation_size, describe_breakdown, simulate
+from mutwo.ir.node import Phase
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo.ir.printer import fingerprint
-from mutwo.ir.recompute import NotRecomputable, Recompute, insert_blocks
+from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks
+from mutwo.ir.replay import rng_refusal, rng_state_bytes
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.mu_two import Candidate, GreedyResult, greedy
 
@@ -37,6 +40,9 @@ class Plan:
     added_seconds: float
     entries: list[dict[str, Any]]
     met: bool
+    #: random ops that cannot be replayed, so their outputs stay live: "%id (op): why"
+    refused: list[str] = field(default_factory=list)
+    predicted_breakdown: dict[str, int] = field(default_factory=dict)  #: bytes live at the predicted peak by kind
 
     def keys(self) -> list[tuple[int, int]]:
         return [(e["storage_creator"], e["storage_output"]) for e in self.entries]
@@ -72,17 +78,23 @@ class Plan:
 
 def resolve_budget(option_value: str | None, ctx: PassContext) -> Budget | None:
     if option_value is not None:
-        try:
-            return parse_budget(option_value)
-        except BudgetError as error:
-            raise PassFailure(f"select: {error}") from None
+        return parse_budget(option_value)  # valid: checked when the pass was built
     return ctx.services.get("budget")
 
 
+def replay_seconds(profile: Any, node_id: int, block: Block) -> float:
+    """What cloning ``node_id`` in ``block`` costs: the measured replay of a batch norm that the
+    block replays from its saved statistics, else the node's own measured time."""
+    if node_id in block.from_stats:
+        return profile.replay_seconds(node_id)
+    return profile.seconds(node_id)
+
+
 def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict[int, int]) -> tuple[
-        MemorySimulation, torch.Tensor, dict[int, list[int]]]:  # fmt: skip
-    """Exact simulation of ``graph`` rewritten for ``keys`` (the rewrite applied to a copy), and
-    its curve projected onto the original ranks: a clone counts at the rank it is inserted before."""
+        MemorySimulation, torch.Tensor, list[Block]]:  # fmt: skip
+    """Exact simulation of ``graph`` rewritten for ``keys`` (the rewrite applied to a copy), its
+    curve projected onto the original ranks (a clone counts at the rank it is inserted before),
+    and the blocks of the rewrite."""
     rewritten = graph.copy()
     blocks = Recompute(rewritten, liveness).plan(keys)
     clones = insert_blocks(rewritten, blocks)
@@ -95,24 +107,37 @@ def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict
     projected = torch.zeros(len(liveness.rank), dtype=torch.int64)
     pending = 0  # the highest curve value among clones waiting for the original node they precede
     for node, value in zip(rewritten, simulation.curve, strict=True):
-        if node.origin is not None:
+        if node.origin is not None or node.id not in liveness.rank:  # a clone, or a generator-state snapshot
             pending = max(pending, value)
             continue
         rank = liveness.rank[node.id]
         projected[rank] = max(value, pending)
         pending = 0
-    return simulation, projected, clones
+    return simulation, projected, blocks
+
+
+def refused_random_ops(graph: Graph) -> list[str]:
+    """Forward random ops that recomputation cannot replay, each as "%id (op): why"."""
+    refused = []
+    for node in graph:
+        if node.phase is Phase.FORWARD and node.is_random:
+            why = rng_refusal(node)
+            if why is not None:
+                refused.append(f"%{node.id} ({node.op_name}): {why}")
+    return refused
 
 
 @dataclass(frozen=True)
 class SelectPass(Pass):
     """Choose activations to recompute with μ-TWO's greedy policy until the peak fits the budget.
 
-    Candidates are activations that own storage and whose lineage can be replayed (no random op,
-    no side effect). Each has a recompute ratio = bytes / total recompute time from the profile;
-    the highest ratio among those idle at the current peak is taken, sources, times and counts
-    are updated as in the paper, and the peak is re-simulated incrementally. The final plan is
-    checked by simulating the rewritten graph exactly; that simulation is the predicted peak.
+    Candidates are activations that own storage and whose lineage can be replayed without side
+    effects (random ops with the generator state they consumed, batch norms from their saved
+    statistics, each priced at its measured replay time). Each has a recompute ratio = bytes /
+    total recompute time from the profile; the highest ratio among those idle at the current peak
+    is taken, sources, times and counts are updated as in the paper, and the peak is re-simulated
+    incrementally. The final plan is checked by simulating the rewritten graph exactly; that
+    simulation is the predicted peak.
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
     mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv.
     """
@@ -121,6 +146,11 @@ class SelectPass(Pass):
     requires = ("profile",)
     provides = ("plan",)
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+
+    def __post_init__(self) -> None:
+        # A bad budget is a usage error when the pipeline is built, before anything is captured.
+        if self.budget is not None:
+            parse_budget(self.budget)  # BudgetError is a ValueError: the registry reports it in one line
 
     def run(self, graph: Graph, ctx: PassContext) -> Plan:
         profile = ctx.artifacts["profile"]
@@ -138,8 +168,40 @@ class SelectPass(Pass):
         budget_bytes = budget.resolve(base.peak_bytes)
         recompute = Recompute(graph, liveness)
         candidates = self._candidates(graph, liveness, recompute, profile, base.device)
+        refused = refused_random_ops(graph)
+        if refused:
+            ctx.log(f"select: {len(refused)} random ops cannot be replayed, their outputs stay live: "
+                    + "; ".join(refused))  # fmt: skip
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {base.peak_bytes / MIB:.1f} MiB, "
                 f"budget {budget_bytes / MIB:.1f} MiB ({budget})")  # fmt: skip
+        # The greedy cannot undo a choice: when its first choice made every exact plan worse than
+        # none (a block's transients, which the estimate ignores, sat at the peak), plan again
+        # without that candidate, a few times at most.
+        banned: set[Any] = set()
+        for _retry in range(4):
+            best, first = self._greedy_plan(graph, liveness, workspace, base, budget_bytes,
+                                            [copy.deepcopy(c) for c in candidates if c.key not in banned])  # fmt: skip
+            if best[0].peak_bytes < base.peak_bytes or first is None:
+                break
+            banned.add(first)
+        exact, chosen, blocks = best
+        plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, blocks, profile)
+        plan.refused = refused
+        ctx.artifacts["plan"] = plan
+        ctx.save_json("plan.json", plan.to_json())
+        if ctx.out_dir is not None:
+            write_atomic(ctx.out_dir / "plan.csv", plan.csv())
+        ctx.log("select:\n" + plan.table())
+        if not plan.met:
+            raise PassFailure(self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts))
+        return plan
+
+    def _greedy_plan(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], base: MemorySimulation,
+                     budget_bytes: int, candidates: list[Candidate]) -> tuple[
+            tuple[MemorySimulation, list[Candidate], list[Block]], Any]:  # fmt: skip
+        """μ-TWO's greedy towards ``budget_bytes``, then towards the lowest peak if that is out of
+        reach: the best exactly simulated plan (simulation, choices, blocks), and the key of the
+        first choice made (None if none)."""
         curve = torch.tensor(base.curve, dtype=torch.int64)
         sizes = {c.key: c.memory for c in candidates}
 
@@ -152,7 +214,7 @@ class SelectPass(Pass):
         remaining = list(candidates)
         # The best exactly simulated plan so far: a later choice can raise the exact peak (its
         # block's clones are live at once), and then the plan falls back to this one.
-        best: tuple[MemorySimulation, list[Candidate], dict[int, list[int]]] = (base, [], {})
+        best: tuple[MemorySimulation, list[Candidate], list[Block]] = (base, [], [])
         # Met, or unreachable: then go on to the lowest reachable peak, which the failure reports.
         # Towards a budget, the estimate leads and exact checks correct it; towards the lowest
         # peak (target 0), an exact check every few choices finds where more recomputation
@@ -164,24 +226,15 @@ class SelectPass(Pass):
                 grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state,
                               None if target else chunk)  # fmt: skip
                 if grew:
-                    exact, projected, clones = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
+                    exact, projected, blocks = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
                     curve.copy_(projected)
                     if exact.peak_bytes < best[0].peak_bytes:
-                        best = (exact, list(state.chosen), clones)
+                        best = (exact, list(state.chosen), blocks)
                 if best[0].peak_bytes <= target or not grew:
                     break
             if best[0].peak_bytes <= budget_bytes:
                 break
-        exact, chosen, clones = best
-        plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, clones, profile)
-        ctx.artifacts["plan"] = plan
-        ctx.save_json("plan.json", plan.to_json())
-        if ctx.out_dir is not None:
-            write_atomic(ctx.out_dir / "plan.csv", plan.csv())
-        ctx.log("select:\n" + plan.table())
-        if not plan.met:
-            raise PassFailure(self._unreachable(graph, plan, base, budget))
-        return plan
+        return best, state.chosen[0].key if state.chosen else None
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
                     device: str) -> list[Candidate]:  # fmt: skip
@@ -198,16 +251,23 @@ class SelectPass(Pass):
             end = record.first_backward_use
             assert end is not None
             sources = {t.storage for s in block.sources for t in graph.node(s).tensors if t is not None}
+            # A replayed random op keeps its generator state from the forward on: on the CPU that
+            # state (5 KiB) is memory of the same device, and can outweigh a small activation.
+            memory = allocation_size(record.bytes, device) - sum(
+                allocation_size(rng_state_bytes(device), device) for n in block.nodes
+                if device == "cpu" and graph.node(n).is_random)  # fmt: skip
+            if memory <= 0:
+                continue
             candidates.append(Candidate(
-                key=record.key, memory=allocation_size(record.bytes, device), sources=sources,
-                recompute_time=sum(profile.seconds(n) for n in block.nodes), inactive_start=start,
+                key=record.key, memory=memory, sources=sources,
+                recompute_time=sum(replay_seconds(profile, n, block) for n in block.nodes), inactive_start=start,
                 first_backward_use=end, last_backward_use=record.last_backward_use or end,
                 inactive_time=idle_seconds(record, elapsed),
             ))  # fmt: skip
         return candidates
 
     def _plan(self, graph: Graph, budget: Budget, budget_bytes: int, base: MemorySimulation,
-              exact: MemorySimulation, chosen: list[Candidate], clones: dict[int, list[int]], profile: Any) -> Plan:
+              exact: MemorySimulation, chosen: list[Candidate], blocks: list[Block], profile: Any) -> Plan:
         entries = []
         for candidate in chosen:
             creator = graph.node(candidate.key.creator)
@@ -219,19 +279,27 @@ class SelectPass(Pass):
                 "ratio": candidate.ratio, "inactive_ranks": candidate.first_backward_use - candidate.inactive_start,
                 "sources": sorted(k.creator for k in candidate.sources),
             })  # fmt: skip
-        added = sum(profile.seconds(origin) * len(copies) for origin, copies in clones.items())
+        added = sum(replay_seconds(profile, n, block) for block in blocks for n in block.nodes)
         iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
-                    exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum)
+                    exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum,
+                    dict(exact.breakdown))
 
-    def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget) -> str:
+    def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget,
+                     optimizer_passes_ran: bool) -> str:  # fmt: skip
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
+            if not optimizer_passes_ran:
+                why += "; the optimizer passes can: --passes profile,optimizer,select,rewrite"
         else:
             why = "no remaining activation that is idle at that point can be recomputed"
+            if plan.refused:
+                why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
+                why += ", ...)" if len(plan.refused) > 1 else ")"
         return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
                 f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({100 * plan.predicted_peak / base.peak_bytes:.0f}% "
-                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}; {why}")
+                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}, holding "
+                f"{describe_breakdown(plan.predicted_breakdown)}; {why}")

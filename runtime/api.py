@@ -31,13 +31,15 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineResult
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
+from mutwo.runtime import distributed
 from mutwo.runtime.capture import CapturedStep, LossFn, StepBinding, capture
+from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
 from mutwo.runtime.transfer import measure_transfers
 
-DEFAULT_PASSES = "profile,select,rewrite"
+DEFAULT_PASSES = "profile,optimizer,select,rewrite"
 
 
 class NotEquivalentError(RuntimeError):
@@ -77,25 +79,38 @@ class CapturedGraph:
 
 
 def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                  loss_fn: LossFn) -> CapturedGraph:  # fmt: skip
-    """Capture one iteration (model, optimizer and batch already on their device) into verified IR."""
-    captured, binding = capture(model, optimizer, batch, loss_fn)
+                  loss_fn: LossFn, data_parallel: DataParallel | None = None) -> CapturedGraph:  # fmt: skip
+    """Capture one iteration (model, optimizer and batch already on their device) into verified IR;
+    with ``data_parallel``, gradients are averaged across its ranks, which must all capture it."""
+    captured, binding = capture(model, optimizer, batch, loss_fn, data_parallel)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
     verify(graph)
+    if data_parallel is not None:
+        distributed.require_same_graph(graph, data_parallel, "captured")
     return CapturedGraph(graph, captured, binding, binding.flat_inputs(batch) + list(captured.constants.values()))
 
 
 def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path | None = None,
-                 log: Callable[[str], None] = lambda message: None) -> PassContext:  # fmt: skip
-    """The context passes run in: the budget, and the runtime's profiler and device memory as services."""
+                 log: Callable[[str], None] = lambda message: None,
+                 keep_grads: bool = False) -> PassContext:  # fmt: skip
+    """The context passes run in: the budget, whether the caller reads the gradients (then
+    optimizer-in-backward keeps them), and the runtime's profiler and device memory as services."""
     device = lowered.device
     context = PassContext(out_dir=out_dir, device=str(device), log=log)
     context.services["budget"] = budget
+    context.services["keep_grads"] = keep_grads
     context.services["profiler"] = lambda g, runs, warmup: profile_graph(g, lowered.inputs, runs=runs,
                                                                          warmup=warmup, progress=log)  # fmt: skip
     context.services["transfer"] = lambda: measure_transfers(device)
     if device.type == "cuda":
         context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
+    dp = lowered.binding.data_parallel
+    if dp is not None:  # every rank plans from the same numbers, so every rank makes the same plan
+        profiler = context.services["profiler"]
+        context.services["profiler"] = lambda g, runs, warmup: distributed.agreed_profile(profiler(g, runs, warmup),
+                                                                                          dp)  # fmt: skip
+        if "device_memory" in context.services:
+            context.services["device_memory"] = distributed.smallest(context.services["device_memory"], dp)
     return context
 
 
@@ -109,21 +124,28 @@ def optimize_graph(
     budget: Budget | None = None,
     out_dir: Path | None = None,
     check: bool = False,
+    keep_grads: bool = False,
     log: Callable[[str], None] = lambda message: None,
+    data_parallel: DataParallel | None = None,
 ) -> Optimized:
     """Capture the iteration, lower it, and run ``passes`` over it, as ``mutwo-opt`` does.
 
     With ``check``, the optimized graph is compared with the captured one for 3 iterations from
-    cloned state (bitwise on CPU; with deterministic kernels on CUDA).
+    cloned state (bitwise on CPU; with deterministic kernels on CUDA). With ``data_parallel``,
+    every rank of its group must call this together; they end with the same graph or all fail.
     """
     pipeline = PassRegistry().build_pipeline(passes)
-    lowered = capture_graph(model, optimizer, batch, loss_fn)
+    lowered = capture_graph(model, optimizer, batch, loss_fn, data_parallel)
     original = lowered.graph.copy()
-    context = pass_context(lowered, budget, out_dir=out_dir, log=log)
+    context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
     result = PassManager(pipeline).run(lowered.graph, context)
     optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
+    if data_parallel is not None:
+        distributed.require_same_graph(lowered.graph, data_parallel, "optimized")
     if check:
         optimized.report = check_graphs(original, lowered.graph, lowered.inputs)
+        if data_parallel is not None:
+            optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
     return optimized
 
 
@@ -161,6 +183,8 @@ class MutwoStep:
         return step
 
     def __call__(self, batch: Any) -> torch.Tensor:
+        if self.options.get("data_parallel") is not None:
+            self.options["data_parallel"].require_sync()
         output = self.prepare(batch)(batch)
         # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -183,6 +207,8 @@ def optimize(
     keep_grads: bool = False,
     out_dir: str | Path | None = None,
     verbose: bool = False,
+    data_parallel: bool | None = None,
+    bucket_cap_mb: float | None = None,
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -191,12 +217,26 @@ def optimize(
     ``check``: compare the optimized step with the captured one before first use and raise
     :class:`NotEquivalentError` on any difference. The model, optimizer state and batches must
     be on the device to train on. ``example_batch`` is captured right away.
+
+    Data parallel: a ``DistributedDataParallel`` model is unwrapped and its gradients are averaged
+    as DDP would (its process group, buckets and buffer broadcast); a plain model is, when a
+    process group of several ranks is initialised (``data_parallel=None``; ``True`` requires one,
+    ``False`` turns it off), after rank 0's parameters and buffers are broadcast to every rank as
+    DDP's constructor does. ``bucket_cap_mb`` is DDP's (default: a 1 MiB first bucket, then 25
+    MiB). Every rank must call this, and every step, together, with batches (its shard) of the
+    same shape; rank 0 alone writes to ``out_dir`` and logs.
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
-    log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
-    options = {"passes": passes, "budget": budget, "check": check,
-               "out_dir": Path(out_dir) if out_dir is not None else None}  # fmt: skip
+    wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    model, dp = distributed.data_parallel_for(model, data_parallel, bucket_cap_mb)
+    if dp is not None and not wrapped:
+        distributed.broadcast_model(model, dp)
+    lead = dp is None or dp.rank == 0
+    log = (lambda message: print(message, file=sys.stderr)) if verbose and lead else (lambda message: None)
+    options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
+               "data_parallel": dp,
+               "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)
     return step

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
@@ -30,7 +30,20 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.from_fx import PHASE_META
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime import optim as functional_optim
-from mutwo.runtime.tracing import CaptureError, compiler_tracing, explain_capture_failure
+from mutwo.runtime.collectives import GradientBuckets, broadcast_coalesced
+from mutwo.runtime.input_aliasing import refuse_written_aliases, separate_aliases
+from mutwo.runtime.rnn import run_rnn_layers_in_training_mode
+from mutwo.runtime.tracing import (
+    CaptureError,
+    compiler_tracing,
+    debug_enabled,
+    explain_capture_failure,
+    forbid_value_dependent_shapes,
+    quiet_torch_errors,
+)
+
+if TYPE_CHECKING:
+    from mutwo.runtime.distributed import DataParallel
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -77,9 +90,12 @@ class StepBinding:
     group_of: dict[str, int]  #: trainable parameter name -> index of its param group
     foreach_layout: list[list[str]] = field(default_factory=list)  #: buckets of the multi-tensor update
     checked_steps: list[int] = field(default_factory=list)  #: ids of the step tensors last checked
+    data_parallel: DataParallel | None = None  #: how gradients are averaged across ranks, if they are
+    gradient_buckets: list[list[str]] = field(default_factory=list)  #: the all-reduce buckets, in issue order
 
     @classmethod
-    def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> StepBinding:
+    def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+             data_parallel: DataParallel | None = None) -> StepBinding:  # fmt: skip
         spec = functional_optim.describe(optimizer)
         params = dict(model.named_parameters())
         name_of = {id(p): name for name, p in params.items()}
@@ -95,7 +111,7 @@ class StepBinding:
                     trainable.append(name)
                     group_of[name] = index
         return cls(model, optimizer, loss_fn, spec, list(params), [n for n, _ in model.named_buffers()],
-                   trainable, group_of)  # fmt: skip
+                   trainable, group_of, data_parallel=data_parallel)  # fmt: skip
 
     # -- the flat input list ---------------------------------------------------------------
     def state_names(self, name: str) -> tuple[str, ...]:
@@ -190,6 +206,7 @@ class StepBinding:
         in_buckets = {name for bucket in buckets for name in bucket}
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            forbid_value_dependent_shapes()
             params = dict(zip(self.param_names, flat[:n_params], strict=True))
             buffers = dict(zip(self.buffer_names, flat[n_params:n_params + n_buffers], strict=True))
             cursor = n_params + n_buffers
@@ -204,6 +221,7 @@ class StepBinding:
                 batch_leaves[position] = tensor
             traced_batch = pytree.tree_unflatten(batch_leaves, batch_spec)
 
+            averaging = self._begin_data_parallel(params, buffers)
             with torch.enable_grad():
                 output = _call_model(self.model, params, buffers, traced_batch)
                 loss = self.loss_fn(output, traced_batch)
@@ -211,6 +229,9 @@ class StepBinding:
             _end_phase(Phase.FORWARD)
             wanted = [params[n] for n in self.trainable]
             grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            if averaging is not None:  # gradients final: their average over the ranks replaces them
+                grads = averaging.averaged(self.trainable, grads)
+                self.gradient_buckets = averaging.layout
             _end_phase(Phase.BACKWARD)
             with torch.no_grad():
                 grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
@@ -234,6 +255,20 @@ class StepBinding:
             return outputs
 
         return step
+
+    def _begin_data_parallel(self, params: dict[str, torch.Tensor],
+                             buffers: dict[str, torch.Tensor]) -> GradientBuckets | None:  # fmt: skip
+        """Data parallel: trace rank 0's buffers into every rank's, and hook the trainable
+        parameters so that their gradients are bucketed and all-reduced as they become final."""
+        dp = self.data_parallel
+        if dp is None:
+            return None
+        if dp.sync_buffers:
+            broadcast_coalesced([b for n, b in buffers.items() if n not in dp.ignored], dp.group_name)
+        buckets = GradientBuckets(dp.group_name, dp.world_size, dp.bucket_limits,
+                                  [n for n in self.trainable if n not in dp.ignored])  # fmt: skip
+        buckets.watch(params)
+        return buckets
 
 
 def learning_rate(group: dict[str, Any]) -> torch.Tensor:
@@ -284,29 +319,34 @@ def _training_mode_kept(model: torch.nn.Module) -> Iterator[None]:
             module.train(training)
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn) -> tuple[
-        CapturedStep, StepBinding]:  # fmt: skip
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
+            data_parallel: DataParallel | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
     Missing optimizer state is created as torch.optim's first step would create it. Raises
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
-    data-dependent control flow) when the iteration cannot be traced.
+    data-dependent control flow) when the iteration cannot be traced. With ``data_parallel``, the
+    graph also averages the gradients across ranks (:mod:`mutwo.runtime.collectives`).
     """
-    binding = StepBinding.bind(model, optimizer, loss_fn)
+    binding = StepBinding.bind(model, optimizer, loss_fn, data_parallel)
     if not binding.trainable:
         raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
     functional_optim.init_state(optimizer, binding.spec)
     gradient_labels: list[str] = []
-    inputs = binding.trace_inputs(batch)
+    slots = binding.slots(batch)
+    n_batch = sum(1 for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor))
+    inputs, aliases = separate_aliases(binding.trace_inputs(batch), len(slots) - n_batch)
     try:
-        with compiler_tracing(), _training_mode_kept(model):
+        with compiler_tracing(), quiet_torch_errors(), _training_mode_kept(model):
             graph_module = make_fx(binding.step_function(batch, gradient_labels), tracing_mode="fake",
                                    _allow_non_fake_inputs=True)(*inputs)  # fmt: skip
     except CaptureError:
         raise
     except Exception as error:  # every tracing failure becomes one readable sentence
-        raise explain_capture_failure(error) from error
-    slots = binding.slots(batch)
+        # torch's traceback says nothing to the user once explained; MUTWO_DEBUG=1 keeps it as the cause.
+        raise explain_capture_failure(error) from (error if debug_enabled() else None)
+    refuse_written_aliases(graph_module.graph, aliases, [s.label for s in slots])
+    run_rnn_layers_in_training_mode(graph_module.graph)
     constants = _lift_constants(graph_module, slots)
     _, batch_spec = pytree.tree_flatten(batch)
     return CapturedStep(graph_module, slots, gradient_labels, batch_spec, constants), binding
@@ -317,18 +357,19 @@ def _lift_constants(graph_module: fx.GraphModule, slots: list[InputSlot]) -> dic
     trailing placeholders, so the graph's only inputs are placeholders."""
     graph = graph_module.graph
     constants: dict[str, torch.Tensor] = {}
+    placeholders: dict[str, fx.Node] = {}  # one placeholder per constant, however many nodes read it
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for node in [n for n in graph.nodes if n.op == "get_attr"]:
-        value = getattr(graph_module, node.target)
-        with graph.inserting_after(last_placeholder):
-            placeholder = graph.placeholder(f"constant_{node.target}")
-        placeholder.meta.update(node.meta)
-        placeholder.meta[PHASE_META] = Phase.FORWARD
-        node.replace_all_uses_with(placeholder)
+        if node.target not in placeholders:
+            with graph.inserting_after(last_placeholder):
+                placeholder = graph.placeholder(f"constant_{node.target}")
+            placeholder.meta.update(node.meta)
+            placeholder.meta[PHASE_META] = Phase.FORWARD
+            placeholders[node.target] = last_placeholder = placeholder
+            label = f"constant:{node.target}"
+            constants[label] = getattr(graph_module, node.target)
+            slots.append(InputSlot(NodeKind.INPUT, label))
+        node.replace_all_uses_with(placeholders[node.target])
         graph.erase_node(node)
-        last_placeholder = placeholder
-        label = f"constant:{node.target}"
-        constants[label] = value
-        slots.append(InputSlot(NodeKind.INPUT, label))
     graph_module.recompile()
     return constants

@@ -3,7 +3,7 @@
 Both graphs run from identical copies of the whole state (parameters, buffers, optimizer state,
 learning rates, batch) and the same random seed, for several consecutive iterations, with the
 learning rate changed between iterations as a scheduler would. After each iteration the loss,
-every gradient, and every parameter, buffer and optimizer state tensor (all updated in place by
+every gradient both graphs return, and every parameter, buffer and optimizer state tensor (all updated in place by
 the graph) are compared: bitwise on CPU, within stated tolerances on CUDA.
 """
 
@@ -19,7 +19,9 @@ from torch import fx
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
+from mutwo.ir.replay import batch_norm_from_stats, exact_on
 from mutwo.ir.to_fx import to_fx
+from mutwo.runtime.profiler import device_of
 
 #: Tolerances on CUDA, where kernels (cuDNN convolution algorithms, atomics in reductions) may
 #: differ from run to run unless deterministic algorithms are on.
@@ -47,6 +49,8 @@ class EquivalenceReport:
     bitwise: bool
     mismatches: list[Mismatch] = field(default_factory=list)
     compared: int = 0  #: number of tensors compared over all iterations
+    #: gradients the candidate no longer returns: they are checked through what their updates wrote
+    gradients_not_returned: int = 0
 
     @property
     def equivalent(self) -> bool:
@@ -55,7 +59,9 @@ class EquivalenceReport:
     def summary(self) -> str:
         mode = "bitwise" if self.bitwise else f"rtol={CUDA_RTOL}, atol={CUDA_ATOL}"
         if self.equivalent:
-            return f"equivalent over {self.iterations} iterations ({self.compared} tensors compared, {mode})"
+            dropped = (f"; {self.gradients_not_returned} gradients are not returned and were compared through the "
+                       "parameters and state their updates wrote") if self.gradients_not_returned else ""
+            return f"equivalent over {self.iterations} iterations ({self.compared} tensors compared, {mode}{dropped})"
         head = f"NOT equivalent ({len(self.mismatches)} mismatches, {mode}); first: {self.mismatches[0]}"
         return head
 
@@ -79,6 +85,19 @@ def deterministic_algorithms() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(previous[0])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[1], previous[2]
+
+
+def generator_states(device: torch.device) -> list[torch.Tensor]:
+    """The default generators' states: the CPU's, and the GPU's when ``device`` is one."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def replays_exact(graph: Graph, device: str) -> bool:
+    """Whether every replay in ``graph`` reproduces its original bit for bit on ``device``."""
+    return exact_on(device) or not any(n.target is batch_norm_from_stats for n in graph)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool) -> bool:
@@ -105,39 +124,53 @@ def compare_graphs(
     bitwise: bool | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> EquivalenceReport:
-    """Run both graphs from clones of ``inputs`` (in slot order) and compare everything.
+    """Run both graphs from clones of ``inputs`` (in slot order) and compare everything: loss,
+    gradients, every state slot, and the random generators' state after each iteration (the next
+    iteration's random numbers).
 
     The graphs must have the same placeholders (labels and kinds) and output structure.
-    ``bitwise`` defaults to True on CPU and to whether deterministic algorithms are on elsewhere.
+    ``bitwise`` defaults to True on CPU, and elsewhere to whether deterministic algorithms are on
+    and every replay in ``candidate`` is exact on that device (batch norms replayed from their
+    statistics are not on CUDA: :func:`mutwo.ir.replay.exact_on`).
     """
     ref_slots = [(p.kind, p.label) for p in reference.placeholders]
     if ref_slots != [(p.kind, p.label) for p in candidate.placeholders]:
         raise ValueError("the two graphs do not take the same inputs; they are not versions of one iteration")
-    on_cpu = all(t.device.type == "cpu" for t in inputs)
+    device = device_of(inputs)
     if bitwise is None:
-        bitwise = on_cpu or torch.are_deterministic_algorithms_enabled()
+        bitwise = device.type == "cpu" or (torch.are_deterministic_algorithms_enabled()
+                                           and replays_exact(candidate, str(device)))  # fmt: skip
     report = EquivalenceReport(iterations, bitwise)
     modules: list[fx.GraphModule] = [to_fx(reference), to_fx(candidate)]
     states = [[t.clone() for t in inputs], [t.clone() for t in inputs]]
     lr_slots = [i for i, (kind, label) in enumerate(ref_slots) if kind is NodeKind.OTHER and label.startswith("lr:")]
     base_lrs = {i: inputs[i].clone() for i in lr_slots}
-    grad_labels = [n.label for n in reference.output.args[0][1:]]
+    # A pass may stop returning gradients (optimizer-in-backward frees each after its update):
+    # compare those both return; the parameters and optimizer state carry the others' effect.
+    grad_labels = [[n.label for n in graph.output.args[0][1:]] for graph in (reference, candidate)]
+    compared_grads = [label for label in grad_labels[0] if label in set(grad_labels[1])]
+    report.gradients_not_returned = len(grad_labels[0]) - len(compared_grads)
     for iteration in range(iterations):
         outputs = []
+        generators: list[list[torch.Tensor]] = []
         for module, state in zip(modules, states, strict=True):
             for i in lr_slots:
                 state[i] = base_lrs[i] * LR_SCHEDULE[iteration % len(LR_SCHEDULE)]
             torch.manual_seed(seed + iteration)
             with torch.no_grad():
                 outputs.append(module(*state))
+            generators.append(generator_states(device))
         pairs = [("loss", "loss", outputs[0][0], outputs[1][0])]
-        pairs += [("gradient", label, a, b) for label, a, b in zip(grad_labels, outputs[0][1:], outputs[1][1:],
-                                                                   strict=True)]  # fmt: skip
+        returned = [dict(zip(labels, output[1:], strict=True)) for labels, output in zip(grad_labels, outputs,
+                                                                                           strict=True)]  # fmt: skip
+        pairs += [("gradient", label, returned[0][label], returned[1][label]) for label in compared_grads]
         pairs += [(kind.value, label, a, b) for (kind, label), a, b in zip(ref_slots, states[0], states[1], strict=True)
                   if kind is not NodeKind.OTHER]  # fmt: skip
+        names = ["cpu", str(device)][:len(generators[0])]
+        pairs += [("random generator", name, a, b) for name, a, b in zip(names, *generators, strict=True)]
         for what, label, a, b in pairs:
             report.compared += 1
-            if not _same(a, b, bitwise):
+            if not _same(a, b, bitwise or what == "random generator"):
                 report.mismatches.append(Mismatch(iteration, what, label, _max_diff(a, b)))
         if progress is not None:
             progress(iteration)

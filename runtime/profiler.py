@@ -24,6 +24,7 @@ from torch import fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import allocation_size
 from mutwo.ir.printer import fingerprint
+from mutwo.ir.replay import batch_norm_from_stats, training_batch_norm_stats
 from mutwo.ir.to_fx import NODE_ID_META, to_fx
 
 
@@ -36,6 +37,8 @@ class NodeProfile:
     allocated_after: int | None = None
     peak: int | None = None
     workspace: int = 0
+    #: a training batch norm's replay from its saved statistics (what a recompute clone of it costs)
+    replay_seconds: float | None = None
 
 
 @dataclass
@@ -59,6 +62,14 @@ class Profile:
     def seconds(self, node_id: int) -> float:
         profile = self.nodes.get(node_id)
         return profile.seconds if profile is not None else 0.0
+
+    def replay_seconds(self, node_id: int) -> float:
+        """What a clone replaying the node costs: its measured replay where the profiler timed
+        one (batch norms replayed from their statistics), else the node's own time."""
+        profile = self.nodes.get(node_id)
+        if profile is None:
+            return 0.0
+        return profile.replay_seconds if profile.replay_seconds is not None else profile.seconds
 
     def workspace(self) -> dict[int, int]:
         return {node_id: p.workspace for node_id, p in self.nodes.items() if p.workspace}
@@ -97,10 +108,20 @@ def device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
 
 
 class _TimingInterpreter(fx.Interpreter):
-    def __init__(self, module: fx.GraphModule, cuda: bool) -> None:
+    def __init__(self, module: fx.GraphModule, cuda: bool, graph: Graph) -> None:
         super().__init__(module, garbage_collect_values=True)
         self.cuda = cuda
+        self.ir = graph
         self.records: list[tuple[int, Any, Any, int | None, int | None, int | None]] = []
+        self.replays: list[tuple[int, Any, Any]] = []
+
+    def _mark(self) -> Any:
+        """A point in time: a recorded CUDA event (no synchronisation), or the wall clock on CPU."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):
@@ -109,17 +130,28 @@ class _TimingInterpreter(fx.Interpreter):
         if self.cuda:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = self._mark()
             result = super().run_node(n)
-            end.record()
+            end = self._mark()
             self.records.append((node_id, start, end, before, torch.cuda.memory_allocated(),
                                  torch.cuda.max_memory_allocated()))  # fmt: skip
         else:
-            start_time = time.perf_counter()
+            start = self._mark()
             result = super().run_node(n)
-            self.records.append((node_id, start_time, time.perf_counter(), None, None, None))
+            self.records.append((node_id, start, self._mark(), None, None, None))
+        stats = training_batch_norm_stats(self.ir.node(node_id))
+        if stats is not None:
+            self._time_replay(node_id, n, result, stats)
         return result
+
+    def _time_replay(self, node_id: int, n: fx.Node, result: Any, stats: tuple[int, int]) -> None:
+        """Time the batch norm's replay from the statistics it just saved (after its own record,
+        so its memory figures stay the node's own)."""
+        operands = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:3]]
+        start = self._mark()
+        batch_norm_from_stats(*operands, result[stats[0]], result[stats[1]])
+        end = self._mark()
+        self.replays.append((node_id, start, end))
 
 
 def profile_graph(
@@ -139,9 +171,10 @@ def profile_graph(
     cuda = device.type == "cuda"
     state = [t.clone() for t in inputs]
     samples: dict[int, list[float]] = {}
+    replay_samples: dict[int, list[float]] = {}
     memory: dict[int, tuple[int, int, int]] = {}
     for run in range(warmup + runs):
-        interpreter = _TimingInterpreter(module, cuda)
+        interpreter = _TimingInterpreter(module, cuda, graph)
         with torch.no_grad():
             interpreter.run(*state)
         if cuda:
@@ -151,13 +184,16 @@ def profile_graph(
         if run < warmup:
             continue
         for node_id, start, end, before, after, peak in interpreter.records:
-            seconds = start.elapsed_time(end) / 1e3 if cuda else end - start
-            samples.setdefault(node_id, []).append(seconds)
+            samples.setdefault(node_id, []).append(_elapsed(start, end, cuda))
             if cuda:
                 memory[node_id] = (before, after, peak)
+        for node_id, start, end in interpreter.replays:
+            replay_samples.setdefault(node_id, []).append(_elapsed(start, end, cuda))
     nodes: dict[int, NodeProfile] = {}
     for node_id, values in samples.items():
         profile = NodeProfile(statistics.median(values))
+        if node_id in replay_samples:
+            profile.replay_seconds = statistics.median(replay_samples[node_id])
         if node_id in memory:
             before, after, peak = memory[node_id]
             profile.allocated_before, profile.allocated_after, profile.peak = before, after, peak
@@ -169,6 +205,11 @@ def profile_graph(
     iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs and cuda else None
     return Profile(str(device), fingerprint(graph), nodes, runs, iteration,
                    meta={"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None})
+
+
+def _elapsed(start: Any, end: Any, cuda: bool) -> float:
+    """Seconds between two CUDA events or two ``perf_counter`` readings."""
+    return start.elapsed_time(end) / 1e3 if cuda else end - start
 
 
 def measure_iterations(module: fx.GraphModule, inputs: list[torch.Tensor], *, runs: int = 10,

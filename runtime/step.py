@@ -21,7 +21,8 @@ class BatchMismatchError(ValueError):
 
 @dataclass
 class StepOutput:
-    """What one iteration returns: the loss and each trained parameter's gradient."""
+    """What one iteration returns: the loss and the gradients the graph still returns, by parameter
+    (all of them as captured; none after optimizer-in-backward, unless it was asked to keep them)."""
 
     loss: torch.Tensor
     gradients: dict[str, torch.Tensor]
@@ -42,6 +43,9 @@ class GraphStep:
         self.graph_module: fx.GraphModule = to_fx(graph)
         self._batch_metas = [p.tensor for p in graph.placeholders if p.kind is NodeKind.INPUT
                              and p.label.startswith("batch")]  # fmt: skip
+        # The graph returns (loss, *gradients); a pass may have stopped returning some gradients
+        # (optimizer-in-backward frees them after their update): the output says which remain.
+        self.gradient_labels = [node.label for node in graph.output.args[0][1:]]
 
     def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
         self.check_batch(batch)
@@ -70,4 +74,4 @@ class GraphStep:
         """Run on explicit inputs (in slot order); the backward is in the graph, so no autograd."""
         with torch.no_grad():
             loss, *grads = self.graph_module(*flat)
-        return StepOutput(loss, dict(zip(self.captured.gradient_labels, grads, strict=True)))
+        return StepOutput(loss, dict(zip(self.gradient_labels, grads, strict=True)))

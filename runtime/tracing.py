@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import linecache
+import logging
 import os
 import traceback
 from collections.abc import Iterator
@@ -12,14 +14,20 @@ from collections.abc import Iterator
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-# mutwo's own sub-packages, wherever they are installed (the source folders in an editable install,
-# site-packages/mutwo/... from a wheel): frames there are never the user's.
+# mutwo's capturing machinery, wherever it is installed (the source folders in an editable install,
+# site-packages/mutwo/... from a wheel): frames there are never the user's. mutwo.tools is not in
+# it: the models it builds (the zoo's, the config wrappers) are model code whose line is worth naming.
 _OWN_DIRS = tuple(os.path.dirname(importlib.util.find_spec(f"mutwo.{name}").origin) + os.sep  # type: ignore[union-attr,arg-type]
-                  for name in ("ir", "passes", "runtime", "tools"))  # fmt: skip
+                  for name in ("ir", "passes", "runtime"))  # fmt: skip
 
 
 class CaptureError(RuntimeError):
     """Tracing the training iteration failed; the message is one sentence for the user."""
+
+
+def debug_enabled() -> bool:
+    """Whether ``MUTWO_DEBUG=1`` (or ``mutwo-opt --debug``) asks for the tracebacks behind errors."""
+    return os.environ.get("MUTWO_DEBUG", "") not in ("", "0")
 
 
 @contextlib.contextmanager
@@ -38,6 +46,30 @@ def compiler_tracing() -> Iterator[None]:
         yield
     finally:
         torch.compiler.is_compiling = original  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def quiet_torch_errors() -> Iterator[None]:
+    """Keep torch's fake-tensor logger from printing a traceback when an op's meta function fails
+    while tracing: the failure reaches mutwo, which explains it in one sentence (``MUTWO_DEBUG=1``
+    keeps torch's log)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    if not debug_enabled():
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def forbid_value_dependent_shapes() -> None:
+    """Inside a fake-tensor trace: make ops whose output shape depends on tensor values (``nonzero``,
+    boolean-mask indexing, ``unique``) fail where the model calls them, instead of giving the graph
+    symbolic sizes that every later step (lowering, memory accounting) would trip over."""
+    shape_env = getattr(torch._guards.detect_fake_mode(), "shape_env", None)
+    if shape_env is not None and hasattr(shape_env, "settings"):
+        shape_env.settings = dataclasses.replace(shape_env.settings, allow_dynamic_output_shape_ops=False)
 
 
 def _data_dependent_errors() -> tuple[type[BaseException], ...]:
@@ -66,7 +98,15 @@ def user_frame(error: BaseException) -> str:
 
 def explain_capture_failure(error: BaseException) -> CaptureError:
     """Turn an exception raised while tracing into one clear sentence."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
     where = user_frame(error)
+    if isinstance(error, DynamicOutputShapeException):
+        return CaptureError(
+            f"the model's forward makes a tensor whose shape depends on tensor values ({error.func}), which a "
+            f"graph of fixed shapes cannot capture: {where}; keep shapes fixed (multiply by the mask, torch.where) "
+            "or move it out of the training step"
+        )
     if is_data_dependent(error):
         return CaptureError(
             "the model's forward has data-dependent control flow (it reads a tensor's value in "
@@ -74,4 +114,11 @@ def explain_capture_failure(error: BaseException) -> CaptureError:
             "(torch.where) or move it out of the training step"
         )
     first_line = (str(error).strip().splitlines() or [""])[0]
+    if "Cannot access data pointer of Tensor" in first_line:
+        # cuDNN's recurrent layers (nn.LSTM/GRU/RNN on CUDA) pack their weights through raw pointers.
+        return CaptureError(
+            f"capturing the training step failed at {where}: a kernel there reads raw data pointers, which "
+            "tracing over fake tensors cannot give (cuDNN's nn.LSTM/GRU/RNN do); mutwo cannot capture it on "
+            "this device yet (recurrent layers capture on CPU)"
+        )
     return CaptureError(f"capturing the training step failed at {where}: {type(error).__name__}: {first_line}")

@@ -50,6 +50,16 @@ def bert(seed: int = 0, batch_size: int = 2, seq_len: int = 16, attn: str = "sdp
     return Workload(model, batch, lambda output, _batch: output.loss)
 
 
+def gpt2(seed: int = 0) -> Workload:
+    """A tiny GPT-2 whose peak is in the optimizer step: a large vocabulary, a short sequence."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+    input_ids = torch.randint(0, 2048, (1, 8))
+    return Workload(model, {"input_ids": input_ids, "labels": input_ids.clone()}, lambda output, _batch: output.loss)
+
+
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda params, **kw: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True, **kw),
     "adam": lambda params, **kw: torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3, **kw),

@@ -409,6 +409,32 @@ def test_bad_value_for_a_typed_option(workdir: Path, capsys: pytest.CaptureFixtu
     assert "pass 'counted': option 'times' must be int, got 'abc'" in line
 
 
+@pytest.mark.parametrize("pipeline,words", [
+    ("profile,select{budget=banana},rewrite", ["pass 'select'", "budget 'banana'", "'6GiB'", "'min'"]),
+    ("profile,select{budget=-0.5},rewrite", ["pass 'select'", "budget must be positive"]),
+    ("profile{runs=0},select,rewrite", ["pass 'profile'", "runs must be at least 1"]),
+    ("peak-consumers{top=0}", ["pass 'peak-consumers': top must be at least 1"]),
+], ids=["select-budget-word", "select-budget-negative", "profile-runs-zero", "loaded-pass"])  # fmt: skip
+def test_bad_option_value_is_refused_before_capture(pipeline: str, words: list[str], workdir: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    # Caught when the pipeline is built: the forward below would fail capture if it were reached.
+    config = write_config(workdir, "model: {source: python, name: tiny.py:branchy}\n")
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", REPO / "examples/passes/peak_consumers.py",
+                              "-p", pipeline, config)  # fmt: skip
+    for word in words:
+        assert word in line
+
+
+def test_debug_prints_the_traceback_behind_the_one_line(workdir: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("MUTWO_DEBUG", "")  # restored afterwards: --debug sets it for the process
+    config = write_config(workdir, "model: {source: python, name: tiny.py:branchy}\n")
+    code, _, err = run_cli(capsys, "-q", "--debug", "-o", workdir / "out", config)
+    assert code == EXIT_USAGE
+    assert "Traceback" in err and "direct cause" in err  # torch's own error, then mutwo's sentence
+    assert err.splitlines()[-1].startswith("mutwo-opt: error: the model's forward has data-dependent control flow")
+
+
 def test_good_value_for_a_typed_option_is_accepted(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = workdir / "out"
     code, _, err = run_cli(capsys, "-q", "-o", out, "--load-passes", workdir / "test_cli_passes.py",

@@ -185,7 +185,7 @@ BAD_INPUT = {
     "ambiguous-budget": (["{config}", "--batch-sizes", "32", "--budgets", "2.5"], ["--budgets", "ambiguous"]),
     "negative-budget": (["{config}", "--batch-sizes", "32", "--budgets", "-1"], ["--budgets", "positive"]),
     "memory-limit-fraction": (["{config}", "--batch-sizes", "32", "--memory-limit", "0.5"],
-                              ["--memory-limit", "needs bytes with a unit", "16GiB"]),
+                              ["--memory-limit", "is not a memory size: give bytes with a unit", "16GiB"]),
     "warmup-too-small": (["{config}", "--batch-sizes", "32", "--warmup", "1"], ["--warmup must be at least 3"]),
     "iterations-too-few": (["{config}", "--batch-sizes", "32", "--iterations", "5"], ["--iterations at least 10"]),
 }  # fmt: skip

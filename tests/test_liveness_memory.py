@@ -21,7 +21,7 @@ import torch
 from mutwo.ir import from_fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import compute_liveness
-from mutwo.ir.memory import simulate
+from mutwo.ir.memory import BREAKDOWN_NAMES, simulate
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.pass_base import PassContext
 from mutwo.passes.liveness import COLUMNS, LivenessPass
@@ -36,7 +36,7 @@ aten = torch.ops.aten
 FWD, BWD, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
 OWN = StorageKey(-1)  # "the storage of the node being created"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-KIND_NAMES = ("parameter", "buffer", "optimizer_state", "input", "gradient", "activation", "other")
+KIND_NAMES = ("parameter", "buffer", "optimizer_state", "input", "communication", "gradient", "activation", "other")
 
 
 def meta(nbytes: int, storage: StorageKey = OWN, device: str = "cpu", shape: tuple[int, ...] = (2, 4)) -> TensorMeta:
@@ -432,9 +432,13 @@ def test_memory_pass_says_the_optimizer_peak_cannot_be_recomputed_away(tmp_path:
     ctx = PassContext(out_dir=tmp_path, log=messages.append)
     MemoryPass().run(graph, ctx)
     assert ctx.artifacts["memory"].peak_node == 13
-    sentence = "memory: the peak lies in the optimizer step, where recomputing activations cannot lower it"
+    sentence = ("memory: the peak lies in the optimizer step, where recomputing activations cannot lower it; the "
+                "optimizer passes (optimizer-in-backward, foreach-buckets) can")  # fmt: skip
     assert sentence in messages
     assert any("at %13 (aten.mul.Tensor, optimizer)" in m for m in messages), messages
+    breakdown = ctx.artifacts["memory"].breakdown  # the log says what the peak holds, largest first
+    largest = max((kind for kind in breakdown if breakdown[kind]), key=breakdown.__getitem__)
+    assert any(f"the peak holds {BREAKDOWN_NAMES[largest]} " in m for m in messages), messages
     # a backward peak does not get that sentence
     messages.clear()
     MemoryPass().run(build_training_graph()[0], PassContext(log=messages.append))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import traceback
 from typing import NoReturn
+
+from mutwo.runtime.tracing import debug_enabled
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -17,3 +20,10 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def print_debug_traceback(error: BaseException) -> None:
+    """With ``--debug`` or ``MUTWO_DEBUG=1``, the traceback of what caused ``error``: the tools turn
+    errors into one line with ``raise ... from None``, so the exception it replaced is printed."""
+    if debug_enabled():
+        traceback.print_exception(error.__cause__ or error.__context__ or error)

@@ -13,7 +13,7 @@ import yaml
 from mutwo.ir.budget import Budget, BudgetError, parse_budget
 
 #: The pipeline run when neither the config nor the command line names one.
-DEFAULT_PIPELINE = "profile,select,rewrite"
+DEFAULT_PIPELINE = "profile,optimizer,select,rewrite"
 SOURCES = ("torchvision", "transformers", "python")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "adam", "adamw")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mutwo.ir.pass_base import write_atomic
+from mutwo.ir.replay import describe
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,12 +95,14 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
 
 def run_configuration(config_path: str | Path, batch_size: int, variant: Any, out: Path, *, device: str | None = None,
                       memory_limit: int | None = None, warmup: int = 3, iterations: int = 10,
-                      log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:  # fmt: skip
+                      log: Callable[[str], None] = lambda message: None,
+                      optimizer_passes: bool = False) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
     ``out/b<batch>/profile.json``) or a budget, as text or a :class:`Budget` (select and rewrite,
-    with that profile when there is one).
+    with that profile when there is one). ``optimizer_passes``: run optimizer-in-backward and
+    foreach-buckets (the ``optimizer`` alias) after the profile, before select.
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -111,7 +114,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
             step = training.eager_step()
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
-            step = _planned_step(training, budget, out / f"b{batch_size}", row, log)
+            step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes)
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -175,7 +178,7 @@ def build_training(config_path: str | Path, batch_size: int, device: str | None 
 
 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
-                  log: Callable[[str], None]) -> Callable[[], Any]:  # fmt: skip
+                  log: Callable[[str], None], optimizer_passes: bool = False) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
@@ -189,14 +192,15 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
     saved = folder / "profile.json"
-    passes = "profile"
+    planning = ["optimizer"] if optimizer_passes else []
+    planning += ["select", "rewrite"] if budget is not None else []
+    passes = ",".join(["profile", *planning])
     if budget is not None:
-        passes = "profile,select,rewrite"
         if saved.exists():
             profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
             if profile.fingerprint == fingerprint(lowered.graph):
                 context.artifacts["profile"] = profile
-                passes = "select,rewrite"
+                passes = ",".join(planning)
                 timing = folder / "timing.json"  # written by the run that profiled
                 if timing.exists():
                     row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
@@ -212,12 +216,18 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     profile = context.artifacts["profile"]
     row["simulated_peak_bytes"] = simulate(lowered.graph, workspace=profile.workspace()).peak_bytes
     row["nodes"] = len(lowered.graph)
+    for name in ("optimizer-in-backward", "foreach-buckets"):  # whether each applied, or why not
+        if name in context.artifacts:
+            row[name] = context.artifacts[name].to_json()
     plan = context.artifacts.get("plan")
     if plan is not None:  # what the plan predicted, to compare with what was measured
         row["recomputed_tensors"] = len(plan.entries)
         row["predicted_added_ms"] = round(plan.added_seconds * 1e3, 3)
         row["profiled_iteration_ms"] = round(plan.base_seconds * 1e3, 3)
         row["recomputed_ops"] = dict(Counter(e["op"] for e in plan.entries).most_common(8))
+        # What the clones replay, and how (a copy, with a generator state, from batch-norm statistics).
+        row["cloned_ops"] = dict(Counter(f"{lowered.graph.node(n.origin).op_name} ({describe(n.target)})"
+                                         for n in lowered.graph if n.origin is not None).most_common(12))  # fmt: skip
     graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding)
     return lambda: graph_step(training.batch)
 
@@ -253,15 +263,12 @@ def _budget(text: str) -> str:
 def _memory_limit(text: str | None) -> int | None:
     if text is None:
         return None
-    from mutwo.ir.budget import BudgetError, parse_budget
+    from mutwo.ir.budget import BudgetError, parse_bytes
 
     try:
-        limit = parse_budget(text)
+        return parse_bytes(text)
     except BudgetError as error:
         raise UsageError(f"--memory-limit: {error}") from None
-    if limit.bytes is None:
-        raise UsageError(f"--memory-limit needs bytes with a unit, like 16GiB, got {text!r}")
-    return limit.bytes
 
 
 def run_experiment(args: argparse.Namespace) -> int:

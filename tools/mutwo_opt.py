@@ -3,7 +3,11 @@
     mutwo-opt [-p/--passes LIST] [-o/--out DIR] [--device auto|cpu|cuda] [--batch-size N]
               [--budget B] [--check] [--list-passes] [--load-passes M] [--no-verify]
               [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot] [--time-passes]
-              CONFIG.yaml
+              [--bucket-cap-mb MB] CONFIG.yaml
+
+Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
+captures the data-parallel iteration on its shard of the batch, the gradients are averaged
+inside the graph, and rank 0 writes the output folder.
 
 Exit codes: 0 success; 1 a pass or verification failed, or --check found a difference;
 2 bad usage, config or pipeline. Every error is one line on stderr.
@@ -12,6 +16,7 @@ Exit codes: 0 success; 1 a pass or verification failed, or --check found a diffe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,15 +37,19 @@ from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
 from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
+from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
+from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.fit import FitError
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError
-from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
+from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
+from mutwo.tools.fit import run_fit
 from mutwo.tools.reports import memory_timeline, write_reports
-from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
+from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device
 
 
 class Failure(Exception):
@@ -62,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse a profile.json written by the profile pass for this same graph")
     parser.add_argument("--plan-from", metavar="FILE",
                         help="reuse a plan.json written by the select pass for this same graph")
+    parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
+                        "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -71,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dump-dot", action="store_true", help="write NN-<pass>-before.dot and -after.dot")
     parser.add_argument("--time-passes", action="store_true", help="print the time each pass took")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
+                        help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback behind an error (like MUTWO_DEBUG=1)")
     return parser
 
 
@@ -82,9 +97,17 @@ class MutwoOpt:
         self.registry = PassRegistry()
         self.started = time.perf_counter()
         self.wall_started = time.time() - 1  # file times have coarse resolution on some filesystems
+        self.dp: DataParallel | None = None  #: under torchrun: the ranks averaging the gradients
+        self.joined = False  #: whether this run joined the process group (and leaves it at the end)
+        self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0 of a data-parallel run, or the only process: the one that logs and writes files."""
+        return self.dp is None or self.dp.rank == 0
 
     def log(self, message: str) -> None:
-        if not self.args.quiet:
+        if not self.args.quiet and self.lead:
             print(f"mutwo-opt: {message}", file=sys.stderr, flush=True)
 
     # -- steps -----------------------------------------------------------------------------
@@ -113,6 +136,23 @@ class MutwoOpt:
         except ConfigError as error:
             raise UsageError(str(error)) from None
 
+    def join_data_parallel(self, device: torch.device) -> torch.device:
+        """Under torchrun, join its process group; this rank's device (its own GPU) comes back."""
+        if not distributed.launched_by_torchrun():
+            if self.args.bucket_cap_mb is not None:
+                raise UsageError("--bucket-cap-mb applies to data-parallel runs; launch with torchrun "
+                                 "--nproc-per-node N -m mutwo.tools.mutwo_opt ...")  # fmt: skip
+            return device
+        try:
+            self.joined = not torch.distributed.is_initialized()
+            device = distributed.join_from_environment(device)
+            self.dp = distributed.DataParallel.for_group(bucket_cap_mb=self.args.bucket_cap_mb)
+        except distributed.DataParallelError as error:
+            raise UsageError(str(error)) from None
+        self.log(f"data parallel over {self.dp.world_size} ranks ({torch.distributed.get_backend()}); "
+                 "rank 0 writes the output")  # fmt: skip
+        return device
+
     def build_pipeline(self, config: Config) -> PassManager:
         try:
             available = {name for name, given in (("profile", self.args.profile_from),
@@ -133,6 +173,8 @@ class MutwoOpt:
     def prepare_out_dir(self, config: Config) -> Path:
         """Check, without creating anything yet, that the output folder can be written."""
         out = Path(self.args.out) if self.args.out else Path("mutwo-out") / config.name
+        if not self.lead:  # only rank 0 writes
+            return out
         existing = out
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
@@ -144,17 +186,30 @@ class MutwoOpt:
     def capture(self, config: Config, device: torch.device) -> CapturedGraph:
         self.log(f"building {config.model.source} model '{config.model.name}' (batch {config.batch_size}, {device})")
         try:
-            workload = build_workload(config)
+            workload, batch = self.build(config)
             model = workload.model.to(device)
-            batch = to_device(workload.batch, device)
+            batch = to_device(batch, device)
             optimizer = build_optimizer(config, model)
+            if self.dp is not None:
+                distributed.broadcast_model(model, self.dp)
             self.log("capturing one training iteration (forward, backward, optimizer step)")
-            lowered = capture_graph(model, optimizer, batch, workload.loss_fn)
-        except (ConfigError, CaptureError, UnsupportedOptimizerError) as error:
+            lowered = capture_graph(model, optimizer, batch, workload.loss_fn, self.dp)
+        except (ConfigError, CaptureError, UnsupportedOptimizerError, distributed.DataParallelError) as error:
             raise UsageError(str(error)) from None
+        except distributed.RanksDisagreeError as error:
+            raise Failure(str(error)) from None
         lowered.graph.meta.update(model=config.model.name, batch_size=config.batch_size, device=str(device))
         self.log(f"captured {len(lowered.graph)} nodes in {time.perf_counter() - self.started:.1f} s")
         return lowered
+
+    def build(self, config: Config) -> tuple[Workload, Any]:
+        """The workload and this process's batch: under torchrun, its shard of a global batch of
+        ``batch_size`` samples per rank, built from the seed like a single process's."""
+        if self.dp is None:
+            workload = build_workload(config)
+            return workload, workload.batch
+        workload = build_workload(dataclasses.replace(config, batch_size=config.batch_size * self.dp.world_size))
+        return workload, distributed.shard_batch(workload.batch, self.dp.rank, self.dp.world_size)
 
     def load_artifact(self, graph: Graph, option: str, filename: str, maker: str, cls: Any) -> Any:
         """A profile.json or plan.json from an earlier run, refused unless it belongs to this graph."""
@@ -188,6 +243,8 @@ class MutwoOpt:
     def check(self, original: Graph, final: Graph, inputs: list[Any]) -> EquivalenceReport:
         self.log("checking the final graph against the original for 3 iterations")
         report = check_graphs(original, final, inputs)
+        if self.dp is not None:
+            report = distributed.equivalent_everywhere(report, self.dp)
         self.log(report.summary())
         return report
 
@@ -223,6 +280,8 @@ class MutwoOpt:
             "pass_seconds": result.timings() if result else {},
             "total_seconds": round(time.perf_counter() - self.started, 3),
             "peak_bytes_before": before.peak_bytes,
+            "peak_phase_before": before.peak_phase,
+            "peak_breakdown_before": before.breakdown,
             "peak_bytes_after": after.peak_bytes,
             "peak_node_after": after.peak_node,
             "peak_phase_after": after.peak_phase,
@@ -237,14 +296,33 @@ class MutwoOpt:
             "cloned_nodes": sum(1 for n in final if n.origin is not None),
             "equivalent": None if report is None else report.equivalent,
             "error": error,
+            "data_parallel": self.describe_data_parallel(config),
         }
         # The folder is not emptied between runs: list what this run wrote.
         summary["files"] = sorted({p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
                                    and p.stat().st_mtime >= self.wall_started} | {"summary.json"})  # fmt: skip
         write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
 
+    def describe_data_parallel(self, config: Config) -> dict[str, Any] | None:
+        if self.dp is None:
+            return None
+        return {"world_size": self.dp.world_size, "backend": torch.distributed.get_backend(self.dp.group),
+                "global_batch_size": config.batch_size * self.dp.world_size,
+                "bucket_limits_bytes": list(self.dp.bucket_limits), "sync_buffers": self.dp.sync_buffers,
+                "buckets": self.gradient_buckets}  # fmt: skip
+
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self.run_steps()
+        finally:
+            if self.joined:
+                # Wait for every rank (rank 0 writes the files) before tearing the group down: a
+                # rank that leaves while another still talks to it aborts gloo's threads.
+                torch.distributed.barrier()
+                torch.distributed.destroy_process_group()
+
+    def run_steps(self) -> int:
         self.load_passes()
         if self.args.list_passes:
             try:
@@ -253,15 +331,22 @@ class MutwoOpt:
                 raise UsageError(str(error)) from None
             return EXIT_OK
         config = self.load_config()
-        device = self.resolve_device(config)
+        device = self.join_data_parallel(self.resolve_device(config))
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
+        if self.args.fit is not None:
+            try:
+                return run_fit(self, config, device, out)
+            except FitError as error:
+                raise Failure(str(error)) from None
         lowered = self.capture(config, device)
+        self.gradient_buckets = lowered.binding.gradient_buckets
         graph, inputs = lowered.graph, lowered.inputs
-        out.mkdir(parents=True, exist_ok=True)
+        if self.lead:
+            out.mkdir(parents=True, exist_ok=True)
         original = graph.copy()
         captured_version = graph.version
-        ctx = pass_context(lowered, config.budget, out_dir=out, log=self.log)
+        ctx = pass_context(lowered, config.budget, out_dir=out if self.lead else None, log=self.log)
         for option, filename, maker, cls, key in (("--profile-from", "profile.json", "profile", Profile, "profile"),
                                                   ("--plan-from", "plan.json", "select", Plan, "plan")):
             artifact = self.load_artifact(graph, option, filename, maker, cls)
@@ -274,6 +359,11 @@ class MutwoOpt:
         except PipelineFailure as failure:
             error = str(failure)
         final = graph if graph.version != captured_version else original
+        if self.dp is not None and error is None:
+            try:
+                distributed.require_same_graph(graph, self.dp, "optimized")
+            except distributed.RanksDisagreeError as disagreement:
+                raise Failure(str(disagreement)) from None
         try:
             report = self.check(original, graph, inputs) if self.args.check and error is None else None
             measured = self.measure(original, final, inputs, device) if error is None else {}
@@ -281,7 +371,8 @@ class MutwoOpt:
             first = (str(crash).strip().splitlines() or [type(crash).__name__])[0]
             raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "
                           "predicted other strides than the kernels produce: please report it)") from None
-        self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured)
+        if self.lead:
+            self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured)
         if error is not None:
             raise Failure(error)
         if report is not None and not report.equivalent:
@@ -301,13 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         args = build_parser().parse_args(argv)
+        if args.debug:
+            os.environ["MUTWO_DEBUG"] = "1"
         return MutwoOpt(args).run()
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except UsageError as error:
+        print_debug_traceback(error)
         print(f"mutwo-opt: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (Failure, VerificationError) as error:
+        print_debug_traceback(error)
         print(f"mutwo-opt: failed: {str(error).splitlines()[0]}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

@@ -119,7 +119,7 @@ def _transformers(config: Config) -> Workload:
         raise ConfigError(f"input.seq_len {seq_len} exceeds {name}'s max_position_embeddings {limit}")
     ids = torch.randint(0, model_config.vocab_size, (config.batch_size, seq_len))
     batch: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if name.endswith(("ForMaskedLM", "ForCausalLM", "ForPreTraining")):
+    if name.endswith(("ForMaskedLM", "ForCausalLM", "LMHeadModel", "ForPreTraining")):
         batch["labels"] = ids.clone()
     elif name.endswith("ForSequenceClassification"):
         batch["labels"] = torch.randint(0, model_config.num_labels, (config.batch_size,))

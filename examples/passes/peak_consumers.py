@@ -24,6 +24,10 @@ class PeakConsumersPass(Pass):
     provides = ("peak-consumers",)
     top: int = option(10, "how many storages to list")
 
+    def __post_init__(self) -> None:  # checked when the pipeline is built, before capture
+        if self.top < 1:
+            raise ValueError("top must be at least 1")
+
     def run(self, graph: Graph, ctx: PassContext) -> list[dict[str, Any]]:
         liveness = ctx.analyses.compute(graph, "liveness", compute_liveness)
         profile = ctx.artifacts.get("profile")  # present when the profile pass ran before

@@ -1,0 +1,161 @@
+"""Data parallel on several GPUs: eager DistributedDataParallel against mutwo averaging the same
+gradients inside its graph, per-GPU peak memory and step time (the data-parallel issue). Run it
+under torchrun, one process per GPU (NCCL; on CPU it runs with gloo, as the smoke test does):
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/data_parallel.py --out DIR/data_parallel.json
+
+For every ``model:batch:fraction`` of ``--models``, each rank builds the config's model from its
+seed and trains on its shard of a global batch of ``batch × world size`` samples, with:
+
+- *eager DDP*: ``DistributedDataParallel(model)`` (DDP's default buckets), ``loss.backward()``,
+  ``optimizer.step()``;
+- *mutwo, budget*: ``mutwo.optimize(model, ..., budget=B, data_parallel=True)``, the whole
+  iteration with its bucketed all-reduces (DDP's default buckets) in one graph, recomputing to
+  fit ``B`` = ``fraction`` × eager DDP's measured peak (the largest over the ranks; on CPU,
+  where no peak is measured, ``fraction`` of mutwo's own simulated peak). The model is not
+  wrapped in DDP here: a DDP wrapper allocates its own gradient buckets when it is built and
+  keeps them while it lives, memory mutwo's graph does not use;
+- *mutwo, no recompute*: the graph that ``optimize`` captured, before its passes (no second
+  capture or profile).
+
+Each variant: 3 warm-up iterations, then 10 measured (``mutwo.tools.experiment.measure_step``);
+per rank, peak = ``torch.cuda.max_memory_allocated`` over the measured iterations (everything:
+parameters, gradients, DDP's or mutwo's buckets, optimizer state, activations) and time = their
+median CUDA-event time; a row keeps every rank's numbers and their maximum. Rank 0 rewrites
+``--out`` after every variant, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
+from mutwo.ir.pass_manager import PipelineFailure  # noqa: E402
+from mutwo.runtime import distributed  # noqa: E402
+from mutwo.runtime.api import optimize  # noqa: E402
+from mutwo.runtime.step import GraphStep  # noqa: E402
+from mutwo.tools.config import Config, apply_overrides, load_config  # noqa: E402
+from mutwo.tools.experiment import Training, measure_after_planning  # noqa: E402
+from mutwo.tools.workloads import Workload, build_optimizer, build_workload, to_device  # noqa: E402
+
+CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml"}
+MODELS = "resnet152:64:0.5,bert:16:0.65"
+WARMUP, MEASURED = 3, 10
+
+
+@dataclasses.dataclass
+class Bench:
+    """One rank's view of the run: its device, the rows so far, where rank 0 writes them."""
+
+    device: torch.device
+    out: Path | None
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def measure(self, step: Any, base: dict[str, Any]) -> dict[str, Any]:
+        """Measure ``step`` on every rank; the row holds each rank's numbers and their maximum."""
+        mine = measure_after_planning(step, self.device, None, warmup=WARMUP, iterations=MEASURED)
+        return self.record({**base, **mine})
+
+    def record(self, row: dict[str, Any]) -> dict[str, Any]:
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, {k: row.get(k) for k in ("peak_bytes", "iteration_ms", "error")})
+        row = {k: v for k, v in row.items() if k not in ("iteration_ms_all", "peak_bytes", "iteration_ms")}
+        row["ranks"] = ranks
+        for key in ("peak_bytes", "iteration_ms"):
+            values = [r[key] for r in ranks if r.get(key) is not None]
+            row[key] = max(values) if values else None
+        self.rows.append(row)
+        if dist.get_rank() == 0:
+            print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
+            if self.out is not None:
+                self.out.parent.mkdir(parents=True, exist_ok=True)
+                self.out.write_text(json.dumps(self.describe(), indent=2) + "\n")
+        return row
+
+    def describe(self) -> dict[str, Any]:
+        return {"device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+                "world_size": dist.get_world_size(), "backend": dist.get_backend(), "torch": torch.__version__,
+                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "date": time.strftime("%Y-%m-%d"),
+                "warmup": WARMUP, "measured": MEASURED, "runs": self.rows}  # fmt: skip
+
+
+def training(config: Config, workload: Workload, batch: Any, device: torch.device, *, ddp: bool) -> Training:
+    """A fresh copy of the workload's model on ``device``, wrapped in DDP if asked, with a fresh optimizer."""
+    copied = copy.deepcopy(workload.model).to(device)
+    model = DistributedDataParallel(copied, device_ids=[device] if device.type == "cuda" else None) if ddp else copied
+    return Training(model, build_optimizer(config, copied), batch, workload.loss_fn, device)
+
+
+def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = apply_overrides(load_config(ROOT / CONFIGS[name]), batch_size=batch_size * world)
+    workload = build_workload(config)
+    batch = to_device(distributed.shard_batch(workload.batch, rank, world), bench.device)
+    base = {"model": name, "batch_per_gpu": batch_size, "global_batch": batch_size * world}
+
+    eager = training(config, workload, batch, bench.device, ddp=True)
+    measured = bench.measure(eager.eager_step(), {**base, "variant": "eager DDP"})
+    del eager
+    if measured["peak_bytes"] is not None:
+        budget: Budget = Budget(bytes=int(fraction * measured["peak_bytes"]))
+        spec = f"{fraction} x eager DDP peak"
+    else:
+        budget, spec = parse_budget(str(fraction)), f"{fraction} x mutwo's simulated peak"
+
+    mutwo = training(config, workload, batch, bench.device, ddp=False)
+    started = time.perf_counter()
+    row = {**base, "variant": f"mutwo {spec}", "budget_bytes": budget.bytes}
+    try:
+        step = optimize(mutwo.model, mutwo.optimizer, batch, workload.loss_fn, budget=budget, data_parallel=True)
+    except PipelineFailure as failure:
+        bench.record({**row, "error": str(failure).splitlines()[0]})
+        return
+    row["planning_seconds"] = round(time.perf_counter() - started, 2)
+    optimized = step.last
+    assert optimized is not None
+    plan = optimized.plan
+    row.update(budget_bytes=plan.budget_bytes, buckets=len(optimized.binding.gradient_buckets),
+               nodes=len(optimized.graph), collectives=sum(1 for n in optimized.graph if n.is_collective),
+               unoptimized_simulated_peak=plan.unoptimized_peak, predicted_peak=plan.predicted_peak,
+               recomputed_tensors=len(plan.entries), predicted_added_ms=round(plan.added_seconds * 1e3, 3),
+               recomputed_ops=dict(Counter(e["op"] for e in plan.entries).most_common(8)))  # fmt: skip
+    bench.measure(lambda: step(batch), row)
+    captured = GraphStep(optimized.original, optimized.captured, optimized.binding)
+    bench.measure(lambda: captured(batch), {**base, "variant": "mutwo no recompute", "nodes": len(optimized.original)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="JSON file rank 0 writes (rewritten after every variant)")
+    parser.add_argument("--models", default=MODELS, help=f"model:batch per GPU:budget fraction,... ({MODELS})")
+    args = parser.parse_args()
+    if not distributed.launched_by_torchrun():
+        parser.error("launch it with torchrun --nproc-per-node N bench/data_parallel.py ...")
+    device = distributed.join_from_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    bench = Bench(device, args.out)
+    try:
+        for item in args.models.split(","):
+            name, batch, fraction = item.split(":")
+            bench_model(bench, name, int(batch), float(fraction))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""What the optimizer-scheduling passes share: trying a new order on a copy and reporting it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mutwo.ir.budget import BudgetError
+from mutwo.ir.budget import parse_bytes as budget_bytes
+from mutwo.ir.classify import classify
+from mutwo.ir.graph import Graph
+from mutwo.ir.memory import MemorySimulation
+from mutwo.ir.node import Phase
+from mutwo.ir.optimizer_updates import OptimizerUpdates, Schedule, apply
+from mutwo.ir.pass_base import Pass, PassContext
+from mutwo.passes.memory import simulate_with_profile
+
+MIB = 2**20
+WHEN = ("lower", "always")
+
+
+@dataclass
+class ScheduleOutcome:
+    """What an optimizer-scheduling pass did, or why it changed nothing; saved as JSON."""
+
+    applied: bool
+    reason: str  #: why it did not apply ('' when it did)
+    peak_before: int = 0
+    peak_after: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"applied": self.applied, "reason": self.reason, "peak_before": self.peak_before,
+                "peak_after": self.peak_after, **self.details}  # fmt: skip
+
+
+def parse_bytes(option: str, text: str) -> int:
+    """An option given as bytes with a unit (``64MiB``); a ValueError naming the fix (the registry
+    reports it as a usage error when the pipeline is built)."""
+    try:
+        return budget_bytes(text)
+    except BudgetError as error:
+        raise ValueError(f"{option}: {error}") from None
+
+
+def check_when(when: str) -> None:
+    """Refuse an unknown ``when`` option."""
+    if when not in WHEN:
+        raise ValueError(f"when must be one of {', '.join(WHEN)}, not {when!r}")
+
+
+Keep = Callable[[Graph, MemorySimulation, Graph, MemorySimulation], str]
+
+
+def try_schedule(graph: Graph, ctx: PassContext, updates: OptimizerUpdates, plan: Schedule,
+                 finish: Callable[[Graph], None], keep: Keep,
+                 ) -> tuple[MemorySimulation, MemorySimulation, str]:  # fmt: skip
+    """Apply ``plan`` (then ``finish``) to a copy and simulate both; ``keep(graph, before, copy,
+    after)`` says why not to keep it ('' to keep it), and only then is the graph changed the same way."""
+    before = simulate_with_profile(graph, ctx)
+    trial = graph.copy()
+    _apply(trial, updates, plan, finish)
+    after = simulate_with_profile(trial, ctx)
+    reason = keep(graph, before, trial, after)
+    if not reason:
+        _apply(graph, updates, plan, finish)
+    return before, after, reason
+
+
+def _apply(graph: Graph, updates: OptimizerUpdates, plan: Schedule, finish: Callable[[Graph], None]) -> None:
+    apply(graph, updates, plan)
+    finish(graph)
+    classify(graph)
+
+
+def optimizer_peak(graph: Graph, simulation: MemorySimulation) -> int:
+    """The most memory live while an optimizer node runs."""
+    return max((value for node, value in zip(graph, simulation.curve, strict=True) if node.phase is Phase.OPTIMIZER),
+               default=0)  # fmt: skip
+
+
+def mib(value: int) -> str:
+    return f"{value / MIB:.1f} MiB"
+
+
+class SchedulingPass(Pass):
+    """What both optimizer-scheduling passes do around their own ``_run``: keep the outcome as the
+    artifact named after the pass, save it as JSON, and log what changed or why nothing did."""
+
+    def run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
+        outcome = self._run(graph, ctx)
+        ctx.artifacts[self.name] = outcome
+        ctx.save_json(f"{self.name.replace('-', '_')}.json", outcome.to_json())
+        ctx.log(f"{self.name}: {self._applied(outcome) if outcome.applied else 'does not apply: ' + outcome.reason}")
+        return outcome
+
+    def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
+        raise NotImplementedError
+
+    def _applied(self, outcome: ScheduleOutcome) -> str:
+        raise NotImplementedError

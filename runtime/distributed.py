@@ -1,0 +1,277 @@
+"""Data-parallel training on torch.distributed: which process group averages the gradients and
+how they are bucketed (as ``DistributedDataParallel`` buckets them), joining the process group
+``torchrun`` describes, each rank's shard of a batch, and making every rank run the same plan.
+
+Every rank captures, plans and runs the same graph: the collectives in it (see
+:mod:`mutwo.runtime.collectives`) must be issued in the same order everywhere. Each rank
+profiles its own graph, then all ranks plan from one profile — each node's slowest time and
+largest workspace over the ranks — and the smallest device memory, so ``select`` makes the same
+choices everywhere; :func:`require_same_graph` then checks, after capture and after the passes,
+that the ranks really hold the same graph, and fails on every rank if they do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from mutwo.ir.graph import Graph
+from mutwo.ir.printer import print_graph
+from mutwo.runtime.collectives import broadcast_coalesced
+from mutwo.runtime.equivalence import EquivalenceReport, Mismatch
+from mutwo.runtime.profiler import Profile
+
+#: DDP's default bucket size (``bucket_cap_mb``) and its smaller first bucket.
+DEFAULT_BUCKET_CAP_MB = 25
+MIB = 1024 * 1024
+
+
+class DataParallelError(ValueError):
+    """Data-parallel training cannot be set up as asked; the message says why and what to do."""
+
+
+class RanksDisagreeError(RuntimeError):
+    """The ranks hold different graphs or plans, so their collectives would not match."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How a data-parallel iteration averages its gradients.
+
+    ``bucket_limits``: the byte limit of the first bucket, of the second, ... (the last repeats),
+    as DDP rebuilds its buckets; ``sync_buffers``: broadcast rank 0's buffers before every
+    forward, like DDP's ``broadcast_buffers``; ``ignored``: parameter and buffer names DDP was told
+    to leave alone (``_ddp_params_and_buffers_to_ignore``).
+    """
+
+    group: Any  #: the torch.distributed ProcessGroup
+    bucket_limits: tuple[int, ...]
+    sync_buffers: bool = True
+    ignored: frozenset[str] = frozenset()
+    wrapper: nn.parallel.DistributedDataParallel | None = field(default=None, compare=False)  #: the DDP given
+
+    def require_sync(self) -> None:
+        """Refuse a step inside the DDP wrapper's ``no_sync()``: mutwo's step always averages the
+        gradients and applies the optimizer, so it cannot accumulate gradients without syncing."""
+        if self.wrapper is not None and not self.wrapper.require_backward_grad_sync:
+            raise DataParallelError("a mutwo step ran inside DistributedDataParallel.no_sync(): each step averages "
+                                    "the gradients and steps the optimizer, so gradient accumulation is not "
+                                    "supported; call the step outside no_sync (use a larger batch, or recompute "
+                                    "to fit one)")  # fmt: skip
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def group_name(self) -> str:
+        return self.group.group_name
+
+    @property
+    def device(self) -> torch.device:
+        """Where this group's collectives take their tensors: the current GPU for NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @classmethod
+    def for_group(cls, group: Any = None, *, bucket_cap_mb: float | None = None,
+                  sync_buffers: bool = True) -> DataParallel:  # fmt: skip
+        """DDP's defaults over ``group`` (default: the whole world): a 1 MiB first bucket, then
+        25 MiB ones; an explicit ``bucket_cap_mb`` is every bucket's limit, as in DDP."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DataParallelError("data-parallel training needs a process group: call torch.distributed."
+                                    "init_process_group() first, or launch with torchrun")  # fmt: skip
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise DataParallelError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if bucket_cap_mb is None:
+            limits = (dist._DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MIB)
+        else:
+            limits = (int(bucket_cap_mb * MIB),)
+        return cls(group if group is not None else dist.group.WORLD, limits, sync_buffers)
+
+    @classmethod
+    def from_ddp(cls, ddp: nn.parallel.DistributedDataParallel) -> DataParallel:
+        """The settings of a ``DistributedDataParallel`` wrapper, refused where mutwo would compute
+        something else than it (communication hooks, its mixed precision, delayed all-reduces)."""
+        if getattr(ddp, "_comm_hooks", None):
+            raise DataParallelError("the DistributedDataParallel model has a communication hook, which mutwo cannot "
+                                    "trace; remove register_comm_hook or pass the unwrapped model")  # fmt: skip
+        if getattr(ddp, "mixed_precision", None) is not None:
+            raise DataParallelError("DistributedDataParallel's mixed_precision is not supported; build it without "
+                                    "mixed_precision")  # fmt: skip
+        if getattr(ddp, "_delay_all_reduce_params", None):
+            raise DataParallelError("DistributedDataParallel's delay_all_reduce_named_params is not supported; "
+                                    "build it without them")  # fmt: skip
+        config = getattr(ddp, "_bucket_config", None)  # torch >= 2.14
+        if config is not None:
+            limits = config.per_bucket_bytes_caps or (config.first_bucket_bytes_cap, config.bucket_bytes_cap)
+        else:
+            first = dist._DEFAULT_FIRST_BUCKET_BYTES if ddp.bucket_bytes_cap_default else ddp.bucket_bytes_cap
+            limits = (first, ddp.bucket_bytes_cap)
+        sync = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True))
+        return cls(ddp.process_group, tuple(limits), bool(sync), frozenset(ddp.parameters_to_ignore), ddp)
+
+
+def data_parallel_for(model: nn.Module, enabled: bool | None = None, bucket_cap_mb: float | None = None) -> tuple[
+        nn.Module, DataParallel | None]:  # fmt: skip
+    """The module to capture and how to average its gradients.
+
+    A ``DistributedDataParallel`` model is unwrapped and its settings are kept. Otherwise, with
+    ``enabled=None``, gradients are averaged when a process group of more than one rank is
+    initialised; ``True`` requires one, ``False`` never averages. Sharded or single-process
+    parallelism (FSDP, DTensor parameters, ``nn.DataParallel``) is refused.
+    """
+    refuse_other_parallelism(model)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        if bucket_cap_mb is not None:
+            raise DataParallelError("the model is a DistributedDataParallel: give bucket_cap_mb to it, not to mutwo")
+        return model.module, (DataParallel.from_ddp(model) if enabled is not False else None)
+    if enabled is None:
+        enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return model, (DataParallel.for_group(bucket_cap_mb=bucket_cap_mb) if enabled else None)
+
+
+def refuse_other_parallelism(model: nn.Module) -> None:
+    """Raise :class:`DataParallelError` for a model that another form of parallelism wraps or
+    shards: mutwo captures replicated data parallelism only, every rank holding every parameter."""
+    if isinstance(model, nn.DataParallel):
+        raise DataParallelError(
+            "nn.DataParallel (one process driving several GPUs) is not supported; launch one "
+            "process per GPU with torchrun and wrap the model in DistributedDataParallel"
+        )
+    if not dist.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    for name, module in inner.named_modules():
+        if isinstance(module, (FullyShardedDataParallel, FSDPModule)):
+            where = f" at {name}" if name else ""
+            raise DataParallelError(f"the model{where} is sharded with FSDP, which mutwo cannot capture; use "
+                                    "DistributedDataParallel (every rank holds the whole model), with a memory "
+                                    "budget to make it fit")  # fmt: skip
+    sharded = next((name for name, p in inner.named_parameters() if isinstance(p, DTensor)), None)
+    if sharded is not None:
+        raise DataParallelError(
+            f"parameter {sharded} is a DTensor (tensor parallel or FSDP2), which mutwo cannot "
+            "capture; give it a model of plain tensors wrapped in DistributedDataParallel"
+        )
+
+
+def broadcast_model(model: nn.Module, dp: DataParallel) -> None:
+    """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model."""
+    tensors = [p.detach() for name, p in model.named_parameters() if name not in dp.ignored]
+    tensors += [b for name, b in model.named_buffers() if name not in dp.ignored]
+    with torch.no_grad():
+        broadcast_coalesced(tensors, dp.group_name)
+
+
+# -- launching under torchrun ---------------------------------------------------------------------
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun (or any ``env://``) launch."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def join_from_environment(device: torch.device) -> torch.device:
+    """Join the process group torchrun describes — NCCL with one GPU per local rank, gloo on
+    CPU — and return the device this rank trains on."""
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise DataParallelError(f"this is local rank {local_rank} but only {torch.cuda.device_count()} GPU(s) "
+                                    "are visible; start at most one process per GPU (--nproc-per-node)")  # fmt: skip
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        except (ValueError, RuntimeError) as error:
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise DataParallelError(f"joining the torchrun process group failed: {first}") from None
+    return device
+
+
+def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s shard of a global batch: every tensor whose first dimension is the global
+    batch size is cut into ``world_size`` equal parts along it; other leaves are shared."""
+    tensors = [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim()]
+    size = max((t.shape[0] for t in tensors), default=0)
+    if size == 0 or size % world_size:
+        raise DataParallelError(f"the global batch of {size} samples cannot be split evenly over {world_size} ranks")
+    shard = size // world_size
+    return pytree.tree_map(lambda leaf: leaf[rank * shard:(rank + 1) * shard].clone()
+                           if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] == size else leaf,
+                           batch)  # fmt: skip
+
+
+# -- every rank, the same graph and the same plan -------------------------------------------------
+def graph_digest(graph: Graph) -> str:
+    """A hash of the whole text IR: equal exactly when two ranks hold the same graph. Each rank's
+    GPU index is left out (rank 1's ``cuda:1`` is rank 0's ``cuda:0``)."""
+    return hashlib.sha256(re.sub(r"cuda:\d+", "cuda", print_graph(graph)).encode()).hexdigest()[:16]
+
+
+def require_same_graph(graph: Graph, dp: DataParallel, what: str) -> None:
+    """Raise :class:`RanksDisagreeError` on every rank unless every rank holds the same ``graph``."""
+    digests: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(digests, graph_digest(graph), group=dp.group)
+    different = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if different:
+        raise RanksDisagreeError(f"the {what} graph of rank {different[0]} differs from rank 0's (digest "
+                                 f"{digests[different[0]]} vs {digests[0]}); every rank must capture the same model "
+                                 "with batches of the same shape and run the same passes")  # fmt: skip
+
+
+def agreed_profile(profile: Profile, dp: DataParallel) -> Profile:
+    """The profile every rank plans with: each node's slowest time, slowest replay (batch norms
+    replayed from their statistics) and largest workspace over the ranks, and the slowest whole
+    iteration."""
+    ids = sorted(profile.nodes)
+    # A node without a replay time has one on no rank (the same graph): -1 marks it.
+    rows = [[profile.nodes[i].seconds, float(profile.nodes[i].workspace),
+             -1.0 if profile.nodes[i].replay_seconds is None else profile.nodes[i].replay_seconds] for i in ids]
+    rows.append([profile.iteration.seconds if profile.iteration else 0.0, 0.0, -1.0])
+    values = torch.tensor(rows, dtype=torch.float64, device=dp.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=dp.group)
+    merged = values.cpu().tolist()
+    nodes = {i: dataclasses.replace(profile.nodes[i], seconds=row[0], workspace=int(row[1]),
+                                    replay_seconds=None if row[2] < 0 else row[2])
+             for i, row in zip(ids, merged, strict=False)}  # fmt: skip
+    iteration = dataclasses.replace(profile.iteration, seconds=merged[-1][0]) if profile.iteration else None
+    meta = {**profile.meta, "reduced_over_ranks": dp.world_size}
+    return dataclasses.replace(profile, nodes=nodes, iteration=iteration, meta=meta)
+
+
+def smallest(value: int, dp: DataParallel) -> int:
+    """The smallest ``value`` over the ranks (the device memory every rank's plan must fit)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=dp.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=dp.group)
+    return int(tensor.item())
+
+
+def equivalent_everywhere(report: EquivalenceReport, dp: DataParallel) -> EquivalenceReport:
+    """``report`` with the first difference any other rank found added, so that every rank
+    reaches the same verdict."""
+    firsts: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(firsts, report.mismatches[:1], group=dp.group)
+    merged = dataclasses.replace(report, mismatches=list(report.mismatches))
+    for rank, mismatches in enumerate(firsts):
+        if rank != dp.rank and mismatches:
+            first: Mismatch = mismatches[0]
+            merged.mismatches.append(dataclasses.replace(first, label=f"{first.label} on rank {rank}"))
+    return merged

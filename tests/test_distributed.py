@@ -1,0 +1,282 @@
+"""Data-parallel iterations (runtime/collectives.py, runtime/distributed.py).
+
+Two ranks on CPU with gloo, each in its own process, train from identical state against eager
+``DistributedDataParallel`` for 3 iterations: the loss, every averaged gradient and, at the end,
+every parameter, buffer and optimizer state tensor must be bitwise equal, with a recompute plan
+applied on both ranks (the same plan). With two ranks a sum across ranks is one addition, the same
+in any order, so DDP's first iteration (one bucket, before it rebuilds them) and mutwo's buckets
+give the same bits. The cases (``CASES``): a CNN with batch norm given as a DDP model with small
+buckets, an MLP with a detected process group and DDP's default buckets, and a tiny BERT (tied
+weights, dropout) as a DDP model. The same worker runs on two GPUs with NCCL (the ``cuda`` test,
+CNN and MLP), compared within the CUDA tolerances of ``runtime/equivalence.py``. The IR facts (kinds, aliasing of waits,
+the ``collective-wait`` invariant) are checked in this process, over a group of one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.node import Node, NodeKind, Phase
+from mutwo.ir.pass_base import PassContext
+from mutwo.ir.verifier import VerificationError, verify
+from mutwo.passes.dce import DeadCodeEliminationPass
+from mutwo.runtime import distributed
+from mutwo.runtime.api import capture_graph, optimize
+from mutwo.runtime.distributed import DataParallel, DataParallelError
+from mutwo.runtime.equivalence import CUDA_ATOL, CUDA_RTOL, deterministic_algorithms
+from mutwo.tools.workloads import to_device
+from tests import models
+
+REPO = Path(__file__).resolve().parent.parent
+#: Small enough that the tiny models' gradients fill several buckets.
+BUCKET_CAP_MB = 0.002
+LR_FACTORS = (1.0, 0.5, 0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A gloo process group of one rank in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _collectives(graph: Graph, op: str) -> list[Node]:
+    return [n for n in graph if n.is_collective and n.op_name.startswith(f"_c10d_functional.{op}.")]
+
+
+# -- two ranks against eager DistributedDataParallel ---------------------------------------------------
+def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.device.type == "cpu":
+        assert torch.equal(a, b), f"{what} differs (max |diff| {(a.double() - b.double()).abs().max():.3g})"
+    else:
+        torch.testing.assert_close(a, b, rtol=CUDA_RTOL, atol=CUDA_ATOL, msg=f"{what} differs")
+
+
+def _assert_same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        if isinstance(a[key], dict):
+            _assert_same_state(a[key], b[key], f"{what} {key}")
+        elif isinstance(a[key], torch.Tensor):
+            _assert_same(a[key], b[key], f"{what} {key}")
+        else:
+            assert a[key] == b[key], f"{what} {key}"
+
+
+#: name -> (the workload, its optimizer, whether mutwo is given the DDP model (with small buckets)
+#: or detects the process group (DDP's default buckets)).
+CASES: dict[str, tuple[Callable[[], models.Workload], str, bool]] = {
+    "cnn": (lambda: models.cnn(seed=0, batch_size=8), "adam", True),  # batch norm: buffers broadcast
+    "mlp": (lambda: models.mlp(seed=0, batch_size=1024), "sgd", False),  # activations over the optimizer step
+    "bert": (lambda: models.bert(seed=0, batch_size=4), "adamw", True),  # tied weights, dropout, int buffers
+}
+
+
+def _against_ddp(rank: int, world: int, device: torch.device, case: str) -> None:
+    """Train a copy under eager DDP and a copy under mutwo from the same state, and compare everything."""
+    build, optimizer_name, wrapped = CASES[case]
+    workload = build()
+    make_optimizer = models.OPTIMIZERS[optimizer_name]
+    batch = to_device(distributed.shard_batch(workload.batch, rank, world), device)
+    base = workload.model.to(device)
+    eager = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB if wrapped else None)
+    eager_optimizer = make_optimizer(eager.parameters())
+    model = copy.deepcopy(base)
+    optimizer = make_optimizer(model.parameters())
+    given = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB) if wrapped else model
+    step = optimize(given, optimizer, batch, workload.loss_fn, budget="min", check=True, keep_grads=True)
+    plan = step.last.plan if step.last is not None else None
+    assert plan is not None and plan.entries, (f"{case}: the budget should make select recompute something; the peak "
+                                               f"is in the {plan and plan.predicted_peak_phase} phase, holding "
+                                               f"{plan and plan.predicted_breakdown}")  # fmt: skip
+    plans: list[str | None] = [None] * world
+    dist.all_gather_object(plans, json.dumps(step.last.plan.to_json(), sort_keys=True))
+    assert plans[0] == plans[rank], "the ranks planned differently"
+    base_lr = optimizer.param_groups[0]["lr"]
+    for iteration, factor in enumerate(LR_FACTORS):
+        for group in (*optimizer.param_groups, *eager_optimizer.param_groups):
+            group["lr"] = base_lr * factor
+        torch.manual_seed(100 + iteration)  # the same dropout masks in both
+        eager_optimizer.zero_grad(set_to_none=True)
+        expected = workload.loss_fn(models.call_model(eager, batch), batch)
+        expected.backward()
+        eager_optimizer.step()
+        torch.manual_seed(100 + iteration)
+        loss = step(batch)
+        _assert_same(loss, expected.detach(), f"rank {rank} iteration {iteration}: the loss")
+        for (name, mine), theirs in zip(model.named_parameters(), eager.module.parameters(), strict=True):
+            _assert_same(mine.grad, theirs.grad, f"rank {rank} iteration {iteration}: the gradient of {name}")
+    _assert_same_state(model.state_dict(), eager.module.state_dict(), f"rank {rank}: the model state")
+    _assert_same_state(optimizer.state_dict()["state"], eager_optimizer.state_dict()["state"],
+                       f"rank {rank}: the optimizer state")  # fmt: skip
+    if wrapped:  # DDP has rebuilt its buckets in the order gradients became ready: mutwo's are the same
+        names = {id(p): n for n, p in eager.module.named_parameters()}
+        rebuilt = [[names[id(p)] for p in b.parameters()] for b in eager.reducer._get_zeros_like_grad_buckets()]
+        assert step.last.binding.gradient_buckets == rebuilt
+        assert len(rebuilt) > 1
+
+
+def _two_rank_worker(rank: int, world: int, port: int, device_type: str, cases: tuple[str, ...]) -> None:
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        with deterministic_algorithms() if cuda else contextlib.nullcontext():
+            device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+            for case in cases:
+                _against_ddp(rank, world, device, case)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_on_cpu_train_bitwise_like_eager_ddp() -> None:
+    mp.spawn(_two_rank_worker, args=(2, _free_port(), "cpu", tuple(CASES)), nprocs=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_with_nccl_train_like_eager_ddp() -> None:
+    # BERT's attention backward has no deterministic kernel to compare with on every GPU
+    mp.spawn(_two_rank_worker, args=(2, _free_port(), "cuda", ("cnn", "mlp")), nprocs=2)
+
+
+def test_mutwo_opt_under_torchrun_writes_from_rank_zero(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "mutwo.tools.mutwo_opt", "--check", "--device", "cpu", "--bucket-cap-mb",
+               "0.01", "-o", str(out), "examples/tiny_mlp.yaml"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("mutwo-opt: captured") == 1, "only rank 0 logs"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["equivalent"] is True and summary["recomputed"] >= 1
+    parallel = summary["data_parallel"]
+    assert parallel["world_size"] == 2 and parallel["global_batch_size"] == 2 * summary["batch_size"]
+    assert len(parallel["buckets"]) == 2 and parallel["bucket_limits_bytes"] == [int(0.01 * 2**20)]
+
+
+# -- the IR of a data-parallel iteration, on one rank ---------------------------------------------------
+def test_collectives_are_communication_nodes_that_overlap_the_backward(one_rank: None) -> None:
+    workload = models.cnn(batch_size=4)
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
+    lowered = capture_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
+                            DataParallel.for_group(bucket_cap_mb=BUCKET_CAP_MB))  # fmt: skip
+    graph = lowered.graph
+    issues, waits = _collectives(graph, "all_reduce_"), _collectives(graph, "wait_tensor")
+    bucket_waits = [w for w in waits if w.phase is Phase.BACKWARD]
+    assert len(issues) == len(bucket_waits) == len(lowered.binding.gradient_buckets) > 1
+    assert len(_collectives(graph, "broadcast_")) == 2  # the buffers: float statistics and int64 counters
+    assert all(n.kind is NodeKind.COMMUNICATION for n in graph if n.is_collective)
+    # A wait returns the buffer it waited for: no new storage, so the simulator counts it once.
+    assert all(w.owned_bytes == 0 and w.tensor.storage == w.args[0].tensor.storage for w in waits)
+    # Buckets are issued while the backward still computes, and waited for at its end.
+    position = {n.id: i for i, n in enumerate(graph)}
+    first_wait = min(position[w.id] for w in bucket_waits)
+    computing = [n for n in graph if n.phase is Phase.BACKWARD and n.kind is not NodeKind.COMMUNICATION
+                 and position[issues[0].id] < position[n.id] < first_wait and not n.is_alias]  # fmt: skip
+    assert computing, "the first bucket should be issued before the backward's last computation"
+    # The buckets hold every gradient: their storages are communication, as many bytes as the gradients.
+    grad_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+    liveness = compute_liveness(graph)
+    bucket_bytes = sum(liveness.storages[i.tensor.storage].bytes for i in issues)
+    assert bucket_bytes == grad_bytes
+    assert all(liveness.storages[i.tensor.storage].kind is NodeKind.COMMUNICATION for i in issues)
+    DeadCodeEliminationPass().run(graph, PassContext())
+    assert len(_collectives(graph, "all_reduce_")) == len(issues), "dce must keep every collective"
+
+
+def test_reading_a_bucket_before_its_wait_breaks_an_invariant(one_rank: None) -> None:
+    workload = models.mlp(batch_size=4)
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
+    graph = capture_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
+                          DataParallel.for_group()).graph  # fmt: skip
+    issue = _collectives(graph, "all_reduce_")[0]
+    graph.create_node("call_function", torch.ops.aten.clone.default, (issue,), name="early_read", after=issue,
+                      phase=Phase.BACKWARD, tensors=(issue.tensor,))  # fmt: skip
+    with pytest.raises(VerificationError, match="collective-wait"):
+        verify(graph)
+
+
+# -- bad input: one readable line -------------------------------------------------------------------------
+def test_data_parallel_without_a_process_group_is_refused() -> None:
+    workload = models.mlp()
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
+    with pytest.raises(DataParallelError, match="init_process_group"):
+        optimize(workload.model, optimizer, workload.batch, workload.loss_fn, data_parallel=True)
+
+
+def test_ddp_with_a_communication_hook_or_a_second_bucket_size_is_refused(one_rank: None) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    workload = models.mlp()
+    ddp = DistributedDataParallel(workload.model)
+    with pytest.raises(DataParallelError, match="bucket_cap_mb"):
+        optimize(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), workload.batch, workload.loss_fn, bucket_cap_mb=5)
+    ddp.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(DataParallelError, match="communication hook"):
+        optimize(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), workload.batch, workload.loss_fn)
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused() -> None:
+    with pytest.raises(DataParallelError, match="cannot be split evenly over 2 ranks"):
+        distributed.shard_batch((torch.zeros(5, 3), torch.zeros(5)), 0, 2)
+    shard = distributed.shard_batch({"x": torch.arange(8).reshape(4, 2), "scale": torch.tensor(2.0)}, 1, 2)
+    assert shard["x"].tolist() == [[4, 5], [6, 7]] and shard["scale"].item() == 2.0
+
+
+def test_sharded_and_single_process_parallel_models_are_refused(one_rank: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    workload = models.mlp()
+    sharded = copy.deepcopy(workload.model)
+    fully_shard(sharded, mesh=mesh)
+    replicated = copy.deepcopy(workload.model)
+    name, module = next((n, m) for n, m in replicated.named_modules() if isinstance(m, torch.nn.Linear))
+    module.weight = torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+    for model, message in ((sharded, "sharded with FSDP"), (replicated, f"parameter {name}.weight is a DTensor"),
+                           (torch.nn.DataParallel(workload.model), "nn.DataParallel")):  # fmt: skip
+        with pytest.raises(DataParallelError, match=message):
+            optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), workload.batch, workload.loss_fn)
+
+
+def test_a_step_inside_no_sync_is_refused(one_rank: None) -> None:
+    workload = models.mlp()
+    ddp = DistributedDataParallel(workload.model)
+    step = optimize(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), workload.batch, workload.loss_fn)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    with ddp.no_sync(), pytest.raises(DataParallelError, match="no_sync"):
+        step(workload.batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True)), "nothing half-done"
+    step(workload.batch)
+    assert not all(torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True))
