@@ -42,6 +42,7 @@ BUILTIN_PASSES: dict[str, str] = {
 BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {
     "rewrite": ("extract", "insert-recompute"),
     "optimizer": ("optimizer-in-backward", "foreach-buckets"),  # each applies only where the peak drops
+    "swap": ("select-swap", "insert-swap"),  # keep, recompute or swap each activation, then rewrite
 }
 
 

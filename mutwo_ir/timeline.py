@@ -115,13 +115,14 @@ class GraphTimeline:
     end: list[float]
     swaps: list[dict[str, Any]]  #: per swap: tag, bytes, copy-out and copy-in intervals, stall
     seconds: float  #: the whole iteration
+    stalled: list[tuple[float, float]] = field(default_factory=list)  #: (start, seconds) the compute stream waits
 
     @property
     def stall(self) -> float:
         return sum(s["stall"] for s in self.swaps)
 
     def to_json(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "stall_seconds": self.stall, "swaps": self.swaps,
+        return {"seconds": self.seconds, "stall_seconds": self.stall, "swaps": self.swaps, "stalled": self.stalled,
                 "node_start": self.start, "node_end": self.end}  # fmt: skip
 
 
@@ -142,8 +143,12 @@ def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: Transf
                                   model.d2h_seconds(nbytes), model.h2d_seconds(nbytes)))  # fmt: skip
     schedule = schedule_transfers(clock, transfers, model.overlap if model is not None else True)
     shift = [0.0] * (len(nodes) + 1)
-    for position, added in schedule.delays:
+    stalled: list[tuple[float, float]] = []
+    total = 0.0
+    for position, added in schedule.delays:  # in order of position
+        stalled.append((clock[position] + total, added))
         shift[position] += added
+        total += added
     shift = list(itertools.accumulate(shift))
     start = [clock[i] + shift[i] for i in range(len(nodes))]
     end = [start[i] + clock[i + 1] - clock[i] for i in range(len(nodes))]
@@ -151,7 +156,7 @@ def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: Transf
                 "offload": offload.id, "prefetch": prefetch.id, "wait": wait.id,
                 "copy_out": schedule.copy_out[k], "copy_in": schedule.copy_in[k], "stall": schedule.stalls[k]}
                for k, (offload, prefetch, wait) in enumerate(swaps)]  # fmt: skip
-    return GraphTimeline(start, end, records, clock[-1] + shift[-1])
+    return GraphTimeline(start, end, records, clock[-1] + shift[-1], stalled)
 
 
 def calibrated_seconds(profile: Any) -> tuple[Callable[[Node], float], float]:

@@ -61,7 +61,9 @@ class Optimized:
 
     @property
     def plan(self) -> Any:
-        return self.context.artifacts.get("plan")
+        """The plan the pipeline made: ``select``'s (recompute only) or ``select-swap``'s."""
+        artifacts = self.context.artifacts
+        return artifacts["plan"] if "plan" in artifacts else artifacts.get("swap-plan")
 
 
 @dataclass

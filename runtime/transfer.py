@@ -24,7 +24,7 @@ CPU_SIZES = (1 * MIB, 32 * MIB, 128 * MIB)
 def _fit(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
     """``seconds = latency + size / bandwidth`` through the smallest and the largest size (median
     times, so a noisy middle point cannot tilt it): (bytes per second, latency)."""
-    (small, t_small), (large, t_large) = min(zip(sizes, seconds)), max(zip(sizes, seconds))
+    (small, t_small), (large, t_large) = min(zip(sizes, seconds, strict=True)), max(zip(sizes, seconds, strict=True))
     if t_large > t_small:
         bandwidth = (large - small) / (t_large - t_small)
         return bandwidth, max(0.0, t_small - small / bandwidth)
