@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget
+from mutwo.ir.budget import Budget, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
@@ -142,6 +142,8 @@ class SelectSwapPass(Pass):
     bandwidth: float | None = option(None, "host-device GB/s (both directions, no latency) instead of measuring it")
 
     def __post_init__(self) -> None:
+        if self.budget is not None:
+            parse_budget(self.budget)  # a bad budget is a usage error when the pipeline is built
         actions = [a.strip() for a in self.allow.split(",") if a.strip()]
         if not actions or any(a not in ACTIONS for a in actions):
             raise ValueError(f"allow must list swap and/or recompute, got {self.allow!r}")
