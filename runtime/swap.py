@@ -15,8 +15,8 @@ On CUDA, for a swapped tensor ``x``:
 Nothing else waits: the compute stream never waits for a copy out, and the host never waits for
 the device. A host buffer goes back to the pool with the event of the copy that read it last; the
 next copy out into it (an iteration later) waits for that event on the copy-out stream. Buffers
-have the exact size of the storage (the caching host allocator rounds up to powers of two), so
-after the first iteration no host memory is allocated.
+are kept by size and never released, so after the first iteration no host memory is allocated
+(pinned memory comes from torch's caching host allocator, whose first allocation may synchronise).
 
 On CPU the same ops copy into a separate host buffer and back (no streams), so the swap path runs
 and is checked bitwise in CI.
