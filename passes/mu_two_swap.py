@@ -58,6 +58,10 @@ class Timeline:
 
     durations: list[float]
     overlap: bool
+    #: the most one recomputation can cost: replaying the whole forward pass once. Capuchin's
+    #: bookkeeping adds inherited lineages up, counting shared ancestors once per path; through
+    #: chains of swapped tensors in residual networks that sum grows exponentially.
+    ceiling: float = math.inf
     recomps: list[SwapCandidate] = field(default_factory=list)
     swaps: list[SwapCandidate] = field(default_factory=list)
     _clock: list[float] | None = None
@@ -171,6 +175,12 @@ def schedule(
             timeline.recomps.append(best)
         count = update_existing_recomps(timeline.recomps, best)
         update_candidates(timeline.recomps, best, count, remaining)
+        for candidate in remaining:
+            if candidate.recomputable and candidate.recompute_time > timeline.ceiling:
+                candidate.recompute_time = timeline.ceiling
+                candidate.total_recompute_time = min(candidate.total_recompute_time,
+                                                     candidate.recompute_count * timeline.ceiling)  # fmt: skip
+                candidate.update_ratio()
         timeline.changed()
         peak, peak_rank = peak_after(best)
         state.peak = peak

@@ -14,7 +14,7 @@ from mutwo.ir.budget import Budget, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
-from mutwo.ir.node import Node, StorageKey
+from mutwo.ir.node import Node, Phase, StorageKey
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import NotRecomputable, Recompute
@@ -165,7 +165,9 @@ class SelectSwapPass(Pass):
                 f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
                 f"{transfer.d2h_bytes_per_second / 1e9:.1f} GB/s out, {transfer.h2d_bytes_per_second / 1e9:.1f} GB/s "
                 "in")  # fmt: skip
-        timeline = Timeline([seconds(n) for n in graph], transfer.overlap)
+        durations = [seconds(n) for n in graph]
+        forward = sum(d for d, n in zip(durations, graph, strict=True) if n.phase is Phase.FORWARD)
+        timeline = Timeline(durations, transfer.overlap, ceiling=forward)
         curve = torch.tensor(base.curve, dtype=torch.int64)
 
         def peak_after(candidate: SwapCandidate) -> tuple[int, int]:

@@ -25,7 +25,16 @@ from mutwo.ir.recompute import NotRecomputable, Recompute
 from mutwo.ir.swap import HOST, OFFLOAD, WAIT, NotSwappable, Placement, SwapAnalysis, rewrite, swap_nodes
 from mutwo.ir.timeline import Transfer, TransferModel, graph_timeline, schedule_transfers
 from mutwo.ir.verifier import VerificationError, verify
-from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, choose, swap_overhead
+from mutwo.passes.mu_two_swap import (
+    RECOMPUTE,
+    SWAP,
+    ScheduleResult,
+    SwapCandidate,
+    Timeline,
+    choose,
+    schedule,
+    swap_overhead,
+)
 from mutwo.passes.select_swap import SwapPlan
 from mutwo.runtime.equivalence import compare_graphs
 from mutwo.runtime.swap import RUNTIME
@@ -129,6 +138,19 @@ def test_the_scheduler_takes_the_cheaper_of_the_best_swap_and_the_best_recomputa
     # What cannot be recomputed can still be swapped.
     chosen = choose([_candidate("x", recompute_time=math.inf, copy=50.0)], timeline, peak_rank=4)
     assert chosen is not None and chosen.action == SWAP
+
+
+def test_inherited_lineages_never_cost_more_than_replaying_the_forward_pass() -> None:
+    # "b" is recomputed from "a"; once "a" is swapped out, b's lineage runs through a's (Algorithm F),
+    # whose Capuchin estimate (sums over every path) may exceed replaying the whole forward pass.
+    timeline = Timeline([1.0] * 10, overlap=False, ceiling=4.0)
+    a = _candidate("a", recompute_time=3.5, inactive=9.0, copy=0.01)
+    b = _candidate("b", recompute_time=2.0, inactive=1.0, start=2, first_bw=6)  # needed before a is back
+    b.sources = {"a"}
+    remaining = [a, b]
+    schedule(remaining, timeline, 0, lambda candidate: (1, 4), (2, 4), ScheduleResult(), max_steps=1)
+    assert a.action == SWAP and remaining == [b]
+    assert b.recompute_time == b.total_recompute_time == 4.0 and b.sources == set()
 
 
 # -- the rewrite -------------------------------------------------------------------------------------
