@@ -131,7 +131,8 @@ class SelectSwapPass(Pass):
     and times are updated as in the paper, and memory and time are re-simulated. The plan is
     checked by applying it to a copy of the graph and simulating that exactly: those are its
     predictions. Host-device bandwidth and latency come from the runtime's measurement (or the
-    bandwidth option). Budget as for select. Writes swap_plan.json, swap_plan.csv, transfer.json.
+    bandwidth option); tensors whose copy would take mostly latency are not swapped. Budget as
+    for select. Writes swap_plan.json, swap_plan.csv, transfer.json. See docs/swap.md.
     """
 
     name = "select-swap"
@@ -245,6 +246,7 @@ class SelectSwapPass(Pass):
         allowed = {a.strip() for a in self.allow.split(",")}
         recompute, swaps = Recompute(graph, liveness), SwapAnalysis(graph, liveness)
         elapsed = elapsed_seconds(graph, lambda node_id: seconds(graph.node(node_id)))
+        min_swap_bytes = transfer.latency_seconds * min(transfer.d2h_bytes_per_second, transfer.h2d_bytes_per_second)
         candidates: list[SwapCandidate] = []
         sites: dict[StorageKey, SwapSite] = {}
         for record in liveness.activations():
@@ -256,7 +258,9 @@ class SelectSwapPass(Pass):
                     block = recompute.plan_block(record.key, set(), {})
                 except NotRecomputable:
                     pass
-            if "swap" in allowed:
+            # A copy that takes mostly latency (batch-norm statistics, say) frees next to nothing
+            # for what it occupies the copy streams: only tensors whose copy is mostly bytes swap.
+            if "swap" in allowed and record.bytes >= min_swap_bytes:
                 try:
                     site = sites[record.key] = swaps.site(record.key)
                 except NotSwappable:
