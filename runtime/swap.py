@@ -24,8 +24,6 @@ and is checked bitwise in CI.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,19 +73,6 @@ class HostBuffers:
         return sum(len(entries) for entries in self._free.values())
 
 
-@dataclass
-class TraceRecord:
-    """One swap op as it ran: ``start``/``end`` are CUDA events (on the stream that did the work)
-    or, on CPU, ``time.perf_counter`` values. For a wait, the interval is the compute stream's
-    stall."""
-
-    kind: str  #: offload, prefetch or wait
-    tag: int
-    nbytes: int
-    start: Any
-    end: Any
-
-
 class SwapRuntime:
     """Streams, in-flight copies and host buffers of the swap ops, one per process (like torch's
     own caching allocators), shared by every graph that swaps."""
@@ -97,7 +82,6 @@ class SwapRuntime:
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._copied_out: dict[int, tuple[torch.Tensor, Any]] = {}  # host data_ptr -> (buffer, copy-out event)
         self._copying_in: dict[int, Any] = {}  # device data_ptr -> copy-in event (None on CPU)
-        self.trace: list[TraceRecord] | None = None  #: set to a list to record every op
 
     def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """The copy-out and copy-in streams of a GPU."""
@@ -110,40 +94,26 @@ class SwapRuntime:
         """Copies started but not yet consumed (0 between iterations of a well-formed graph)."""
         return len(self._copied_out) + len(self._copying_in)
 
-    def _mark(self, stream: torch.cuda.Stream | None) -> Any:
-        if stream is None:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=self.trace is not None)
-        event.record(stream)
-        return event
-
-    def _record(self, kind: str, tag: int, nbytes: int, start: Any, end: Any) -> None:
-        if self.trace is not None:
-            self.trace.append(TraceRecord(kind, tag, nbytes, start, end))
-
     def offload(self, x: torch.Tensor, tag: int) -> torch.Tensor:
         if not covers_storage(x):
             raise RuntimeError(f"mutwo.offload (tag {tag}): the tensor does not span its storage densely from offset "
                                "0; the swap plan must offload the tensor that allocated the storage")  # fmt: skip
-        nbytes = x.untyped_storage().nbytes()
-        buffer, last_reader = self.buffers.take(nbytes, pinned=x.is_cuda)
+        buffer, last_reader = self.buffers.take(x.untyped_storage().nbytes(), pinned=x.is_cuda)
         host = buffer.view(x.dtype).as_strided(x.shape, x.stride())
+        done = None
         if x.is_cuda:
             copy_out, _ = self.streams(x.device)
-            copy_out.wait_stream(torch.cuda.current_stream(x.device))
-            if last_reader is not None:
+            copy_out.wait_stream(torch.cuda.current_stream(x.device))  # x is ready there
+            if last_reader is not None:  # the buffer's previous copy in has read it
                 copy_out.wait_event(last_reader)
             with torch.cuda.stream(copy_out):
-                start = self._mark(copy_out) if self.trace is not None else None
                 host.copy_(x, non_blocking=True)
-                done = self._mark(copy_out)
-            x.record_stream(copy_out)
+                done = torch.cuda.Event()
+                done.record(copy_out)
+            x.record_stream(copy_out)  # its block is not reused before the copy has read it
         else:
-            start = self._mark(None)
             host.copy_(x)
-            done = self._mark(None)
-        self._record("offload", tag, nbytes, start, done)
-        self._copied_out[host.data_ptr()] = (buffer, done if x.is_cuda else None)
+        self._copied_out[host.data_ptr()] = (buffer, done)
         return host
 
     def prefetch(self, host: torch.Tensor, device: torch.device, tag: int) -> torch.Tensor:
@@ -153,22 +123,20 @@ class SwapRuntime:
                                "still waiting for its prefetch")  # fmt: skip
         buffer, copied_out = entry
         target = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+        ready = None
         if target.is_cuda:
             _, copy_in = self.streams(target.device)
-            copy_in.wait_stream(torch.cuda.current_stream(target.device))
+            copy_in.wait_stream(torch.cuda.current_stream(target.device))  # the block may be in use until here
             if copied_out is not None:
                 copy_in.wait_event(copied_out)
             with torch.cuda.stream(copy_in):
-                start = self._mark(copy_in) if self.trace is not None else None
                 target.copy_(host, non_blocking=True)
-                ready = self._mark(copy_in)
+                ready = torch.cuda.Event()
+                ready.record(copy_in)
         else:
-            start = self._mark(None)
             target.copy_(host)
-            ready = self._mark(None)
-        self._record("prefetch", tag, buffer.numel(), start, ready)
-        self.buffers.give_back(buffer, ready if target.is_cuda else None)
-        self._copying_in[target.data_ptr()] = ready if target.is_cuda else None
+        self.buffers.give_back(buffer, ready)
+        self._copying_in[target.data_ptr()] = ready
         return target
 
     def wait(self, x: torch.Tensor, tag: int) -> torch.Tensor:
@@ -176,12 +144,8 @@ class SwapRuntime:
             raise RuntimeError(f"mutwo.wait (tag {tag}): this tensor is not the result of a prefetch still "
                                "waiting for its wait")  # fmt: skip
         ready = self._copying_in.pop(x.data_ptr())
-        compute = torch.cuda.current_stream(x.device) if x.is_cuda else None
-        before = self._mark(compute) if self.trace is not None else None
-        if ready is not None and compute is not None:
-            compute.wait_event(ready)
-        if self.trace is not None:
-            self._record("wait", tag, 0, before, self._mark(compute))
+        if ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(ready)
         return x
 
 
@@ -192,14 +156,3 @@ _IMPL = torch.library.Library("mutwo", "IMPL")
 _IMPL.impl("offload", RUNTIME.offload, "CompositeExplicitAutograd")
 _IMPL.impl("prefetch", RUNTIME.prefetch, "CompositeExplicitAutograd")
 _IMPL.impl("wait", RUNTIME.wait, "CompositeExplicitAutograd")
-
-
-def trace_seconds(records: list[TraceRecord], origin: Any) -> list[dict[str, Any]]:
-    """The records as seconds since ``origin`` (a CUDA event recorded on the compute stream before
-    the iteration, or a ``perf_counter`` value); on CUDA, synchronise first."""
-
-    def since(mark: Any) -> float:
-        return origin.elapsed_time(mark) / 1e3 if isinstance(mark, torch.cuda.Event) else mark - origin
-
-    return [{"kind": r.kind, "tag": r.tag, "bytes": r.nbytes, "start": since(r.start), "end": since(r.end)}
-            for r in records]  # fmt: skip
