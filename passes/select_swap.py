@@ -22,7 +22,7 @@ from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, Sw
 from mutwo.ir.timeline import GraphTimeline, TransferModel, calibrated_seconds, graph_timeline
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, ScheduleResult, SwapCandidate, Timeline, schedule
-from mutwo.passes.select import resolve_budget
+from mutwo.passes.select import replay_seconds, resolve_budget
 
 MIB = 2**20
 ACTIONS = ("swap", "recompute")
@@ -96,6 +96,7 @@ class Evaluation:
     projected: torch.Tensor  #: the memory curve on the original ranks (inserted nodes count at the next one)
     timeline: GraphTimeline
     rewrite: SwapRewrite
+    graph: Graph  #: the rewritten copy
 
 
 def evaluate(graph: Graph, liveness: Liveness, sites: dict[StorageKey, SwapSite], chosen: list[SwapCandidate],
@@ -117,7 +118,8 @@ def evaluate(graph: Graph, liveness: Liveness, sites: dict[StorageKey, SwapSite]
             pending = max(pending, value)
         else:
             projected[rank], pending = max(value, pending), 0
-    return Evaluation(list(chosen), simulation, projected, graph_timeline(rewritten, seconds, transfer), result)
+    return Evaluation(list(chosen), simulation, projected, graph_timeline(rewritten, seconds, transfer), result,
+                      rewritten)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class SelectSwapPass(Pass):
         budget_bytes = budget.resolve(base.peak_bytes)
         transfer = self._transfer(ctx, base.device)
         seconds, scale = calibrated_seconds(profile)
-        candidates, sites = self._candidates(graph, liveness, seconds, transfer, base.device)
+        candidates, sites = self._candidates(graph, liveness, profile, scale, transfer, base.device)
         ctx.log(f"select-swap: {len(candidates)} candidates ({sum(c.swappable for c in candidates)} swappable, "
                 f"{sum(c.recomputable for c in candidates)} recomputable); unoptimized peak "
                 f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
@@ -241,11 +243,11 @@ class SelectSwapPass(Pass):
             ctx.save_json("transfer.json", model.to_json())
         return model
 
-    def _candidates(self, graph: Graph, liveness: Liveness, seconds: Callable[[Node], float], transfer: TransferModel,
+    def _candidates(self, graph: Graph, liveness: Liveness, profile: Any, scale: float, transfer: TransferModel,
                     device: str) -> tuple[list[SwapCandidate], dict[StorageKey, SwapSite]]:  # fmt: skip
         allowed = {a.strip() for a in self.allow.split(",")}
         recompute, swaps = Recompute(graph, liveness), SwapAnalysis(graph, liveness)
-        elapsed = elapsed_seconds(graph, lambda node_id: seconds(graph.node(node_id)))
+        elapsed = elapsed_seconds(graph, lambda node_id: scale * profile.seconds(node_id))
         min_swap_bytes = transfer.latency_seconds * min(transfer.d2h_bytes_per_second, transfer.h2d_bytes_per_second)
         candidates: list[SwapCandidate] = []
         sites: dict[StorageKey, SwapSite] = {}
@@ -272,7 +274,8 @@ class SelectSwapPass(Pass):
                 key=record.key, memory=allocation_size(record.bytes, device),
                 sources=set() if block is None else {t.storage for s in block.sources for t in graph.node(s).tensors
                                                      if t is not None},
-                recompute_time=float("inf") if block is None else sum(seconds(graph.node(n)) for n in block.nodes),
+                recompute_time=float("inf") if block is None else
+                scale * sum(replay_seconds(profile, n, block) for n in block.nodes),
                 inactive_start=record.last_forward_use if record.last_forward_use is not None else record.created,
                 first_backward_use=record.first_backward_use,
                 last_backward_use=record.last_backward_use or record.first_backward_use,
@@ -306,8 +309,9 @@ class SelectSwapPass(Pass):
                              total_seconds=candidate.total_recompute_time,
                              sources=sorted(k.creator for k in candidate.sources))  # fmt: skip
             entries.append(entry)
-        clones = best.rewrite.clones
-        added = scale * sum(profile.seconds(origin) * len(copies) for origin, copies in clones.items())
+        seconds, _ = calibrated_seconds(profile)
+        clones = {clone for copies in best.rewrite.clones.values() for clone in copies}
+        added = sum(seconds(best.graph.node(clone)) for clone in clones)
         iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
         exact = best.simulation
         return SwapPlan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes,
