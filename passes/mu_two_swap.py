@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mutwo.ir.timeline import StreamSchedule, Transfer, schedule_transfers
-from mutwo.passes.mu_two import Candidate, update_candidates, update_existing_recomps
+from mutwo.passes.mu_two import Candidate, GreedyResult, update_candidates, update_existing_recomps
 
 KEEP, RECOMPUTE, SWAP = "keep", "recompute", "swap"
 
@@ -118,13 +118,6 @@ def blocked(candidate: SwapCandidate, recomps: list[SwapCandidate]) -> bool:
         candidate.key in r.sources and not candidate.live_again_when(r) for r in recomps)
 
 
-@dataclass
-class ScheduleResult:
-    chosen: list[SwapCandidate] = field(default_factory=list)
-    peak: int = 0
-    steps: int = 0
-
-
 def choose(remaining: list[SwapCandidate], timeline: Timeline, peak_rank: int) -> SwapCandidate | None:
     """One choice of Algorithm B at the peak ``peak_rank``: the cheaper of the best swap and the best
     recomputation among the candidates idle there (its ``action``, ``prompt`` and ``overhead`` set)."""
@@ -150,7 +143,7 @@ def schedule(
     budget: int,
     peak_after: Callable[[SwapCandidate], tuple[int, int]],
     current_peak: tuple[int, int],
-    state: ScheduleResult,
+    state: GreedyResult,
     max_steps: int | None = None,
 ) -> bool:
     """Choose swaps and recomputations until the peak is at most ``budget``, nothing lowers it, or

@@ -20,26 +20,18 @@ from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import NotRecomputable, Recompute
 from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, SwapSite, rewrite
 from mutwo.ir.timeline import GraphTimeline, TransferModel, calibrated_seconds, graph_timeline
-from mutwo.passes.liveness import liveness_of
-from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, ScheduleResult, SwapCandidate, Timeline, schedule
-from mutwo.passes.select import replay_seconds, resolve_budget
+from mutwo.passes.mu_two import GreedyResult, search
+from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule
+from mutwo.passes.select import PlanData, replay_seconds, start
 
 MIB = 2**20
 ACTIONS = ("swap", "recompute")
 
 
 @dataclass
-class SwapPlan:
+class SwapPlan(PlanData):
     """A plan of swaps and recomputations, what it saves and costs, and what it predicts."""
 
-    fingerprint: str
-    budget: str
-    budget_bytes: int
-    unoptimized_peak: int
-    predicted_peak: int
-    predicted_peak_node: int
-    predicted_peak_phase: str
-    base_seconds: float  #: the unoptimized iteration (measured on CUDA, summed over nodes on CPU)
     predicted_seconds: float
     recompute_seconds: float  #: what the recompute clones add
     stall_seconds: float  #: what the copies the compute cannot hide add
@@ -51,13 +43,6 @@ class SwapPlan:
 
     def of(self, action: str) -> list[dict[str, Any]]:
         return [e for e in self.entries if e["action"] == action]
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SwapPlan:
-        return cls(**data)
 
     def table(self) -> str:
         lines = [f"{'action':<9} {'storage':>10} {'producer':<34} {'MiB':>8} {'ms':>8}  detail"]
@@ -154,12 +139,10 @@ class SelectSwapPass(Pass):
             raise ValueError(f"bandwidth must be a positive number of GB/s, got {self.bandwidth}")
 
     def run(self, graph: Graph, ctx: PassContext) -> SwapPlan:
-        profile = ctx.artifacts["profile"]
-        liveness = liveness_of(graph, ctx)
-        workspace = profile.workspace()
-        base = simulate(graph, liveness, workspace)
-        budget = resolve_budget(self.budget, ctx) or self._device_budget(ctx, base)
-        budget_bytes = budget.resolve(base.peak_bytes)
+        begin = start(graph, ctx, self.budget, "select-swap: no budget and no device limit (CPU): nothing needs to "
+                      "leave memory")  # fmt: skip
+        profile, liveness, workspace, base = begin.profile, begin.liveness, begin.workspace, begin.base
+        budget, budget_bytes = begin.budget, begin.budget_bytes
         transfer = self._transfer(ctx, base.device)
         seconds, scale = calibrated_seconds(profile)
         candidates, sites = self._candidates(graph, liveness, profile, scale, transfer, base.device)
@@ -185,27 +168,22 @@ class SelectSwapPass(Pass):
             except (NotRecomputable, NotSwappable) as error:
                 raise PassFailure(f"select-swap chose a plan that cannot be realised: {error}") from None
 
-        state = ScheduleResult()
+        state = GreedyResult()
         remaining = list(candidates)
         best = exact()
-        # As in select: towards the budget the estimate leads and exact checks correct it; when the
-        # budget is unreachable, go on towards the lowest peak (target 0) in chunks, which the
-        # failure then reports.
-        chunk = max(4, len(candidates) // 8)
-        for target in (budget_bytes, 0):
-            for _attempt in range(8 if target else 64):
-                rank = int(torch.argmax(curve))
-                grew = schedule(remaining, timeline, target, peak_after, (int(curve[rank]), rank), state,
-                                None if target else chunk)  # fmt: skip
-                if grew:
-                    evaluation = exact()
-                    curve.copy_(evaluation.projected)
-                    if evaluation.simulation.peak_bytes < best.simulation.peak_bytes:
-                        best = evaluation
-                if best.simulation.peak_bytes <= target or not grew:
-                    break
-            if best.simulation.peak_bytes <= budget_bytes:
-                break
+
+        def grow(target: int, max_steps: int | None) -> bool:
+            nonlocal best
+            rank = int(torch.argmax(curve))
+            grew = schedule(remaining, timeline, target, peak_after, (int(curve[rank]), rank), state, max_steps)
+            if grew:
+                evaluation = exact()
+                curve.copy_(evaluation.projected)
+                if evaluation.simulation.peak_bytes < best.simulation.peak_bytes:
+                    best = evaluation
+            return grew
+
+        search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best.simulation.peak_bytes)
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, profile, scale, transfer)
         ctx.artifacts["swap-plan"] = plan
         ctx.save_json("swap_plan.json", plan.to_json())
@@ -219,14 +197,6 @@ class SelectSwapPass(Pass):
                               f"{base.peak_bytes / MIB:.1f} MiB), at %{plan.predicted_peak_node} in the "
                               f"{plan.predicted_peak_phase} phase")  # fmt: skip
         return plan
-
-    @staticmethod
-    def _device_budget(ctx: PassContext, base: MemorySimulation) -> Budget:
-        capacity = ctx.services.get("device_memory")
-        if capacity is None:
-            ctx.log("select-swap: no budget and no device limit (CPU): nothing needs to leave memory")
-            return Budget(bytes=max(base.peak_bytes, 1))
-        return Budget(bytes=int(capacity))
 
     def _transfer(self, ctx: PassContext, device: str) -> TransferModel:
         if self.bandwidth is not None:

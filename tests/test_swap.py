@@ -25,10 +25,10 @@ from mutwo.ir.recompute import NotRecomputable, Recompute
 from mutwo.ir.swap import HOST, OFFLOAD, WAIT, NotSwappable, Placement, SwapAnalysis, rewrite, swap_nodes
 from mutwo.ir.timeline import Transfer, TransferModel, graph_timeline, schedule_transfers
 from mutwo.ir.verifier import VerificationError, verify
+from mutwo.passes.mu_two import GreedyResult
 from mutwo.passes.mu_two_swap import (
     RECOMPUTE,
     SWAP,
-    ScheduleResult,
     SwapCandidate,
     Timeline,
     choose,
@@ -148,7 +148,7 @@ def test_inherited_lineages_never_cost_more_than_replaying_the_forward_pass() ->
     b = _candidate("b", recompute_time=2.0, inactive=1.0, start=2, first_bw=6)  # needed before a is back
     b.sources = {"a"}
     remaining = [a, b]
-    schedule(remaining, timeline, 0, lambda candidate: (1, 4), (2, 4), ScheduleResult(), max_steps=1)
+    schedule(remaining, timeline, 0, lambda candidate: (1, 4), (2, 4), GreedyResult(), max_steps=1)
     assert a.action == SWAP and remaining == [b]
     assert b.recompute_time == b.total_recompute_time == 4.0 and b.sources == set()
 
