@@ -29,12 +29,8 @@ import torch
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness
-from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.node import HOST, Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.recompute import Recompute, _follow_storage, _mutation_positions, insert_blocks
-
-#: The device name of swapped-out copies: host memory, a pool apart from the device's (pinned
-#: buffers on CUDA; on CPU a separate buffer, so that the swap path runs and is checked there too).
-HOST = "host"
 
 _LIBRARY = torch.library.Library("mutwo", "FRAGMENT")
 _LIBRARY.define("offload(Tensor x, int tag) -> Tensor")
