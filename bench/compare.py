@@ -23,6 +23,12 @@ The swap study of one model (the swap issue), in one command, for example:
     python bench/compare.py --out $OUT/swap_resnet152_b128.json --models resnet152:128 --variants swap-study
 
     python bench/compare.py --out bench/results/compare_h100.json --models resnet152:128,bert:64
+
+``--precision bf16-autocast`` runs every variant under bf16 autocast (eager and checkpointing in
+``torch.autocast``, mutwo with the config key ``precision``), for the bf16 rows:
+
+    python bench/compare.py --precision bf16-autocast --variants eager,checkpoint,mutwo-none,mutwo-checkpoint \
+        --models resnet152:128,bert:64 --out bench/results/compare_bf16_h100.json
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mutwo.ir.budget import Budget  # noqa: E402
+from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
@@ -96,20 +103,21 @@ def budget_spec(variant: str) -> str | None:
     return None if prefix is None else variant.removeprefix(prefix)
 
 
-def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path) -> dict[str, Any]:
+def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
+           precision: str | None = None) -> dict[str, Any]:  # fmt: skip
     config = ROOT / CONFIGS[name]
     own = budget_spec(variant)
     if own is not None:
         spec: Any = json.loads(budget) if budget else own
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
-                                optimizer_passes=variant.startswith("mutwo+opt"),
+                                precision=precision, optimizer_passes=variant.startswith("mutwo+opt"),
                                 swap=variant.startswith("mutwo-swap-"))  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
-    training = build_training(config, batch_size)
-    row: dict[str, Any] = {}
+    training = build_training(config, batch_size, precision=precision)
+    row: dict[str, Any] = {"precision": training.options.precision}
     runner: nn.Module = training.model
     if variant == "checkpoint":
         row["checkpointed_blocks"] = checkpoint_blocks(training.model)
@@ -131,12 +139,13 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated variants, or a preset: {', '.join(PRESETS)}")  # fmt: skip
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    parser.add_argument("--precision", choices=PRECISIONS, help="override the configs' precision (bf16-autocast...)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
     if args.worker:
         name, batch, variant, budget = args.worker
-        row = worker(name, int(batch), variant, budget or None, scratch / name)
+        row = worker(name, int(batch), variant, budget or None, scratch / name, args.precision)
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
@@ -154,7 +163,8 @@ def main() -> None:
             encoded = json.dumps({"bytes": budget.bytes}) if isinstance(budget, Budget) else ""
             try:
                 done = subprocess.run([sys.executable, __file__, "--worker", name, batch, variant, encoded,
-                                       *(["--out", args.out] if args.out else [])], cwd=ROOT,
+                                       *(["--out", args.out] if args.out else []),
+                                       *(["--precision", args.precision] if args.precision else [])], cwd=ROOT,
                                       capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 row = json.loads(lines[-1]) if done.returncode == 0 and lines else {

@@ -174,6 +174,24 @@ def test_the_tiny_config_used_by_the_catalogue_runs(workdir: Path, capsys: pytes
     assert (out / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("optimizer", ["{name: sgd, lr: 0.01, momentum: 0.9, dampening: 0.5}",
+                                       "{name: rmsprop, lr: 0.01, centered: true}", "{name: radam, lr: 0.01}"])
+def test_training_keys_run_and_check_bitwise(optimizer: str, workdir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    config = write_config(workdir, f"""\
+        model: {{source: python, name: tiny.py:make}}
+        batch_size: 4
+        optimizer: {optimizer}
+        precision: bf16-autocast
+        max_grad_norm: 0.5
+        passes: stats
+        """)  # fmt: skip
+    out = workdir / "out"
+    code, stdout, err = run_cli(capsys, "-q", "--check", "-o", out, config)
+    assert code == EXIT_OK, err
+    assert "equivalent" in (stdout + err + (out / "summary.json").read_text()).lower()
+
+
 # -- the config file -----------------------------------------------------------------------------
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", tmp_path / "nope.yaml")
@@ -218,6 +236,18 @@ CONFIG_ERRORS = {
     "unknown-model-source": (
         "model: {source: pytorch, name: tiny.py:make}\n",
         ["unknown model source 'pytorch'", "use one of torchvision, transformers, python"],
+    ),
+    "unknown-precision": (
+        "model: {source: python, name: tiny.py:make}\nprecision: bf16\n",
+        ["unknown precision 'bf16'", "use one of fp32, bf16-autocast, fp16-autocast"],
+    ),
+    "non-positive-max-grad-norm": (
+        "model: {source: python, name: tiny.py:make}\nmax_grad_norm: 0\n",
+        ["'max_grad_norm' must be a positive number", "got 0"],
+    ),
+    "grad-scaler-not-a-bool": (
+        "model: {source: python, name: tiny.py:make}\ngrad_scaler: 1\n",
+        ["'grad_scaler' must be true or false"],
     ),
     "unknown-optimizer-key": (
         "model: {source: python, name: tiny.py:make}\noptimizer: {name: adam, lr: 0.01, fused: true}\n",
@@ -293,10 +323,6 @@ def test_python_factory_that_raises(workdir: Path, capsys: pytest.CaptureFixture
 
 # -- the optimizer -------------------------------------------------------------------------------
 OPTIMIZER_ERRORS = {
-    "sgd-dampening": (
-        "{name: sgd, lr: 0.01, momentum: 0.9, dampening: 0.5}",
-        ["SGD with dampening", "set dampening=0"],
-    ),
     "sgd-negative-momentum": (
         "{name: sgd, lr: 0.01, momentum: -1}",
         ["optimizer sgd", "Invalid momentum value: -1"],

@@ -25,7 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.replay import describe
+from mutwo.runtime.training import PRECISIONS, TrainingOptions
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,6 +96,7 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
 
 def run_configuration(config_path: str | Path, batch_size: int, variant: Any, out: Path, *, device: str | None = None,
                       memory_limit: int | None = None, warmup: int = 3, iterations: int = 10,
+                      precision: str | None = None,
                       log: Callable[[str], None] = lambda message: None,
                       optimizer_passes: bool = False, swap: bool = False) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
@@ -108,8 +110,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
 
-    training = build_training(config_path, batch_size, device)
-    row: dict[str, Any] = {"batch_size": batch_size, "variant": variant}
+    training = build_training(config_path, batch_size, device, precision)
+    row: dict[str, Any] = {"batch_size": batch_size, "variant": variant, "precision": training.options.precision}
     try:
         if variant == "eager":
             step = training.eager_step()
@@ -151,31 +153,49 @@ class Training:
     batch: Any
     loss_fn: Callable[[Any, Any], torch.Tensor]
     device: torch.device
+    options: TrainingOptions = field(default_factory=TrainingOptions)  #: clipping, precision, scaler
 
     def eager_step(self, model: torch.nn.Module | None = None) -> Callable[[], None]:
-        """One eager iteration as a user writes it (``model`` defaults to the built one)."""
+        """One eager iteration as a user writes it (``model`` defaults to the built one), with the
+        config's autocast, gradient clipping and grad scaler."""
         runner = model if model is not None else self.model
+        dtype = PRECISIONS[self.options.precision]
+        scaler = self.options.scaler
 
         def step() -> None:
             self.optimizer.zero_grad(set_to_none=True)
-            output = runner(**self.batch) if isinstance(self.batch, dict) else runner(*self.batch)
-            self.loss_fn(output, self.batch).backward()
-            self.optimizer.step()
+            with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                output = runner(**self.batch) if isinstance(self.batch, dict) else runner(*self.batch)
+                loss = self.loss_fn(output, self.batch)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            if self.options.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(runner.parameters(), self.options.max_grad_norm,
+                                               self.options.norm_type)  # fmt: skip
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
 
         return step
 
 
-def build_training(config_path: str | Path, batch_size: int, device: str | None = None) -> Training:
-    """Build the config's model, batch and optimizer at ``batch_size`` on its device."""
+def build_training(config_path: str | Path, batch_size: int, device: str | None = None,
+                   precision: str | None = None) -> Training:  # fmt: skip
+    """Build the config's model, batch and optimizer at ``batch_size`` on its device (``precision``
+    overrides the config's)."""
     from mutwo.tools.config import apply_overrides, load_config
-    from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
+    from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device, training_options
 
-    config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device)
+    config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device, precision=precision)
     target = target_device(config)
     torch.manual_seed(config.seed)
     workload = build_workload(config)
     model = workload.model.to(target)
-    return Training(model, build_optimizer(config, model), to_device(workload.batch, target), workload.loss_fn, target)
+    return Training(model, build_optimizer(config, model), to_device(workload.batch, target), workload.loss_fn, target,
+                    training_options(config, target))  # fmt: skip
 
 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
@@ -189,7 +209,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     from mutwo.runtime.step import GraphStep
 
     started = time.perf_counter()
-    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn)
+    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)

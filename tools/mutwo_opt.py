@@ -51,7 +51,7 @@ from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageErro
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
 from mutwo.tools.reports import memory_timeline, swap_timeline, write_reports
-from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device
+from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device, training_options
 
 
 class Failure(Exception):
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, help="override the config's batch size")
     parser.add_argument("--budget", help="memory budget: a fraction of the unoptimized peak (0.5) or bytes (6GiB)")
     parser.add_argument("--seed", type=int, help="override the config's seed")
+    parser.add_argument("--precision", help="override the config's precision: fp32, bf16-autocast, fp16-autocast")
     parser.add_argument("--check", action="store_true",
                         help="run the original and final graphs for 3 iterations and compare every number")
     parser.add_argument("--profile-from", metavar="FILE",
@@ -127,7 +128,8 @@ class MutwoOpt:
         try:
             config = load_config(self.args.config)
             apply_overrides(config, batch_size=self.args.batch_size, device=self.args.device,
-                            budget=self.args.budget, passes=self.args.passes, seed=self.args.seed)  # fmt: skip
+                            budget=self.args.budget, passes=self.args.passes, seed=self.args.seed,
+                            precision=self.args.precision)  # fmt: skip
         except ConfigError as error:
             raise UsageError(str(error)) from None
         return config
@@ -195,7 +197,8 @@ class MutwoOpt:
             if self.dp is not None:
                 distributed.broadcast_model(model, self.dp)
             self.log("capturing one training iteration (forward, backward, optimizer step)")
-            lowered = capture_graph(model, optimizer, batch, workload.loss_fn, self.dp)
+            lowered = capture_graph(model, optimizer, batch, workload.loss_fn, training_options(config, device),
+                                    data_parallel=self.dp)
         except (ConfigError, CaptureError, UnsupportedOptimizerError, distributed.DataParallelError) as error:
             raise UsageError(str(error)) from None
         except distributed.RanksDisagreeError as error:
