@@ -12,6 +12,15 @@ variant's measured peak, so that iteration times are compared at equal memory:
 
 ``mutwo+opt-<budget>`` is the same with the optimizer passes (optimizer-in-backward and
 foreach-buckets) before select; ``mutwo+opt-none`` runs them without recompute.
+``mutwo-swap-<budget>`` plans with select-swap and insert-swap instead (keep, recompute or swap
+each activation to pinned host memory, μ-TWO); ``mutwo-<budget>`` stays recompute only. Rows of
+mutwo variants record the plan's predicted peak (``planned_peak_bytes``) and iteration time
+(``predicted_iteration_ms``) beside the measured ones. ``mutwo-none`` profiles the graph once;
+the mutwo variants after it (same model and batch) reuse that profile.
+
+The swap study of one model (the swap issue), in one command, for example:
+
+    python bench/compare.py --out $OUT/swap_resnet152_b128.json --models resnet152:128 --variants swap-study
 
     python bench/compare.py --out bench/results/compare_h100.json --models resnet152:128,bert:64
 
@@ -48,6 +57,10 @@ from mutwo.tools.experiment import build_training, measure_after_planning, run_c
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
            "tiny": "examples/tiny_mlp.yaml"}  # fmt: skip
 VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "mutwo-checkpoint", "mutwo-eager0.5"]
+#: Named lists of variants: recompute-only vs swap+recompute at half of eager's peak and at checkpointing's.
+PRESETS = {"swap-study": ["eager", "checkpoint", "mutwo-none", "mutwo-eager0.5", "mutwo-swap-eager0.5",
+                          "mutwo-checkpoint", "mutwo-swap-checkpoint"]}  # fmt: skip
+MUTWO_PREFIXES = ("mutwo-swap-", "mutwo+opt-", "mutwo-")
 WARMUP, MEASURED = 3, 10
 
 
@@ -95,15 +108,22 @@ def config_path(name: str) -> Path:
     return ROOT / CONFIGS[name] if name in CONFIGS else Path(name).resolve()
 
 
+def budget_spec(variant: str) -> str | None:
+    """The budget part of a mutwo variant (``mutwo-swap-eager0.5`` -> ``eager0.5``), None for others."""
+    prefix = next((p for p in MUTWO_PREFIXES if variant.startswith(p)), None)
+    return None if prefix is None else variant.removeprefix(prefix)
+
+
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
            precision: str | None = None) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
-    if variant.startswith("mutwo"):
-        spec: Any = json.loads(budget) if budget else variant.split("-", 1)[1]
+    own = budget_spec(variant)
+    if own is not None:
+        spec: Any = json.loads(budget) if budget else own
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
-                                precision=precision,
-                                optimizer_passes=variant.startswith("mutwo+opt"))  # fmt: skip
+                                precision=precision, optimizer_passes=variant.startswith("mutwo+opt"),
+                                swap=variant.startswith("mutwo-swap-"))  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
@@ -127,7 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write (rewritten after every variant)")
     parser.add_argument("--models", default="resnet152:128,bert:64", help="name:batch,...")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated variants, or a preset: {', '.join(PRESETS)}")  # fmt: skip
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     parser.add_argument("--stand-in-budget", metavar="B",
                         help="where a budget names a peak that was not measured (a CPU dry run: peaks are "
@@ -146,11 +167,12 @@ def main() -> None:
         name, _, batch = item.rpartition(":")
         if name not in CONFIGS and not config_path(name).is_file():
             parser.error(f"--models: {name!r} is neither one of {', '.join(CONFIGS)} nor a YAML config file")
-        for variant in args.variants.split(","):
+        for variant in PRESETS.get(args.variants, args.variants.split(",")):
             base = {"model": name, "batch_size": int(batch), "variant": variant}
+            spec = budget_spec(variant)
             try:
-                budget = mutwo_budget(variant.split("-", 1)[1], [r for r in rows if r["model"] == name],
-                                      args.stand_in_budget) if variant.startswith("mutwo") else None  # fmt: skip
+                budget = None if spec is None else mutwo_budget(spec, [r for r in rows if r["model"] == name],
+                                                                args.stand_in_budget)  # fmt: skip
             except ValueError as error:
                 rows.append({**base, "error": str(error)})
                 print(json.dumps(rows[-1]), flush=True)

@@ -281,14 +281,20 @@ class Recompute:
         if self._overwritten_between(storages, self.rank[operand.id], reader_rank):
             raise NotRecomputable(f"{operand!r} is overwritten in place before a node of the lineage reads it")
 
-    def plan(self, chosen: Iterable[StorageKey]) -> list[Block]:
-        """Blocks for every chosen storage, in the order of their insertion points."""
+    def plan(self, chosen: Iterable[StorageKey], *, dropped: Iterable[StorageKey] = (),
+             live_clones: dict[int, tuple[int, int, StorageKey]] | None = None) -> list[Block]:  # fmt: skip
+        """Blocks for every chosen storage, in the order of their insertion points.
+
+        ``dropped``: other storages that are gone from the device in the backward pass (swapped
+        out); ``live_clones``: copies of them that are live in a window, as :meth:`plan_block` takes.
+        """
         chosen = set(chosen)
+        gone = chosen | set(dropped)
         order = sorted(chosen, key=lambda k: (self.liveness.storages[k].first_backward_use, k))
-        live_clones: dict[int, tuple[int, int, StorageKey]] = {}
+        live_clones = dict(live_clones or {})
         blocks = []
         for key in order:
-            block = self.plan_block(key, chosen, live_clones)
+            block = self.plan_block(key, gone, live_clones)
             record = self.liveness.storages[key]
             for holder in block.redirect:
                 live_clones[holder] = (record.first_backward_use, record.last_backward_use or record.first_backward_use,
@@ -297,13 +303,14 @@ class Recompute:
         return blocks
 
 
-def insert_blocks(graph: Graph, blocks: list[Block]) -> dict[int, list[int]]:
+def insert_blocks(graph: Graph, blocks: list[Block], live: dict[int, Node] | None = None) -> dict[int, list[int]]:
     """Insert the clones of every block and redirect backward readers; returns original id -> clone ids.
 
-    ``blocks`` must come from :meth:`Recompute.plan` on this graph (in that order).
+    ``blocks`` must come from :meth:`Recompute.plan` on this graph (in that order); ``live`` gives
+    the nodes that stand for the ``live_clones`` the plan was given.
     """
     clones_of: dict[int, list[int]] = {}
-    live: dict[int, Node] = {}  # original id -> clone that later blocks may read
+    live = dict(live or {})  # original id -> clone that later blocks may read
     snapshots: dict[int, Node] = {}  # random original id -> the generator state it consumed
     for block in blocks:
         point = graph.node(block.insert_before)

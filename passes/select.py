@@ -21,23 +21,36 @@ from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks
 from mutwo.ir.replay import rng_refusal, rng_state_bytes
 from mutwo.passes.liveness import liveness_of
-from mutwo.passes.mu_two import Candidate, GreedyResult, greedy
+from mutwo.passes.mu_two import Candidate, GreedyResult, greedy, search
 
 MIB = 2**20
 
 
 @dataclass
-class Plan:
-    """A recompute plan: what to recompute, what it saves and costs, and what it predicts."""
+class PlanData:
+    """What every selection plan states (its JSON form is its fields: they hold only JSON values)."""
 
-    fingerprint: str
+    fingerprint: str  #: of the graph it was made for
     budget: str
     budget_bytes: int
     unoptimized_peak: int
     predicted_peak: int
     predicted_peak_node: int
     predicted_peak_phase: str
-    base_seconds: float
+    base_seconds: float  #: the unoptimized iteration (measured on CUDA, summed over nodes on CPU)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Any:
+        return cls(**data)
+
+
+@dataclass
+class Plan(PlanData):
+    """A recompute plan: what to recompute, what it saves and costs, and what it predicts."""
+
     added_seconds: float
     entries: list[dict[str, Any]]
     met: bool
@@ -47,13 +60,6 @@ class Plan:
 
     def keys(self) -> list[tuple[int, int]]:
         return [(e["storage_creator"], e["storage_output"]) for e in self.entries]
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Plan:
-        return cls(**data)
 
     def table(self) -> str:
         lines = [f"{'storage':>10} {'producer':<34} {'MiB':>8} {'count':>5} {'added ms':>9}  sources"]
@@ -77,10 +83,43 @@ class Plan:
         return out.getvalue()
 
 
-def resolve_budget(option_value: str | None, ctx: PassContext) -> Budget | None:
+@dataclass
+class Start:
+    """What selection starts from: the profile, the unoptimized graph's liveness and simulation
+    (with the profiled workspaces), and the budget."""
+
+    profile: Any
+    liveness: Liveness
+    workspace: dict[int, int]
+    base: MemorySimulation
+    budget: Budget
+    budget_bytes: int
+
+
+def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: str) -> Start:
+    """The starting point of a selection pass whose budget option is ``option_value`` (see
+    :func:`resolve_budget` for ``unlimited``)."""
+    profile = ctx.artifacts["profile"]
+    liveness = liveness_of(graph, ctx)
+    workspace = profile.workspace()
+    base = simulate(graph, liveness, workspace)
+    budget = resolve_budget(option_value, ctx, base.peak_bytes, unlimited)
+    return Start(profile, liveness, workspace, base, budget, budget.resolve(base.peak_bytes))
+
+
+def resolve_budget(option_value: str | None, ctx: PassContext, peak: int, unlimited: str) -> Budget:
+    """The pass's budget: its option, else the run's ``--budget``, else the device's memory; on a
+    CPU with none of these the unoptimized ``peak`` (nothing to do), logging ``unlimited``."""
     if option_value is not None:
         return parse_budget(option_value)  # valid: checked when the pass was built
-    return ctx.services.get("budget")
+    budget = ctx.services.get("budget")
+    if budget is not None:
+        return budget
+    capacity = ctx.services.get("device_memory")
+    if capacity is None:
+        ctx.log(unlimited)
+        return Budget(bytes=max(peak, 1))
+    return Budget(bytes=int(capacity))
 
 
 def replay_seconds(profile: Any, node_id: int, block: Block) -> float:
@@ -176,19 +215,9 @@ class SelectPass(Pass):
             parse_budget(self.budget)  # BudgetError is a ValueError: the registry reports it in one line
 
     def run(self, graph: Graph, ctx: PassContext) -> Plan:
-        profile = ctx.artifacts["profile"]
-        liveness = liveness_of(graph, ctx)
-        workspace = profile.workspace()
-        base = simulate(graph, liveness, workspace)
-        budget = resolve_budget(self.budget, ctx)
-        if budget is None:
-            capacity = ctx.services.get("device_memory")
-            if capacity is None:
-                ctx.log("select: no budget and no device limit (CPU): nothing needs recomputing")
-                budget = Budget(bytes=max(base.peak_bytes, 1))
-            else:
-                budget = Budget(bytes=int(capacity))
-        budget_bytes = budget.resolve(base.peak_bytes)
+        begin = start(graph, ctx, self.budget, "select: no budget and no device limit (CPU): nothing needs recomputing")
+        profile, liveness, workspace, base = begin.profile, begin.liveness, begin.workspace, begin.base
+        budget, budget_bytes = begin.budget, begin.budget_bytes
         recompute = Recompute(graph, liveness)
         candidates = self._candidates(graph, liveness, recompute, profile, base.device)
         refused = refused_random_ops(graph)
@@ -233,25 +262,19 @@ class SelectPass(Pass):
         # The best exactly simulated plan so far: a later choice can raise the exact peak (its
         # block's clones are live at once), and then the plan falls back to this one.
         best: tuple[MemorySimulation, list[Candidate], list[Block]] = (base, [], [])
-        # Met, or unreachable: then go on to the lowest reachable peak, which the failure reports.
-        # Towards a budget, the estimate leads and exact checks correct it; towards the lowest
-        # peak (target 0), an exact check every few choices finds where more recomputation
-        # stops paying off.
-        chunk = max(4, len(candidates) // 8)
-        for target in (budget_bytes, 0) if self.lowest else (budget_bytes,):
-            for _attempt in range(8 if target else 64):  # the estimate ignores transients: check exactly
-                rank = int(torch.argmax(curve))
-                grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state,
-                              None if target else chunk)  # fmt: skip
-                if grew:
-                    exact, projected, blocks = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
-                    curve.copy_(projected)
-                    if exact.peak_bytes < best[0].peak_bytes:
-                        best = (exact, list(state.chosen), blocks)
-                if best[0].peak_bytes <= target or not grew:
-                    break
-            if best[0].peak_bytes <= budget_bytes:
-                break
+
+        def grow(target: int, max_steps: int | None) -> bool:
+            nonlocal best
+            rank = int(torch.argmax(curve))
+            grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state, max_steps)
+            if grew:
+                exact, projected, blocks = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
+                curve.copy_(projected)
+                if exact.peak_bytes < best[0].peak_bytes:
+                    best = (exact, list(state.chosen), blocks)
+            return grew
+
+        search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best[0].peak_bytes, self.lowest)
         return best, state.chosen[0].key if state.chosen else None
 
     def _fail_fast(self, base: MemorySimulation, budget: Budget, budget_bytes: int,

@@ -38,6 +38,7 @@ from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
 from mutwo.runtime.training import TrainingOptions
+from mutwo.runtime.transfer import measure_transfers
 
 DEFAULT_PASSES = "profile,optimizer,select,rewrite"
 
@@ -61,7 +62,9 @@ class Optimized:
 
     @property
     def plan(self) -> Any:
-        return self.context.artifacts.get("plan")
+        """The plan the pipeline made: ``select``'s (recompute only) or ``select-swap``'s."""
+        artifacts = self.context.artifacts
+        return artifacts["plan"] if "plan" in artifacts else artifacts.get("swap-plan")
 
 
 @dataclass
@@ -104,6 +107,7 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
     context.services["keep_grads"] = keep_grads
     context.services["profiler"] = lambda g, runs, warmup: profile_graph(g, lowered.inputs, runs=runs,
                                                                          warmup=warmup, progress=log)  # fmt: skip
+    context.services["transfer"] = lambda: measure_transfers(device)
     if device.type == "cuda":
         context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
     dp = lowered.binding.data_parallel

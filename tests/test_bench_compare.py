@@ -63,3 +63,18 @@ def test_every_residual_block_is_checkpointed_and_the_numbers_stay_the_same() ->
     assert torch.equal(output, expected)
     output.sum().backward()
     assert batch.grad is not None
+
+
+def test_variant_names_give_their_budget_and_the_swap_study_compares_both_plans_at_both_peaks() -> None:
+    assert compare.budget_spec("mutwo-swap-eager0.5") == "eager0.5"
+    assert compare.budget_spec("mutwo+opt-checkpoint") == "checkpoint"
+    assert compare.budget_spec("mutwo-0.5") == "0.5"
+    assert compare.budget_spec("checkpoint") is None
+    study = compare.PRESETS["swap-study"]
+    for spec in ("eager0.5", "checkpoint"):
+        assert {f"mutwo-{spec}", f"mutwo-swap-{spec}"} <= set(study)
+        # the measured variant a budget names runs before it
+        reference = "eager" if spec.startswith("eager") else "checkpoint"
+        assert study.index(reference) < study.index(f"mutwo-swap-{spec}")
+    planned = [i for i, v in enumerate(study) if compare.budget_spec(v) not in (None, "none")]
+    assert study.index("mutwo-none") < min(planned)  # it profiles once, the planned variants reuse the profile

@@ -98,13 +98,14 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       memory_limit: int | None = None, warmup: int = 3, iterations: int = 10,
                       precision: str | None = None,
                       log: Callable[[str], None] = lambda message: None,
-                      optimizer_passes: bool = False) -> dict[str, Any]:  # fmt: skip
+                      optimizer_passes: bool = False, swap: bool = False) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
     ``out/b<batch>/profile.json``) or a budget, as text or a :class:`Budget` (select and rewrite,
     with that profile when there is one). ``optimizer_passes``: run optimizer-in-backward and
-    foreach-buckets (the ``optimizer`` alias) after the profile, before select.
+    foreach-buckets (the ``optimizer`` alias) after the profile, before select. ``swap``: plan
+    with select-swap and insert-swap (keep, recompute or swap each activation) instead.
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -116,7 +117,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
             step = training.eager_step()
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
-            step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes)
+            step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap)
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -198,7 +199,8 @@ def build_training(config_path: str | Path, batch_size: int, device: str | None 
 
 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
-                  log: Callable[[str], None], optimizer_passes: bool = False) -> Callable[[], Any]:  # fmt: skip
+                  log: Callable[[str], None], optimizer_passes: bool = False,
+                  swap: bool = False) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
@@ -213,7 +215,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
-    planning += ["select", "rewrite"] if budget is not None else []
+    planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
     passes = ",".join(["profile", *planning])
     if budget is not None:
         if saved.exists():
@@ -244,12 +246,33 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         row["recomputed_tensors"] = len(plan.entries)
         row["predicted_added_ms"] = round(plan.added_seconds * 1e3, 3)
         row["profiled_iteration_ms"] = round(plan.base_seconds * 1e3, 3)
+        row["predicted_iteration_ms"] = round((plan.base_seconds + plan.added_seconds) * 1e3, 3)
+        row["planned_peak_bytes"] = plan.predicted_peak
         row["recomputed_ops"] = dict(Counter(e["op"] for e in plan.entries).most_common(8))
+    swap_plan = context.artifacts.get("swap-plan")
+    if swap_plan is not None:
+        row.update(_swap_plan_row(swap_plan))
+    if plan is not None or swap_plan is not None:
         # What the clones replay, and how (a copy, with a generator state, from batch-norm statistics).
         row["cloned_ops"] = dict(Counter(f"{lowered.graph.node(n.origin).op_name} ({describe(n.target)})"
                                          for n in lowered.graph if n.origin is not None).most_common(12))  # fmt: skip
     graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding)
     return lambda: graph_step(training.batch)
+
+
+def _swap_plan_row(plan: Any) -> dict[str, Any]:
+    """What a select-swap plan chose and predicted, for a results row."""
+    swapped, recomputed = plan.of("swap"), plan.of("recompute")
+    return {
+        "swapped_tensors": len(swapped), "swapped_bytes": sum(e["bytes"] for e in swapped),
+        "recomputed_tensors": len(recomputed), "planned_peak_bytes": plan.predicted_peak,
+        "profiled_iteration_ms": round(plan.base_seconds * 1e3, 3),
+        "predicted_iteration_ms": round(plan.predicted_seconds * 1e3, 3),
+        "predicted_added_ms": round(plan.recompute_seconds * 1e3, 3),
+        "predicted_stall_ms": round(plan.stall_seconds * 1e3, 3), "time_scale": round(plan.time_scale, 4),
+        "transfer": plan.transfer, "recomputed_ops": dict(Counter(e["op"] for e in recomputed).most_common(8)),
+        "swapped_ops": dict(Counter(e["op"] for e in swapped).most_common(8)),
+    }  # fmt: skip
 
 
 # -- the whole experiment ----------------------------------------------------------------------------

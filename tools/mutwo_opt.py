@@ -35,6 +35,8 @@ from mutwo.ir.pass_base import PassContext, write_atomic
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
+from mutwo.ir.swap import swap_nodes
+from mutwo.ir.timeline import calibrated_seconds, graph_timeline
 from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.runtime import distributed
@@ -48,7 +50,7 @@ from mutwo.runtime.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
-from mutwo.tools.reports import memory_timeline, write_reports
+from mutwo.tools.reports import memory_timeline, swap_timeline, write_reports
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device, training_options
 
 
@@ -268,9 +270,17 @@ class MutwoOpt:
         if final is not original:
             memory_timeline(out / "memory_timeline_input.png", original, before, profile, f"{title} (input)")
             reports.append("memory_timeline_input.png")
-        # Recomputed: activations of the input whose backward readers now read a clone instead.
+        swaps = swap_nodes(final)
+        if swaps and profile is not None and "transfer" in ctx.artifacts:
+            seconds, _ = calibrated_seconds(profile)
+            timeline = graph_timeline(final, seconds, ctx.artifacts["transfer"])
+            swap_timeline(out / "swap_timeline.png", final, timeline, after, f"{title}: compute and copies")
+            reports.append("swap_timeline.png")
+        # Recomputed: activations of the input whose backward readers now read a clone instead
+        # (swapped ones read the copy brought back from host memory).
+        swapped = {offload.args[0].tensor.storage for offload, _, _ in swaps}
         recomputed = {r.key for r in compute_liveness(original).activations()} - {
-            r.key for r in final_liveness.activations()}  # fmt: skip
+            r.key for r in final_liveness.activations()} - swapped  # fmt: skip
         write_atomic(out / "final.ir.txt", print_graph(final))
         write_atomic(out / "final_graph.py", to_fx(final).code)
         summary = {
@@ -299,6 +309,8 @@ class MutwoOpt:
             "iteration_seconds_after": measured.get("iteration_seconds_after"),
             "reports": reports,
             "recomputed": len(recomputed),
+            "swapped": len(swapped),
+            "swapped_bytes": sum(offload.tensors[0].storage_bytes for offload, _, _ in swaps),
             "cloned_nodes": sum(1 for n in final if n.origin is not None),
             "equivalent": None if report is None else report.equivalent,
             "error": error,
