@@ -31,7 +31,7 @@ def lower(workload: models.Workload) -> tuple[Graph, list[torch.Tensor]]:
     optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
     captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
-    return graph, binding.flat_inputs(workload.batch)
+    return graph, binding.flat_inputs(workload.batch) + list(captured.constants.values())
 
 
 def rewrite(workload: models.Workload, pipeline: str, budget: str) -> Rewritten:

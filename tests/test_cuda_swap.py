@@ -84,7 +84,8 @@ def test_cuda_swap_plan_is_bitwise_and_measures_its_planned_peak(make: object, k
 
 def test_cuda_mutwo_opt_swaps_and_recomputes_with_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    code = main(["-q", "--check", "--device", "cuda", "-o", str(out), "--budget", "0.8", "-p", "profile,swap",
+    # 0.9: with CUDA's multi-tensor Adam the tiny MLP's lowest peak is 82% (measured on the H100).
+    code = main(["-q", "--check", "--device", "cuda", "-o", str(out), "--budget", "0.9", "-p", "profile,swap",
                  str(REPO / "examples/tiny_mlp.yaml")])  # fmt: skip
     assert code == EXIT_OK, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
