@@ -1,0 +1,128 @@
+"""Backends: what runs the final (planned) graph of an iteration.
+
+* ``eager``: the fx GraphModule itself, one aten kernel per node (bitwise what the plan says);
+* ``inductor``: the whole iteration (forward, backward, in-place optimizer update) compiled by
+  torch's Inductor, as ``torch.compile`` compiles a graph AOTAutograd hands it: ``compile_fx``
+  functionalizes the graph (in-place updates of parameters, buffers and optimizer state become
+  functional ops plus a ``copy_`` back into the input, which Inductor writes in place inside the
+  fused kernel), lowers it and generates fused kernels (C++ on CPU, Triton on CUDA);
+* ``cudagraphs``: the eager graph recorded once as a CUDA graph and replayed
+  (:mod:`mutwo.runtime.cuda_graphs`);
+* ``inductor-cudagraphs``: the Inductor-compiled step recorded and replayed the same way, as
+  ``torch.compile(mode="reduce-overhead")`` does.
+
+The plan's order survives compilation because the passes that would reorder the graph are off
+(:data:`INDUCTOR_OPTIONS`, docs/backends.md has the evidence). Fusion changes rounding, so a
+compiled step is checked against the eager one within stated tolerances, never bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from mutwo.ir.node import NodeKind
+from mutwo.ir.replay import rng_state
+from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
+from mutwo.runtime.tracing import quiet_torch_errors
+
+#: Inputs the step updates in place and keeps at their address from call to call.
+STATE_KINDS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.OPTIMIZER_STATE})
+
+BACKENDS = ("eager", "inductor", "cudagraphs", "inductor-cudagraphs")
+
+#: Inductor settings for a planned graph, and why:
+#: - ``reorder_for_locality``: the post-grad pass moves each producer right before its first
+#:   consumer; a forward op read only in the backward would move into the backward and keep its
+#:   inputs (activations the plan frees) alive until then.
+#: - ``reorder_for_peak_memory``: the scheduler replaces the graph's order by the best of three
+#:   topological sorts under its own estimate, which does not know the plan; the plan's order is
+#:   the one whose peak mutwo simulated.
+#: - ``fallback_random``: random ops run aten's kernels on the default generator, so a compiled
+#:   step draws the same numbers as the eager one (dropout masks, and the generator states that
+#:   recompute replays restore).
+INDUCTOR_OPTIONS: dict[str, Any] = {
+    "reorder_for_locality": False,
+    "reorder_for_peak_memory": False,
+    "fallback_random": True,
+}
+
+
+class BackendError(ValueError):
+    """A backend cannot run this step; the message says why and what to do instead."""
+
+
+@dataclass
+class CompiledStep:
+    """A graph made runnable by a backend: call ``run(*flat_inputs)`` under ``torch.no_grad``."""
+
+    backend: str
+    run: Callable[..., Any]
+    compile_seconds: float = 0.0
+    #: whether Inductor's FX graph cache answered (None: no Inductor compile happened)
+    cache_hit: bool | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What the run summary records about the backend."""
+        return {"backend": self.backend, "compile_seconds": round(self.compile_seconds, 3),
+                "compile_cache_hit": self.cache_hit}  # fmt: skip
+
+
+def check_backend(name: str) -> str:
+    """``name`` if it is a backend, else :class:`BackendError` naming the choices."""
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend: str,
+                 slots: Sequence[tuple[NodeKind, str]]) -> CompiledStep:  # fmt: skip
+    """Make ``module`` (a whole iteration, inputs in slot order) runnable by ``backend``.
+
+    ``inputs`` are example inputs: Inductor reads their shapes, strides and devices only, and a
+    CUDA graph is recorded on the first call, not here. ``slots[i]`` is input ``i``'s kind and
+    label: parameters, buffers and optimizer state are updated in place at fixed addresses; the
+    others (batch, learning rates) are copied into a CUDA graph's static inputs every call.
+    """
+    check_backend(backend)
+    if backend == "eager":
+        return CompiledStep(backend, module)
+    replays = [node.name for node in module.graph.nodes if node.target is rng_state]
+    if replays:
+        raise BackendError(f"the {backend} backend cannot run a plan that replays random ops from a saved generator "
+                           f"state ({len(replays)}, e.g. {replays[0]}): plan for it (optimize(..., backend=...) and "
+                           "mutwo-opt --backend tell select so) or use --backend eager")  # fmt: skip
+    started = time.perf_counter()
+    run: Callable[..., Any] = module
+    cache_hit = None
+    graphed = backend.endswith("cudagraphs")
+    if graphed:
+        refuse_uncapturable(module, inputs, [label for _, label in slots])
+    if backend.startswith("inductor"):
+        run, cache_hit = compile_inductor(module, inputs)
+    if graphed:
+        run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots])
+    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
+
+
+def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Callable[..., Any], bool]:
+    """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS`; and whether the FX graph
+    cache supplied the compiled code (a second compile of the same graph hits it)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    try:
+        with config.patch(INDUCTOR_OPTIONS), torch.no_grad(), quiet_torch_errors():
+            compiled = compile_fx(module, list(inputs))
+    except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise BackendError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
+                           "run it with --backend eager") from None  # fmt: skip
+    return compiled, counters["inductor"]["fxgraph_cache_hit"] > hits
