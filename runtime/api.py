@@ -156,8 +156,7 @@ def optimize_graph(
         log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
             + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
     if check:
-        run = compiled.run if backend != "eager" else None
-        optimized.report = check_graphs(original, lowered.graph, lowered.inputs, candidate_run=run)
+        optimized.report = check_graphs(original, lowered.graph, lowered.inputs, candidate_run=compiled.checked_run)
         if data_parallel is not None:
             optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
     return optimized

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from torch import fx
 
+from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import rng_state
+from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.tracing import quiet_torch_errors
 
@@ -57,6 +59,10 @@ class BackendError(ValueError):
     """A backend cannot run this step; the message says why and what to do instead."""
 
 
+class CompileError(BackendError):
+    """Inductor failed on a step the backend accepted."""
+
+
 @dataclass
 class CompiledStep:
     """A graph made runnable by a backend: call ``run(*flat_inputs)`` under ``torch.no_grad``."""
@@ -66,6 +72,11 @@ class CompiledStep:
     compile_seconds: float = 0.0
     #: whether Inductor's FX graph cache answered (None: no Inductor compile happened)
     cache_hit: bool | None = None
+
+    @property
+    def checked_run(self) -> Callable[..., Any] | None:
+        """What ``--check`` runs instead of the final graph's fx module: None for eager."""
+        return None if self.backend == "eager" else self.run
 
     def describe(self) -> dict[str, Any]:
         """What the run summary records about the backend."""
@@ -110,19 +121,31 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
 
 
+def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) -> CompiledStep:
+    """:func:`compile_step` for an IR graph."""
+    return compile_step(to_fx(graph), inputs, backend, [(p.kind, p.label) for p in graph.placeholders])
+
+
 def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Callable[..., Any], bool]:
-    """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS`; and whether the FX graph
-    cache supplied the compiled code (a second compile of the same graph hits it)."""
+    """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS`; and whether torch's compile
+    caches (AOTAutograd's and Inductor's FX graph cache, on disk under ``TORCHINDUCTOR_CACHE_DIR``)
+    supplied the compiled code: a second compile of the same graph, in any process, hits them."""
     from torch._dynamo.utils import counters
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    hits = counters["inductor"]["fxgraph_cache_hit"]
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    # Fake inputs from a mode with a shape environment, as Dynamo hands them: without one the FX
+    # graph cache is bypassed ("No shape env"). Static shapes: the step is captured for one shape.
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
     try:
         with config.patch(INDUCTOR_OPTIONS), torch.no_grad(), quiet_torch_errors():
-            compiled = compile_fx(module, list(inputs))
+            compiled = compile_fx(module, fakes)
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise BackendError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
+        raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
                            "run it with --backend eager") from None  # fmt: skip
-    return compiled, counters["inductor"]["fxgraph_cache_hit"] > hits
+    return compiled, counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] > hits

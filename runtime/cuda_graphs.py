@@ -74,6 +74,11 @@ class CudaGraphRunner:
         self.static: list[torch.Tensor] = []
         self.outputs: Any = None
         self.recordings = 0
+        #: the recorded iteration's peak above what was allocated before it (its transients, which
+        #: live in the graph's pool), and the allocator's absolute peak while recording: replays
+        #: allocate nothing, so measurements of replays alone miss it (recording resets the peak)
+        self.recorded_peak_bytes = 0
+        self.recorded_peak_absolute = 0
 
     def __call__(self, *flat: torch.Tensor) -> Any:
         if self.graph is None or any(kept and t.data_ptr() != s.data_ptr()
@@ -101,7 +106,13 @@ class CudaGraphRunner:
             torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
+        # are the iteration's memory, and its peak is the only time the allocator sees them.
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         with torch.cuda.graph(graph), torch.no_grad():
             self.outputs = self.run(*self.static)
+        self.recorded_peak_bytes = torch.cuda.max_memory_allocated() - before
+        self.recorded_peak_absolute = torch.cuda.max_memory_allocated()
         self.graph = graph
         self.recordings += 1

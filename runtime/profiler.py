@@ -212,7 +212,7 @@ def _elapsed(start: Any, end: Any, cuda: bool) -> float:
     return start.elapsed_time(end) / 1e3 if cuda else end - start
 
 
-def measure_iterations(module: fx.GraphModule, inputs: list[torch.Tensor], *, runs: int = 10,
+def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *, runs: int = 10,
                        warmup: int = 3) -> IterationMeasurement:  # fmt: skip
     """Median time of whole iterations of ``module`` on clones of ``inputs``, and on CUDA the peak
     of the iteration's own memory: the allocator's peak minus what was allocated before that is not
@@ -245,4 +245,6 @@ def measure_iterations(module: fx.GraphModule, inputs: list[torch.Tensor], *, ru
                 times.append(seconds)
                 if run_peak is not None:
                     peak = run_peak if peak is None else max(peak, run_peak)
+    if peak is not None:  # a CUDA graph allocated the iteration's memory once, when it recorded it
+        peak = max(peak, device_bytes(state, device) + getattr(module, "recorded_peak_bytes", 0))
     return IterationMeasurement(statistics.median(times), peak, runs)

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from mutwo.ir.budget import Budget, BudgetError, parse_budget
+from mutwo.runtime.backends import BACKENDS
 
 #: The pipeline run when neither the config nor the command line names one.
 DEFAULT_PIPELINE = "profile,optimizer,select,rewrite"
@@ -39,6 +40,7 @@ TOP_KEYS = {
     "budget": Key((int, float, str), "a fraction like 0.5 or bytes like '6GiB'"),
     "passes": Key((str,), "a pipeline like 'stats,dce'"),
     "seed": Key((int,), "an integer"),
+    "backend": Key((str,), "one of " + ", ".join(BACKENDS)),
 }
 MODEL_KEYS = {
     "source": Key((str,), "one of " + ", ".join(SOURCES)),
@@ -88,6 +90,7 @@ class Config:
     budget: Budget | None = None
     passes: str = DEFAULT_PIPELINE
     seed: int = 0
+    backend: str = "eager"
 
 
 def _check_keys(section: str, data: dict[str, Any], schema: dict[str, Key]) -> None:
@@ -161,13 +164,14 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         input=dict(inputs), optimizer=optimizer,
     )  # fmt: skip
     apply_overrides(config, batch_size=data.get("batch_size"), device=data.get("device"),
-                    budget=data.get("budget"), passes=data.get("passes"), seed=data.get("seed"))  # fmt: skip
+                    budget=data.get("budget"), passes=data.get("passes"), seed=data.get("seed"),
+                    backend=data.get("backend"))  # fmt: skip
     return config
 
 
 def apply_overrides(config: Config, *, batch_size: int | None = None, device: str | None = None,
                     budget: float | str | None = None, passes: str | None = None,
-                    seed: int | None = None) -> Config:  # fmt: skip
+                    seed: int | None = None, backend: str | None = None) -> Config:  # fmt: skip
     """Apply values from the file or the command line, checking each."""
     if batch_size is not None:
         if batch_size <= 0:
@@ -186,4 +190,8 @@ def apply_overrides(config: Config, *, batch_size: int | None = None, device: st
         config.passes = passes
     if seed is not None:
         config.seed = seed
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+        config.backend = backend
     return config
