@@ -31,6 +31,7 @@ from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import rng_state
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
+from mutwo.runtime.fusion import mark_phases, phase_bounded_fusion, phases_arrived
 from mutwo.runtime.tracing import quiet_torch_errors
 
 #: Inputs the step updates in place and keeps at their address from call to call.
@@ -91,16 +92,17 @@ def check_backend(name: str) -> str:
     return name
 
 
-def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend: str,
-                 slots: Sequence[tuple[NodeKind, str]]) -> CompiledStep:  # fmt: skip
-    """Make ``module`` (a whole iteration, inputs in slot order) runnable by ``backend``.
+def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend: str, graph: Graph) -> CompiledStep:
+    """Make ``module`` (``graph``, a whole iteration, lowered by ``to_fx``; inputs in slot order)
+    runnable by ``backend``.
 
     ``inputs`` are example inputs: Inductor reads their shapes, strides and devices only, and a
-    CUDA graph is recorded on the first call, not here. ``slots[i]`` is input ``i``'s kind and
-    label: parameters, buffers and optimizer state are updated in place at fixed addresses; the
-    others (batch, learning rates) are copied into a CUDA graph's static inputs every call.
+    CUDA graph is recorded on the first call, not here. Parameters, buffers and optimizer state
+    are updated in place at fixed addresses; the other inputs (batch, learning rates) are copied
+    into a CUDA graph's static inputs every call.
     """
     check_backend(backend)
+    slots = [(p.kind, p.label) for p in graph.placeholders]
     if backend == "eager":
         return CompiledStep(backend, module)
     replays = [node.name for node in module.graph.nodes if node.target is rng_state]
@@ -115,6 +117,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     if graphed:
         refuse_uncapturable(module, inputs, [label for _, label in slots])
     if backend.startswith("inductor"):
+        mark_phases(module, graph)
         run, cache_hit = compile_inductor(module, inputs)
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots])
@@ -123,7 +126,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
 
 def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) -> CompiledStep:
     """:func:`compile_step` for an IR graph."""
-    return compile_step(to_fx(graph), inputs, backend, [(p.kind, p.label) for p in graph.placeholders])
+    return compile_step(to_fx(graph), inputs, backend, graph)
 
 
 def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Callable[..., Any], bool]:
@@ -142,7 +145,8 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
     try:
-        with config.patch(INDUCTOR_OPTIONS), torch.no_grad(), quiet_torch_errors():
+        with config.patch({**INDUCTOR_OPTIONS, "post_grad_custom_post_pass": phases_arrived()}), \
+                phase_bounded_fusion(), torch.no_grad(), quiet_torch_errors():
             compiled = compile_fx(module, fakes)
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]

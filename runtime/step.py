@@ -78,8 +78,7 @@ class GraphStep:
     def compile(self, flat: list[torch.Tensor]) -> CompiledStep:
         """The graph made runnable by the backend, for inputs like ``flat`` (compiled once)."""
         if self.compiled is None:
-            slots = [(p.kind, p.label) for p in self.graph.placeholders]
-            self.compiled = compile_step(self.graph_module, flat, self.backend, slots)
+            self.compiled = compile_step(self.graph_module, flat, self.backend, self.graph)
         return self.compiled
 
     def run_flat(self, flat: list[torch.Tensor]) -> StepOutput:
