@@ -9,8 +9,11 @@ fused with the backward's ``threshold_backward`` of its recompute, with the same
 Inductor's own guard (``Scheduler.are_long_distant_nodes``: no horizontal fusion of nodes more
 than 64 scheduler nodes apart) does not cover vertical fusion, nor near nodes.
 
-The rule here: a forward node never fuses with a backward or optimizer node. Each fx node carries
-its phase in ``meta["custom"]``, which AOTAutograd copies onto the aten nodes it traces from it
+The rules here: a forward node never fuses with a backward or optimizer node, and a recompute
+clone never fuses with a node it neither feeds nor reads (horizontal fusion: two recompute blocks
+that read the same input would otherwise run together, the later one's output alive through the
+earlier one's peak). Each fx node carries its phase in ``meta["custom"]``, which AOTAutograd
+copies onto the aten nodes it traces from it
 (``torch.fx.proxy._COPY_META_FIELDS``), so Inductor's IR nodes know it through their origins.
 Fusion within the backward (a recompute into its consumers, an optimizer update into its
 gradient's kernel) is kept: that is where recomputes become nearly free.
@@ -28,33 +31,43 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.node import Phase
 from mutwo.ir.to_fx import NODE_ID_META
 
-#: The key under ``meta["custom"]`` holding a node's phase.
+#: The keys under ``meta["custom"]`` holding a node's phase and whether it is a recompute clone.
 CUSTOM_PHASE = "mutwo_phase"
+CUSTOM_CLONE = "mutwo_clone"
 
 
 def mark_phases(module: fx.GraphModule, graph: Graph) -> None:
-    """Record the phase of each node of ``module`` (made from ``graph`` by ``to_fx``) where
-    AOTAutograd carries it to the nodes it traces."""
+    """Record the phase of each node of ``module`` (made from ``graph`` by ``to_fx``), and whether
+    it is a recompute clone, where AOTAutograd carries them to the nodes it traces."""
     for node in module.graph.nodes:
         if node.op == "call_function" and NODE_ID_META in node.meta:
-            node.meta.setdefault("custom", {})[CUSTOM_PHASE] = graph.node(node.meta[NODE_ID_META]).phase.value
+            ir_node = graph.node(node.meta[NODE_ID_META])
+            custom = node.meta.setdefault("custom", {})
+            custom[CUSTOM_PHASE] = ir_node.phase.value
+            custom[CUSTOM_CLONE] = ir_node.origin is not None
 
 
-def _forward_and_later(*nodes: Any) -> bool:
-    phases: set[str] = set()
+def _marks(*nodes: Any) -> Iterator[dict[str, Any]]:
+    """The ``meta["custom"]`` of every fx node behind Inductor's scheduler ``nodes``."""
     for scheduler_node in nodes:
         for part in scheduler_node.get_nodes():
             ir_node = getattr(part, "node", None)
             for origin in ir_node.get_origins() if ir_node is not None else ():
-                phase = origin.meta.get("custom", {}).get(CUSTOM_PHASE)
-                if phase is not None:
-                    phases.add(phase)
+                yield origin.meta.get("custom", {})
+
+
+def _forward_and_later(*nodes: Any) -> bool:
+    phases = {mark[CUSTOM_PHASE] for mark in _marks(*nodes) if CUSTOM_PHASE in mark}
     return Phase.FORWARD.value in phases and len(phases) > 1
+
+
+def _has_clone(node: Any) -> bool:
+    return any(mark.get(CUSTOM_CLONE) for mark in _marks(node))
 
 
 #: Names the fusion rule in Inductor's cache keys (through :class:`PhasesArrived`): change it
 #: when the rule changes, or the FX graph cache serves code fused under the old rule.
-RULE_VERSION = "mutwo-phase-bounded-fusion-1"
+RULE_VERSION = "mutwo-phase-bounded-fusion-2"
 
 
 def phases_arrived() -> Any:
@@ -88,6 +101,12 @@ def phase_bounded_fusion() -> Iterator[None]:
             if _forward_and_later(node1, node2):
                 return False
             return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+        @staticmethod
+        def can_fuse_horizontal(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+            if _has_clone(node1) or _has_clone(node2):
+                return False
+            return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
 
     with V.set_choices_handler(PhaseBoundedChoices()):
         yield

@@ -219,6 +219,10 @@ CONFIG_ERRORS = {
         "model: {source: pytorch, name: tiny.py:make}\n",
         ["unknown model source 'pytorch'", "use one of torchvision, transformers, python"],
     ),
+    "unknown-backend": (
+        "model: {source: python, name: tiny.py:make}\nbackend: inductr\n",
+        ["unknown backend 'inductr'", "use one of eager, inductor, cudagraphs, inductor-cudagraphs"],
+    ),
     "unknown-optimizer-key": (
         "model: {source: python, name: tiny.py:make}\noptimizer: {name: adam, lr: 0.01, fused: true}\n",
         ["unknown key 'optimizer.fused'", "valid keys:", "betas"],
@@ -371,6 +375,17 @@ def test_cuda_requested_without_a_gpu(workdir: Path, capsys: pytest.CaptureFixtu
     line = expect_usage_error(capsys, workdir / "out", "--device", "cuda", good_config(workdir))
     assert "CUDA was requested but no GPU is visible" in line
     assert "use --device cpu or auto" in line
+
+
+def test_unknown_backend_choice(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--backend", "tensorrt", good_config(workdir))
+    assert "invalid choice: 'tensorrt'" in line and "'inductor'" in line
+
+
+@pytest.mark.parametrize("backend", ["cudagraphs", "inductor-cudagraphs"])
+def test_cuda_graphs_of_a_cpu_step(backend: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", backend, good_config(workdir))
+    assert f"--backend {backend} needs a CUDA device" in line and "use --backend eager or inductor" in line
 
 
 def test_output_folder_under_a_regular_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
