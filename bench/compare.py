@@ -8,10 +8,18 @@ variant's measured peak, so that iteration times are compared at equal memory:
 
 - ``mutwo-0.5``: half of mutwo's own peak without recompute (any ``mutwo-opt --budget``);
 - ``mutwo-eager0.5``: half of eager's measured peak;
-- ``mutwo-checkpoint``: the peak per-block checkpointing measured.
+- ``mutwo-checkpoint``: the peak per-block checkpointing measured;
+- ``mutwo-compile0.5``: the peak ``compile-0.5`` (torch.compile, activation budget 0.5) measured.
 
 ``mutwo+opt-<budget>`` is the same with the optimizer passes (optimizer-in-backward and
 foreach-buckets) before select; ``mutwo+opt-none`` runs them without recompute.
+``mutwo@<backend>-<budget>`` runs the planned graph with a backend (docs/backends.md):
+``mutwo@inductor-compile0.5``, ``mutwo@cudagraphs-none``, ``mutwo@inductor-cudagraphs-none``;
+its compile time is part of ``planning_seconds`` (and ``compile_seconds``).
+
+``--reference FILE`` reads the rows of an earlier run's JSON (same model and batch) so that a
+budget can name a peak measured there without measuring it again; they are kept in the output
+under ``reference_runs``.
 
     python bench/compare.py --out bench/results/compare_h100.json --models resnet152:128,bert:64
 """
@@ -68,6 +76,8 @@ def mutwo_budget(spec: str, done: list[dict[str, Any]]) -> Any:
     reference = {"checkpoint": ("checkpoint", 1.0)}
     if spec.startswith("eager"):
         reference[spec] = ("eager", float(spec.removeprefix("eager")))
+    if spec.startswith("compile"):
+        reference[spec] = (f"compile-{spec.removeprefix('compile')}", 1.0)
     if spec not in reference:
         return spec
     variant, factor = reference[spec]
@@ -77,13 +87,21 @@ def mutwo_budget(spec: str, done: list[dict[str, Any]]) -> Any:
     return Budget(bytes=int(peaks[-1] * factor))
 
 
+def mutwo_variant(variant: str) -> tuple[str, str, bool]:
+    """``mutwo[+opt][@backend]-<budget>`` as (budget spec, backend, optimizer passes)."""
+    head, spec = variant.rsplit("-", 1)
+    backend = head.split("@", 1)[1] if "@" in head else "eager"
+    return spec, backend, head.startswith("mutwo+opt")
+
+
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path) -> dict[str, Any]:
     config = ROOT / CONFIGS[name]
     if variant.startswith("mutwo"):
-        spec: Any = json.loads(budget) if budget else variant.split("-", 1)[1]
+        named, backend, optimizer_passes = mutwo_variant(variant)
+        spec: Any = json.loads(budget) if budget else named
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
-                                optimizer_passes=variant.startswith("mutwo+opt"))  # fmt: skip
+                                optimizer_passes=optimizer_passes, backend=backend)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
@@ -109,6 +127,8 @@ def main() -> None:
     parser.add_argument("--models", default="resnet152:128,bert:64", help="name:batch,...")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    parser.add_argument("--reference", action="append", default=[], metavar="FILE",
+                        help="an earlier run's JSON whose measured peaks budgets may name")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
@@ -118,13 +138,14 @@ def main() -> None:
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
+    references = [row for path in args.reference for row in json.loads(Path(path).read_text())["runs"]]
     for item in args.models.split(","):
         name, batch = item.split(":")
         for variant in args.variants.split(","):
             base = {"model": name, "batch_size": int(batch), "variant": variant}
+            measured = [r for r in references + rows if r["model"] == name and r["batch_size"] == int(batch)]
             try:
-                budget = mutwo_budget(variant.split("-", 1)[1], [r for r in rows if r["model"] == name]) \
-                    if variant.startswith("mutwo") else None  # fmt: skip
+                budget = mutwo_budget(mutwo_variant(variant)[0], measured) if variant.startswith("mutwo") else None
             except ValueError as error:
                 rows.append({**base, "error": str(error)})
                 print(json.dumps(rows[-1]), flush=True)
@@ -146,7 +167,8 @@ def main() -> None:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                 Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
-                                                      "date": time.strftime("%Y-%m-%d"), "runs": rows}, indent=2))
+                                                      "date": time.strftime("%Y-%m-%d"), "runs": rows,
+                                                      "reference_runs": references}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

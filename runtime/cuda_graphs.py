@@ -116,3 +116,15 @@ class CudaGraphRunner:
         self.recorded_peak_absolute = torch.cuda.max_memory_allocated()
         self.graph = graph
         self.recordings += 1
+
+
+def graphable_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Make a fresh ``optimizer`` one whose step a CUDA graph can record: ``capturable`` (Adam's
+    step counts on the device) and every learning rate a tensor on ``device`` (a scheduler then
+    updates it in place: ``group["lr"].fill_(...)``). The numbers are the same; only where they
+    live changes. State made before this (a CPU step count) stays where it is, and is refused."""
+    for group in optimizer.param_groups:
+        if "capturable" in group:
+            group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), device=device)
