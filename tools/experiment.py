@@ -109,6 +109,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
+    from mutwo.runtime.backends import BackendError
 
     training = build_training(config_path, batch_size, device)
     row: dict[str, Any] = {"batch_size": batch_size, "variant": variant}
@@ -123,6 +124,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
         message = str(failure).splitlines()[0]
         return {**row, "error": message, "error_kind": "unreachable" if "unreachable" in message else "pass failed"}
+    except BackendError as refused:  # a backend that cannot run this step: a result too
+        return {**row, "error": str(refused), "error_kind": "backend"}
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations))
     return row
