@@ -156,7 +156,8 @@ def optimize_graph(
         log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
             + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
     if check:
-        optimized.report = check_graphs(original, lowered.graph, lowered.inputs, candidate_run=compiled.checked_run)
+        optimized.report = check_graphs(original, lowered.graph, lowered.inputs, candidate_run=compiled.checked_run,
+                                        tolerance=compiled.tolerance)  # fmt: skip
         if data_parallel is not None:
             optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
     return optimized

@@ -31,6 +31,7 @@ from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import rng_state
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
+from mutwo.runtime.equivalence import Tolerance
 from mutwo.runtime.fusion import mark_phases, phase_bounded_fusion, phases_arrived
 from mutwo.runtime.tracing import quiet_torch_errors
 
@@ -78,6 +79,12 @@ class CompiledStep:
     def checked_run(self) -> Callable[..., Any] | None:
         """What ``--check`` runs instead of the final graph's fx module: None for eager."""
         return None if self.backend == "eager" else self.run
+
+    @property
+    def tolerance(self) -> Tolerance | None:
+        """How ``--check`` compares it: within :class:`Tolerance` when Inductor compiled it (fused
+        kernels round differently), else like the eager graph (the same kernels run)."""
+        return Tolerance() if self.backend.startswith("inductor") else None
 
     def describe(self) -> dict[str, Any]:
         """What the run summary records about the backend."""

@@ -127,4 +127,4 @@ def graphable_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) 
         if "capturable" in group:
             group["capturable"] = True
         if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)

@@ -227,9 +227,10 @@ def compare_graphs(
 
 
 def check_graphs(reference: Graph, candidate: Graph, inputs: list[torch.Tensor], iterations: int = 3,
-                 candidate_run: Callable[..., Any] | None = None) -> EquivalenceReport:  # fmt: skip
+                 candidate_run: Callable[..., Any] | None = None,
+                 tolerance: Tolerance | None = None) -> EquivalenceReport:  # fmt: skip
     """:func:`compare_graphs` with deterministic kernels: what ``--check`` and ``optimize(check=True)``
-    run; a ``candidate_run`` (a compiled step) is compared within :class:`Tolerance`."""
+    run (with a compiled step's ``run`` and ``tolerance``, :class:`mutwo.runtime.backends.CompiledStep`)."""
     with deterministic_algorithms():
         return compare_graphs(reference, candidate, inputs, iterations=iterations, candidate_run=candidate_run,
-                              tolerance=None if candidate_run is None else Tolerance())  # fmt: skip
+                              tolerance=tolerance)  # fmt: skip

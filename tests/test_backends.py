@@ -15,6 +15,7 @@ from mutwo.ir.budget import parse_budget
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.api import capture_graph, optimize_graph
 from mutwo.runtime.backends import BackendError, compile_graph
+from mutwo.runtime.cuda_graphs import graphable_optimizer
 from mutwo.runtime.equivalence import Tolerance, check_graphs, compare_graphs
 from mutwo.runtime.profiler import cpu_iteration_peak
 from tests import models
@@ -61,7 +62,7 @@ def test_the_check_catches_a_compiled_step_that_computes_something_else() -> Non
                             tolerance=Tolerance())  # fmt: skip
     assert not report.equivalent
     assert {m.what for m in report.mismatches} >= {"gradient", "parameter"}
-    honest = check_graphs(lowered.graph, lowered.graph, lowered.inputs, candidate_run=compiled.run)
+    honest = check_graphs(lowered.graph, lowered.graph, lowered.inputs, compiled.run, compiled.tolerance)
     assert honest.equivalent, honest.summary()
 
 
@@ -135,7 +136,10 @@ def _cuda_cnn() -> tuple[models.Workload, models.Workload]:
 
 
 def _capturable_adam(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=True)
+    optimizer = _adam(model.parameters())
+    graphable_optimizer(optimizer, torch.device("cuda"))
+    assert optimizer.param_groups[0]["capturable"] and optimizer.param_groups[0]["lr"].is_cuda
+    return optimizer
 
 
 @pytest.mark.cuda
@@ -177,11 +181,15 @@ def test_cuda_graphs_refuse_a_learning_rate_on_the_host() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["inductor", "inductor-cudagraphs"])
-def test_compiled_backends_on_the_gpu_pass_the_check(backend: str) -> None:
+@pytest.mark.parametrize(("backend", "graphable"), [("inductor", False), ("inductor", True),
+                                                    ("inductor-cudagraphs", True)])  # fmt: skip
+def test_compiled_backends_on_the_gpu_pass_the_check(backend: str, graphable: bool) -> None:
+    """Inductor with the learning rate and Adam's step counts on the host (the default) or on the
+    GPU, and Inductor replayed as a CUDA graph, at the lowest budget."""
     graphed, _ = _cuda_cnn()
-    step = mutwo.optimize(graphed.model, _capturable_adam(graphed.model), graphed.batch, graphed.loss_fn,
-                          budget="min", backend=backend, check=True)  # fmt: skip
+    optimizer = _capturable_adam(graphed.model) if graphable else _adam(graphed.model.parameters())
+    step = mutwo.optimize(graphed.model, optimizer, graphed.batch, graphed.loss_fn, budget="min", backend=backend,
+                          check=True)  # fmt: skip
     assert step.last.report is not None and step.last.report.equivalent, step.last.report.summary()
     losses = [float(step(graphed.batch)) for _ in range(3)]
     assert losses[-1] < losses[0]

@@ -271,7 +271,8 @@ class MutwoOpt:
 
     def check(self, original: Graph, final: Graph, inputs: list[Any], compiled: CompiledStep) -> EquivalenceReport:
         self.log(f"checking the final step ({compiled.backend}) against the original graph for 3 iterations")
-        report = check_graphs(original, final, inputs, candidate_run=compiled.checked_run)
+        report = check_graphs(original, final, inputs, candidate_run=compiled.checked_run,
+                              tolerance=compiled.tolerance)  # fmt: skip
         if self.dp is not None:
             report = distributed.equivalent_everywhere(report, self.dp)
         self.log(report.summary())
