@@ -11,9 +11,10 @@
 * ``inductor-cudagraphs``: the Inductor-compiled step recorded and replayed the same way, as
   ``torch.compile(mode="reduce-overhead")`` does.
 
-The plan's order survives compilation because the passes that would reorder the graph are off
-(:data:`INDUCTOR_OPTIONS`, docs/backends.md has the evidence). Fusion changes rounding, so a
-compiled step is checked against the eager one within stated tolerances, never bitwise.
+The plan's order survives compilation: the passes that would reorder the graph are off
+(:data:`INDUCTOR_OPTIONS`) and fusion stays within the plan's phases (:mod:`mutwo.runtime.fusion`);
+docs/backends.md has the evidence. Fusion changes rounding, so an Inductor step is checked within
+a stated tolerance; a CUDA graph of the eager graph runs the same kernels and is checked bitwise.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class CompiledStep:
     backend: str
     run: Callable[..., Any]
     compile_seconds: float = 0.0
-    #: whether Inductor's FX graph cache answered (None: no Inductor compile happened)
+    #: whether torch's compile caches answered (None: no Inductor compile happened)
     cache_hit: bool | None = None
 
     @property
@@ -146,7 +147,10 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    def cache_hits() -> int:
+        return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+    hits = cache_hits()
     # Fake inputs from a mode with a shape environment, as Dynamo hands them: without one the FX
     # graph cache is bypassed ("No shape env"). Static shapes: the step is captured for one shape.
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -159,4 +163,4 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
                            "run it with --backend eager") from None  # fmt: skip
-    return compiled, counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] > hits
+    return compiled, cache_hits() > hits

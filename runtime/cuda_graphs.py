@@ -98,7 +98,7 @@ class CudaGraphRunner:
         """Warm up on copies of the state, then record one iteration on the live state."""
         self.graph, self.outputs = None, None  # free the previous recording's pool first
         self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream(self.static[0].device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             generator = torch.cuda.get_rng_state()
@@ -108,12 +108,13 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
         # are the iteration's memory, and its peak is the only time the allocator sees them.
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        device = self.static[0].device
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         with torch.cuda.graph(graph), torch.no_grad():
             self.outputs = self.run(*self.static)
-        self.recorded_peak_bytes = torch.cuda.max_memory_allocated() - before
-        self.recorded_peak_absolute = torch.cuda.max_memory_allocated()
+        self.recorded_peak_absolute = torch.cuda.max_memory_allocated(device)
+        self.recorded_peak_bytes = self.recorded_peak_absolute - before
         self.graph = graph
         self.recordings += 1
 
