@@ -62,7 +62,8 @@ def test_the_check_catches_a_compiled_step_that_computes_something_else() -> Non
                             tolerance=Tolerance())  # fmt: skip
     assert not report.equivalent
     assert {m.what for m in report.mismatches} >= {"gradient", "parameter"}
-    honest = check_graphs(lowered.graph, lowered.graph, lowered.inputs, compiled.run, compiled.tolerance)
+    honest = check_graphs(lowered.graph, lowered.graph, lowered.inputs, candidate_run=compiled.run,
+                          tolerance=compiled.tolerance)
     assert honest.equivalent, honest.summary()
 
 
