@@ -30,6 +30,9 @@ from torch import fx
 
 #: Ops that read device values on the host: a CUDA graph would record the value read at capture.
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal")
+#: The ops of a traced torch.optim step that compute with host numbers at run time
+#: (``mutwo::host_call*``, ``mutwo::host_scalar``, ``mutwo::foreach_host_call*``).
+TRACED_HOST_OPS = ("mutwo.host_", "mutwo.foreach_host")
 
 
 def refuse_uncapturable(module: fx.GraphModule, inputs: Sequence[torch.Tensor], labels: Sequence[str]) -> None:
@@ -52,7 +55,7 @@ def refuse_uncapturable(module: fx.GraphModule, inputs: Sequence[torch.Tensor], 
         if node.op != "call_function":
             continue
         name = _op_name(node.target)
-        if name.startswith(HOST_READS) or name.startswith("mutwo.host_call"):
+        if name.startswith(HOST_READS + TRACED_HOST_OPS):
             raise BackendError(f"CUDA graphs cannot record this step: node {node.name} ({name}) reads a tensor's "
                                "value on the host; use --backend eager or inductor")  # fmt: skip
 
