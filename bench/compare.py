@@ -21,7 +21,26 @@ its compile time is part of ``planning_seconds`` (and ``compile_seconds``).
 budget can name a peak measured there without measuring it again; they are kept in the output
 under ``reference_runs``.
 
+``mutwo-swap-<budget>`` plans with select-swap and insert-swap instead (keep, recompute or swap
+each activation to pinned host memory, μ-TWO); ``mutwo-<budget>`` stays recompute only. Rows of
+mutwo variants record the plan's predicted peak (``planned_peak_bytes``) and iteration time
+(``predicted_iteration_ms``) beside the measured ones. ``mutwo-none`` profiles the graph once;
+the mutwo variants after it (same model and batch) reuse that profile.
+
+The swap study of one model (the swap issue), in one command, for example:
+
+    python bench/compare.py --out $OUT/swap_resnet152_b128.json --models resnet152:128 --variants swap-study
+
     python bench/compare.py --out bench/results/compare_h100.json --models resnet152:128,bert:64
+
+A model is one of the names below or the path of a YAML config (``--models my.yaml:4``): a tiny
+config runs the whole comparison on a CPU in a minute (times and peaks are only measured on CUDA).
+
+``--precision bf16-autocast`` runs every variant under bf16 autocast (eager and checkpointing in
+``torch.autocast``, mutwo with the config key ``precision``), for the bf16 rows:
+
+    python bench/compare.py --precision bf16-autocast --variants eager,checkpoint,mutwo-none,mutwo-checkpoint \
+        --models resnet152:128,bert:64 --out bench/results/compare_bf16_h100.json
 """
 
 from __future__ import annotations
@@ -32,7 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -41,11 +60,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mutwo.ir.budget import Budget  # noqa: E402
+from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
            "tiny": "examples/tiny_mlp.yaml"}  # fmt: skip
 VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "mutwo-checkpoint", "mutwo-eager0.5"]
+#: Named lists of variants: recompute-only vs swap+recompute at half of eager's peak and at checkpointing's.
+PRESETS = {"swap-study": ["eager", "checkpoint", "mutwo-none", "mutwo-eager0.5", "mutwo-swap-eager0.5",
+                          "mutwo-checkpoint", "mutwo-swap-checkpoint"]}  # fmt: skip
+MUTWO_PREFIXES = ("mutwo-swap", "mutwo+opt")
 WARMUP, MEASURED = 3, 10
 
 
@@ -71,8 +95,9 @@ def checkpoint_blocks(model: nn.Module) -> int:
     return wrapped
 
 
-def mutwo_budget(spec: str, done: list[dict[str, Any]]) -> Any:
-    """The budget a ``mutwo-<spec>`` variant plans for, resolving references to measured peaks."""
+def mutwo_budget(spec: str, done: list[dict[str, Any]], stand_in: str | None = None) -> Any:
+    """The budget a ``mutwo-<spec>`` variant plans for, resolving references to measured peaks;
+    where none was measured (a CPU dry run), ``stand_in`` if given (a budget such as ``0.5``)."""
     reference = {"checkpoint": ("checkpoint", 1.0)}
     if spec.startswith("eager"):
         reference[spec] = ("eager", float(spec.removeprefix("eager")))
@@ -82,31 +107,58 @@ def mutwo_budget(spec: str, done: list[dict[str, Any]]) -> Any:
         return spec
     variant, factor = reference[spec]
     peaks = [r["peak_bytes"] for r in done if r["variant"] == variant and r.get("peak_bytes")]
+    if not peaks and stand_in is not None and any(r["variant"] == variant and "error" not in r for r in done):
+        return stand_in
     if not peaks:
         raise ValueError(f"mutwo-{spec} needs the {variant} variant measured first")
     return Budget(bytes=int(peaks[-1] * factor))
 
 
-def mutwo_variant(variant: str) -> tuple[str, str, bool]:
-    """``mutwo[+opt][@backend]-<budget>`` as (budget spec, backend, optimizer passes)."""
+class MutwoVariant(NamedTuple):
+    """A mutwo variant's name, ``mutwo[+opt|-swap][@backend]-<budget>``, taken apart."""
+
+    spec: str  #: the budget: none, a fraction, bytes, eager<f>, compile<f>, checkpoint
+    backend: str  #: what runs the planned graph (docs/backends.md)
+    optimizer_passes: bool  #: ``mutwo+opt``: optimizer-in-backward and foreach-buckets before select
+    swap: bool  #: ``mutwo-swap``: select-swap and insert-swap instead of select and rewrite
+
+
+def mutwo_variant(variant: str) -> MutwoVariant | None:
+    """``variant`` taken apart, or None when it is not a mutwo variant."""
+    if not variant.startswith("mutwo") or "-" not in variant:
+        return None
+    prefix = next((p for p in MUTWO_PREFIXES if variant.startswith(p)), "mutwo")
     head, spec = variant.rsplit("-", 1)
     backend = head.split("@", 1)[1] if "@" in head else "eager"
-    return spec, backend, head.startswith("mutwo+opt")
+    return MutwoVariant(spec, backend, prefix == "mutwo+opt", prefix == "mutwo-swap")
 
 
-def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path) -> dict[str, Any]:
-    config = ROOT / CONFIGS[name]
-    if variant.startswith("mutwo"):
-        named, backend, optimizer_passes = mutwo_variant(variant)
-        spec: Any = json.loads(budget) if budget else named
+def budget_spec(variant: str) -> str | None:
+    """The budget part of a mutwo variant (``mutwo-swap-eager0.5`` -> ``eager0.5``), None for others."""
+    parsed = mutwo_variant(variant)
+    return None if parsed is None else parsed.spec
+
+
+def config_path(name: str) -> Path:
+    """The config a ``--models`` name stands for: a known model, or a YAML file."""
+    return ROOT / CONFIGS[name] if name in CONFIGS else Path(name).resolve()
+
+
+def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
+           precision: str | None = None) -> dict[str, Any]:  # fmt: skip
+    config = config_path(name)
+    own = mutwo_variant(variant)
+    if own is not None:
+        spec: Any = json.loads(budget) if budget else own.spec
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
-                                optimizer_passes=optimizer_passes, backend=backend)  # fmt: skip
+                                precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
+                                backend=own.backend)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
-    training = build_training(config, batch_size)
-    row: dict[str, Any] = {}
+    training = build_training(config, batch_size, precision=precision)
+    row: dict[str, Any] = {"precision": training.options.precision}
     runner: nn.Module = training.model
     if variant == "checkpoint":
         row["checkpointed_blocks"] = checkpoint_blocks(training.model)
@@ -125,35 +177,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file to write (rewritten after every variant)")
     parser.add_argument("--models", default="resnet152:128,bert:64", help="name:batch,...")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated variants, or a preset: {', '.join(PRESETS)}")  # fmt: skip
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
     parser.add_argument("--reference", action="append", default=[], metavar="FILE",
                         help="an earlier run's JSON whose measured peaks budgets may name")
+    parser.add_argument("--stand-in-budget", metavar="B",
+                        help="where a budget names a peak that was not measured (a CPU dry run: peaks are "
+                        "measured on CUDA only), plan for B instead (0.5: half of mutwo's own peak); the row says so")
+    parser.add_argument("--precision", choices=PRECISIONS, help="override the configs' precision (bf16-autocast...)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
     if args.worker:
         name, batch, variant, budget = args.worker
-        row = worker(name, int(batch), variant, budget or None, scratch / name)
+        row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision)
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
     references = [row for path in args.reference for row in json.loads(Path(path).read_text())["runs"]]
     for item in args.models.split(","):
-        name, batch = item.split(":")
-        for variant in args.variants.split(","):
+        name, _, batch = item.rpartition(":")
+        if name not in CONFIGS and not config_path(name).is_file():
+            parser.error(f"--models: {name!r} is neither one of {', '.join(CONFIGS)} nor a YAML config file")
+        for variant in PRESETS.get(args.variants, args.variants.split(",")):
             base = {"model": name, "batch_size": int(batch), "variant": variant}
+            spec = budget_spec(variant)
             measured = [r for r in references + rows if r["model"] == name and r["batch_size"] == int(batch)]
             try:
-                budget = mutwo_budget(mutwo_variant(variant)[0], measured) if variant.startswith("mutwo") else None
+                budget = None if spec is None else mutwo_budget(spec, measured, args.stand_in_budget)
             except ValueError as error:
                 rows.append({**base, "error": str(error)})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            encoded = json.dumps({"bytes": budget.bytes}) if isinstance(budget, Budget) else ""
+            encoded = json.dumps({"bytes": budget.bytes} if isinstance(budget, Budget) else budget) if budget else ""
             try:
                 done = subprocess.run([sys.executable, __file__, "--worker", name, batch, variant, encoded,
-                                       *(["--out", args.out] if args.out else [])], cwd=ROOT,
+                                       *(["--out", args.out] if args.out else []),
+                                       *(["--precision", args.precision] if args.precision else [])], cwd=ROOT,
                                       capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
@@ -161,6 +222,8 @@ def main() -> None:
                                       done.stderr.strip()[-400:])}  # fmt: skip
             except subprocess.TimeoutExpired:
                 row = {**base, "error": f"timeout after {args.timeout} s"}
+            if budget is not None and budget == args.stand_in_budget and budget != spec:
+                row["stand_in_budget"] = budget  # not the measured peak the variant names
             print(json.dumps({k: v for k, v in row.items() if k != "iteration_ms_all"}), flush=True)
             rows.append(row)
             if args.out:

@@ -30,6 +30,9 @@ class Graph:
         self._nodes: list[Node] = []
         self._index: dict[Node, int] | None = None
         self._scans = 0  # lookups by scanning since the last mutation (see position())
+        # The node the last insertion went just before, and its position now: inserting many
+        # nodes before one point (a recompute block's clones) looks it up without a scan.
+        self._before: tuple[Node, int] | None = None
         self._by_id: dict[int, Node] = {}
         self._names: set[str] = set()
         self._name_suffix: dict[str, int] = {}  # next suffix to try per base name: naming stays linear
@@ -66,6 +69,8 @@ class Graph:
         lookups scan the list instead (a C-level scan is far cheaper than rebuilding the index,
         which matters when many nodes are inserted one after another).
         """
+        if self._index is None and self._before is not None and self._before[0] is node:
+            return self._before[1]
         if self._index is None and self._scans < 16:
             self._scans += 1
             try:
@@ -98,6 +103,10 @@ class Graph:
     # -- building --------------------------------------------------------------------------
     def mark_changed(self) -> None:
         self.version += 1
+
+    def _order_changed(self) -> None:
+        """Forget every remembered position (nodes were inserted, removed or reordered)."""
+        self._index, self._scans, self._before = None, 0, None
 
     def _fresh_name(self, base: str) -> str:
         name, suffix = base, self._name_suffix.get(base, 1)
@@ -159,7 +168,9 @@ class Graph:
         node.set_operands(tuple(args), dict(kwargs or {}))
         self._nodes.insert(insert_at, node)
         self._by_id[new_id] = node
-        self._index, self._scans = None, 0
+        self._order_changed()
+        if before is not None:
+            self._before = (before, insert_at + 1)
         self.mark_changed()
         return node
 
@@ -214,7 +225,7 @@ class Graph:
         if len(order) != len(self._nodes) or set(order) != set(self._nodes):
             raise GraphError("reorder needs every node of the graph exactly once")
         self._nodes = list(order)
-        self._index, self._scans = None, 0
+        self._order_changed()
         self.mark_changed()
 
     def erase(self, node: Node) -> None:
@@ -229,7 +240,7 @@ class Graph:
         del self._by_id[node.id]
         self._names.discard(node.name)
         node.graph = None
-        self._index, self._scans = None, 0
+        self._order_changed()
         self.mark_changed()
 
     def copy(self) -> Graph:

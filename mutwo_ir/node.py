@@ -34,6 +34,10 @@ class Phase(str, enum.Enum):
 
 PHASE_ORDER = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
 
+#: The device name of swapped-out copies: host memory, a pool apart from the device's (pinned
+#: buffers on CUDA; on CPU a separate buffer), see :mod:`mutwo.ir.swap`.
+HOST = "host"
+
 #: Kinds of persistent state: placeholders, or in-place updates of such a placeholder.
 STATE_KINDS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.INPUT, NodeKind.OPTIMIZER_STATE})
 

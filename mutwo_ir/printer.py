@@ -6,7 +6,8 @@
 
 Fields: id, kind, phase, the value's type (``f32[2,64,8,8]``, a tuple as ``(f32[8], f32[8])``,
 ``-`` for non-tensors), the bytes the node allocates or ``alias(%owner)`` when its storage belongs
-to another node, ``clone-of(%id)`` for recompute clones, then the op and its operands.
+to another node (``@host`` after the bytes of a copy swapped out to host memory),
+``clone-of(%id)`` for recompute clones, then the op and its operands.
 Placeholders show their label: ``= placeholder "fc.weight"``.
 """
 
@@ -17,7 +18,7 @@ import io
 from typing import Any
 
 from mutwo.ir.graph import Graph
-from mutwo.ir.node import Node, TensorMeta
+from mutwo.ir.node import HOST, Node, TensorMeta
 
 
 def _type(meta: TensorMeta | None) -> str:
@@ -34,7 +35,9 @@ def _value_type(node: Node) -> str:
 
 def _memory(node: Node) -> str:
     if node.owned_storages() or not node.tensors:
-        return f"{node.owned_bytes}B"
+        # Host memory (a swapped-out copy, see mutwo.ir.swap) is not the device's.
+        host = any(t is not None and t.device == HOST for t in node.owned_storages())
+        return f"{node.owned_bytes}B" + ("@host" if host else "")
     owners = sorted({t.storage for t in node.tensors if t is not None and t.storage.creator != node.id})
     return "alias(" + ",".join(str(k) for k in owners) + ")"
 

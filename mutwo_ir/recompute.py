@@ -176,19 +176,19 @@ class Recompute:
         from_stats: dict[int, tuple[int, int]] = {}
         in_place: list[int] = []
 
-        def clone(node: Node) -> None:
-            """Recompute ``node``: replay it from its operands, each kept, reused or recomputed."""
+        def expand(node: Node) -> list[Node]:
+            """Start recomputing ``node``: its operands, to walk (each kept, reused or recomputed)."""
             if not replayable(node):
                 raise NotRecomputable(f"{node!r} ({node.op_name}) is needed but can neither be kept nor replayed")
-            node_rank = self.rank[node.id]
             operands = node.operands
             stats = self._kept_stats(node, chosen)
             if stats is not None:
                 from_stats[node.id] = (stats[0].id, stats[1].id)
                 operands = [a for a in node.args[:3] if isinstance(a, Node)] + list(stats)
-            for operand in operands:
-                self._check_unchanged(operand, node_rank)
-                walk(operand)
+            return operands
+
+        def finish(node: Node) -> None:
+            """Recompute ``node``, its operands done."""
             if node.mutated_operands and not node.has_undeclared_writes:
                 # Writing the block's own clone in place allocates nothing; writing anything else
                 # (a kept value, an earlier block's clone) needs the out-of-place form.
@@ -200,17 +200,36 @@ class Recompute:
                                           "would keep, not recompute")  # fmt: skip
             to_clone[node.id] = None
 
-        def walk(node: Node) -> None:
+        def needs_clone(node: Node) -> bool:
+            """Whether ``node`` is recomputed; else it is a source (kept, or an earlier block's clone)."""
             if node.id in to_clone or node.id in sources:
-                return
+                return False
             window = live_clones.get(node.id)
             if window is not None and window[0] <= at <= window[1]:
                 sources[node.id] = None
                 from_clones[node.id] = window[2].creator
-            elif self._is_source(node, chosen, at):
+                return False
+            if self._is_source(node, chosen, at):
                 sources[node.id] = None
-            else:
-                clone(node)
+                return False
+            return True
+
+        def clone(target: Node) -> None:
+            """Recompute ``target`` and, depth first, the lineage it needs: operands in order, each
+            before its reader (an explicit stack: a lineage can be deeper than Python's recursion limit)."""
+            # ("walk", operand, reader rank) | ("expand", node, -) | ("finish", node, -)
+            stack: list[tuple[str, Node, int]] = [("expand", target, 0)]
+            while stack:
+                step, node, reader_rank = stack.pop()
+                if step == "finish":
+                    finish(node)
+                    continue
+                if step == "walk":
+                    self._check_unchanged(node, reader_rank)
+                    if not needs_clone(node):
+                        continue
+                stack.append(("finish", node, 0))
+                stack.extend(("walk", operand, self.rank[node.id]) for operand in reversed(expand(node)))
 
         for target in targets:
             clone(target)
@@ -262,14 +281,20 @@ class Recompute:
         if self._overwritten_between(storages, self.rank[operand.id], reader_rank):
             raise NotRecomputable(f"{operand!r} is overwritten in place before a node of the lineage reads it")
 
-    def plan(self, chosen: Iterable[StorageKey]) -> list[Block]:
-        """Blocks for every chosen storage, in the order of their insertion points."""
+    def plan(self, chosen: Iterable[StorageKey], *, dropped: Iterable[StorageKey] = (),
+             live_clones: dict[int, tuple[int, int, StorageKey]] | None = None) -> list[Block]:  # fmt: skip
+        """Blocks for every chosen storage, in the order of their insertion points.
+
+        ``dropped``: other storages that are gone from the device in the backward pass (swapped
+        out); ``live_clones``: copies of them that are live in a window, as :meth:`plan_block` takes.
+        """
         chosen = set(chosen)
+        gone = chosen | set(dropped)
         order = sorted(chosen, key=lambda k: (self.liveness.storages[k].first_backward_use, k))
-        live_clones: dict[int, tuple[int, int, StorageKey]] = {}
+        live_clones = dict(live_clones or {})
         blocks = []
         for key in order:
-            block = self.plan_block(key, chosen, live_clones)
+            block = self.plan_block(key, gone, live_clones)
             record = self.liveness.storages[key]
             for holder in block.redirect:
                 live_clones[holder] = (record.first_backward_use, record.last_backward_use or record.first_backward_use,
@@ -278,13 +303,14 @@ class Recompute:
         return blocks
 
 
-def insert_blocks(graph: Graph, blocks: list[Block]) -> dict[int, list[int]]:
+def insert_blocks(graph: Graph, blocks: list[Block], live: dict[int, Node] | None = None) -> dict[int, list[int]]:
     """Insert the clones of every block and redirect backward readers; returns original id -> clone ids.
 
-    ``blocks`` must come from :meth:`Recompute.plan` on this graph (in that order).
+    ``blocks`` must come from :meth:`Recompute.plan` on this graph (in that order); ``live`` gives
+    the nodes that stand for the ``live_clones`` the plan was given.
     """
     clones_of: dict[int, list[int]] = {}
-    live: dict[int, Node] = {}  # original id -> clone that later blocks may read
+    live = dict(live or {})  # original id -> clone that later blocks may read
     snapshots: dict[int, Node] = {}  # random original id -> the generator state it consumed
     for block in blocks:
         point = graph.node(block.insert_before)

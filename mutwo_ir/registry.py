@@ -34,12 +34,15 @@ BUILTIN_PASSES: dict[str, str] = {
     "insert-recompute": "mutwo.passes.insert_recompute:InsertRecomputePass",
     "optimizer-in-backward": "mutwo.passes.optimizer_in_backward:OptimizerInBackwardPass",
     "foreach-buckets": "mutwo.passes.foreach_buckets:ForeachBucketsPass",
+    "select-swap": "mutwo.passes.select_swap:SelectSwapPass",
+    "insert-swap": "mutwo.passes.insert_swap:InsertSwapPass",
 }
 
 #: Names that stand for several passes.
 BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {
     "rewrite": ("extract", "insert-recompute"),
     "optimizer": ("optimizer-in-backward", "foreach-buckets"),  # each applies only where the peak drops
+    "swap": ("select-swap", "insert-swap"),  # keep, recompute or swap each activation, then rewrite
 }
 
 

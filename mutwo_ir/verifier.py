@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 from mutwo.ir.classify import state_kind_of_update
 from mutwo.ir.graph import Graph
-from mutwo.ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase, StorageKey
+from mutwo.ir.node import PHASE_ORDER, STATE_KINDS, Node, NodeKind, Phase, StorageKey, target_name
 from mutwo.ir.printer import format_node
+from mutwo.ir.swap import HOST, OFFLOAD, PREFETCH, WAIT
 
 
 class VerificationError(ValueError):
@@ -185,6 +186,41 @@ def check_origins(graph: Graph) -> None:
             _fail(graph, "recompute-origin", node, "only computed nodes can be recompute clones")
 
 
+def check_swaps(graph: Graph) -> None:
+    """The swap protocol (see :mod:`mutwo.ir.swap`): an offload's host copy is read only by its
+    prefetches, a prefetched tensor only through its wait (its copy may still be in flight), and
+    an offloaded storage is not written after the offload (the copy out may still be reading it)."""
+    offloaded: dict[StorageKey, Node] = {}
+    for node in graph:
+        if node.op != "call_function":
+            continue
+        for written in node.mutated_operands if offloaded else ():
+            for meta in written.tensors:
+                if meta is not None and meta.storage in offloaded:
+                    _fail(graph, "swap-protocol", node, f"it writes storage {meta.storage} after "
+                                                        f"{offloaded[meta.storage]!r} copies it out")  # fmt: skip
+        if node.target is OFFLOAD:
+            source = node.args[0]
+            if node.tensor is None or node.tensor.device != HOST or source.tensor is None:
+                _fail(graph, "swap-protocol", node, f"an offload copies one device tensor to {HOST} memory")
+            offloaded[source.tensor.storage] = node
+            readers, expected = node.users, PREFETCH
+        elif node.target is PREFETCH:
+            if not (isinstance(node.args[0], Node) and node.args[0].target is OFFLOAD):
+                _fail(graph, "swap-protocol", node, "a prefetch reads the result of an offload")
+            readers, expected = node.users, WAIT
+        elif node.target is WAIT:
+            if not (isinstance(node.args[0], Node) and node.args[0].target is PREFETCH):
+                _fail(graph, "swap-protocol", node, "a wait reads the result of a prefetch")
+            continue
+        else:
+            continue
+        for reader in readers:
+            if reader.target is not expected:
+                _fail(graph, "swap-protocol", reader, f"it reads {node!r} directly; only a "
+                                                      f"{target_name(expected)} may")  # fmt: skip
+
+
 CHECKS: tuple[Callable[[Graph], None], ...] = (
     check_unique_ids_and_names,
     check_topological_order,
@@ -195,6 +231,7 @@ CHECKS: tuple[Callable[[Graph], None], ...] = (
     check_storages,
     check_collectives,
     check_origins,
+    check_swaps,
 )
 
 

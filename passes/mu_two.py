@@ -134,3 +134,23 @@ def greedy(
         steps += 1
         grew = True
     return grew
+
+
+def search(budget: int, chunk: int, grow: Callable[[int, int | None], bool], best_peak: Callable[[], int],
+           lowest: bool = True) -> None:  # fmt: skip
+    """The outer loop of selection: choose towards ``budget`` and, when that is out of reach, go on
+    towards the lowest peak (target 0), ``chunk`` choices at a time, which a failure then reports.
+
+    ``grow(target, max_steps)`` makes choices from the estimate, checks the plan by exact
+    simulation and returns whether it chose anything; ``best_peak()`` is the lowest exactly
+    simulated peak so far. Towards a budget the estimate leads and exact checks correct it (it
+    ignores transients); towards the lowest peak an exact check every chunk finds where more
+    choices stop paying off. With ``lowest=False`` it stops at the budget.
+    """
+    for target in (budget, 0) if lowest else (budget,):
+        for _attempt in range(8 if target else 64):
+            grew = grow(target, None if target else chunk)
+            if best_peak() <= target or not grew:
+                break
+        if best_peak() <= budget:
+            break

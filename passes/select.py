@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,23 +21,36 @@ from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks
 from mutwo.ir.replay import rng_refusal, rng_state_bytes
 from mutwo.passes.liveness import liveness_of
-from mutwo.passes.mu_two import Candidate, GreedyResult, greedy
+from mutwo.passes.mu_two import Candidate, GreedyResult, greedy, search
 
 MIB = 2**20
 
 
 @dataclass
-class Plan:
-    """A recompute plan: what to recompute, what it saves and costs, and what it predicts."""
+class PlanData:
+    """What every selection plan states (its JSON form is its fields: they hold only JSON values)."""
 
-    fingerprint: str
+    fingerprint: str  #: of the graph it was made for
     budget: str
     budget_bytes: int
     unoptimized_peak: int
     predicted_peak: int
     predicted_peak_node: int
     predicted_peak_phase: str
-    base_seconds: float
+    base_seconds: float  #: the unoptimized iteration (measured on CUDA, summed over nodes on CPU)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Any:
+        return cls(**data)
+
+
+@dataclass
+class Plan(PlanData):
+    """A recompute plan: what to recompute, what it saves and costs, and what it predicts."""
+
     added_seconds: float
     entries: list[dict[str, Any]]
     met: bool
@@ -46,13 +60,6 @@ class Plan:
 
     def keys(self) -> list[tuple[int, int]]:
         return [(e["storage_creator"], e["storage_output"]) for e in self.entries]
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Plan:
-        return cls(**data)
 
     def table(self) -> str:
         lines = [f"{'storage':>10} {'producer':<34} {'MiB':>8} {'count':>5} {'added ms':>9}  sources"]
@@ -76,10 +83,43 @@ class Plan:
         return out.getvalue()
 
 
-def resolve_budget(option_value: str | None, ctx: PassContext) -> Budget | None:
+@dataclass
+class Start:
+    """What selection starts from: the profile, the unoptimized graph's liveness and simulation
+    (with the profiled workspaces), and the budget."""
+
+    profile: Any
+    liveness: Liveness
+    workspace: dict[int, int]
+    base: MemorySimulation
+    budget: Budget
+    budget_bytes: int
+
+
+def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: str) -> Start:
+    """The starting point of a selection pass whose budget option is ``option_value`` (see
+    :func:`resolve_budget` for ``unlimited``)."""
+    profile = ctx.artifacts["profile"]
+    liveness = liveness_of(graph, ctx)
+    workspace = profile.workspace()
+    base = simulate(graph, liveness, workspace)
+    budget = resolve_budget(option_value, ctx, base.peak_bytes, unlimited)
+    return Start(profile, liveness, workspace, base, budget, budget.resolve(base.peak_bytes))
+
+
+def resolve_budget(option_value: str | None, ctx: PassContext, peak: int, unlimited: str) -> Budget:
+    """The pass's budget: its option, else the run's ``--budget``, else the device's memory; on a
+    CPU with none of these the unoptimized ``peak`` (nothing to do), logging ``unlimited``."""
     if option_value is not None:
         return parse_budget(option_value)  # valid: checked when the pass was built
-    return ctx.services.get("budget")
+    budget = ctx.services.get("budget")
+    if budget is not None:
+        return budget
+    capacity = ctx.services.get("device_memory")
+    if capacity is None:
+        ctx.log(unlimited)
+        return Budget(bytes=max(peak, 1))
+    return Budget(bytes=int(capacity))
 
 
 def replay_seconds(profile: Any, node_id: int, block: Block) -> float:
@@ -116,6 +156,21 @@ def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict
     return simulation, projected, blocks
 
 
+def estimator(base: MemorySimulation, candidates: list[Candidate]) -> tuple[
+        torch.Tensor, Callable[[Candidate], tuple[int, int]]]:  # fmt: skip
+    """The greedy's estimate: the unoptimized curve, and a function that drops a candidate's
+    bytes over its idle window and returns the new (peak, rank)."""
+    curve = torch.tensor(base.curve, dtype=torch.int64)
+    sizes = {c.key: c.memory for c in candidates}
+
+    def peak_after(candidate: Candidate) -> tuple[int, int]:
+        curve[candidate.inactive_start + 1:candidate.first_backward_use] -= sizes[candidate.key]
+        rank = int(torch.argmax(curve))
+        return int(curve[rank]), rank
+
+    return curve, peak_after
+
+
 def refused_random_ops(graph: Graph) -> list[str]:
     """Forward random ops that recomputation cannot replay, each as "%id (op): why"."""
     refused = []
@@ -139,13 +194,20 @@ class SelectPass(Pass):
     incrementally. The final plan is checked by simulating the rewritten graph exactly; that
     simulation is the predicted peak.
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
-    mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv.
+    mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv. When the budget
+    is out of reach, the greedy goes on to the lowest peak it can reach and the failure says what
+    that is; with ``lowest=false`` it stops there (the failure then reports the best plan it had),
+    and fails before any exact simulation if the estimate, recomputing every candidate it can,
+    stays above the budget.
     """
 
     name = "select"
     requires = ("profile",)
     provides = ("plan",)
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+    lowest: bool = option(True, "when the budget is out of reach, go on to the lowest reachable peak, which the "
+                                "failure reports (false: fail at once, even before simulating exactly when the "
+                                "greedy's estimate cannot reach the budget, as --fit's search does)")
 
     def __post_init__(self) -> None:
         # A bad budget is a usage error when the pipeline is built, before anything is captured.
@@ -153,19 +215,9 @@ class SelectPass(Pass):
             parse_budget(self.budget)  # BudgetError is a ValueError: the registry reports it in one line
 
     def run(self, graph: Graph, ctx: PassContext) -> Plan:
-        profile = ctx.artifacts["profile"]
-        liveness = liveness_of(graph, ctx)
-        workspace = profile.workspace()
-        base = simulate(graph, liveness, workspace)
-        budget = resolve_budget(self.budget, ctx)
-        if budget is None:
-            capacity = ctx.services.get("device_memory")
-            if capacity is None:
-                ctx.log("select: no budget and no device limit (CPU): nothing needs recomputing")
-                budget = Budget(bytes=max(base.peak_bytes, 1))
-            else:
-                budget = Budget(bytes=int(capacity))
-        budget_bytes = budget.resolve(base.peak_bytes)
+        begin = start(graph, ctx, self.budget, "select: no budget and no device limit (CPU): nothing needs recomputing")
+        profile, liveness, workspace, base = begin.profile, begin.liveness, begin.workspace, begin.base
+        budget, budget_bytes = begin.budget, begin.budget_bytes
         recompute = Recompute(graph, liveness)
         # A compiled backend cannot replay a random op from a saved generator state (Inductor
         # would bake the state in as a constant; a CUDA graph cannot read it on the host).
@@ -179,6 +231,8 @@ class SelectPass(Pass):
                     + "; ".join(refused))  # fmt: skip
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {base.peak_bytes / MIB:.1f} MiB, "
                 f"budget {budget_bytes / MIB:.1f} MiB ({budget})")  # fmt: skip
+        if not self.lowest:
+            self._fail_fast(base, budget, budget_bytes, candidates)
         # The greedy cannot undo a choice: when its first choice made every exact plan worse than
         # none (a block's transients, which the estimate ignores, sat at the peak), plan again
         # without that candidate, a few times at most.
@@ -207,39 +261,43 @@ class SelectPass(Pass):
         """μ-TWO's greedy towards ``budget_bytes``, then towards the lowest peak if that is out of
         reach: the best exactly simulated plan (simulation, choices, blocks), and the key of the
         first choice made (None if none)."""
-        curve = torch.tensor(base.curve, dtype=torch.int64)
-        sizes = {c.key: c.memory for c in candidates}
-
-        def peak_after(candidate: Candidate) -> tuple[int, int]:
-            curve[candidate.inactive_start + 1:candidate.first_backward_use] -= sizes[candidate.key]
-            rank = int(torch.argmax(curve))
-            return int(curve[rank]), rank
-
+        curve, peak_after = estimator(base, candidates)
         state = GreedyResult()
         remaining = list(candidates)
         # The best exactly simulated plan so far: a later choice can raise the exact peak (its
         # block's clones are live at once), and then the plan falls back to this one.
         best: tuple[MemorySimulation, list[Candidate], list[Block]] = (base, [], [])
-        # Met, or unreachable: then go on to the lowest reachable peak, which the failure reports.
-        # Towards a budget, the estimate leads and exact checks correct it; towards the lowest
-        # peak (target 0), an exact check every few choices finds where more recomputation
-        # stops paying off.
-        chunk = max(4, len(candidates) // 8)
-        for target in (budget_bytes, 0):
-            for _attempt in range(8 if target else 64):  # the estimate ignores transients: check exactly
-                rank = int(torch.argmax(curve))
-                grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state,
-                              None if target else chunk)  # fmt: skip
-                if grew:
-                    exact, projected, blocks = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
-                    curve.copy_(projected)
-                    if exact.peak_bytes < best[0].peak_bytes:
-                        best = (exact, list(state.chosen), blocks)
-                if best[0].peak_bytes <= target or not grew:
-                    break
-            if best[0].peak_bytes <= budget_bytes:
-                break
+
+        def grow(target: int, max_steps: int | None) -> bool:
+            nonlocal best
+            rank = int(torch.argmax(curve))
+            grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state, max_steps)
+            if grew:
+                exact, projected, blocks = plan_peak(graph, liveness, [c.key for c in state.chosen], workspace)
+                curve.copy_(projected)
+                if exact.peak_bytes < best[0].peak_bytes:
+                    best = (exact, list(state.chosen), blocks)
+            return grew
+
+        search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best[0].peak_bytes, self.lowest)
         return best, state.chosen[0].key if state.chosen else None
+
+    def _fail_fast(self, base: MemorySimulation, budget: Budget, budget_bytes: int,
+                   candidates: list[Candidate]) -> None:  # fmt: skip
+        """Fail before any exact simulation when the greedy's estimate cannot reach the budget:
+        it ignores the transients of recompute blocks, so no exact plan gets lower (what makes
+        a batch far out of reach cheap to refuse for --fit, whose search tries many)."""
+        remaining = [copy.deepcopy(c) for c in candidates]
+        curve, peak_after = estimator(base, remaining)
+        rank = int(torch.argmax(curve))
+        state = GreedyResult()
+        greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
+        if state.peak > budget_bytes:
+            raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is out of reach: recomputing every "
+                              f"activation idle at the peak, the estimate stays at {state.peak / MIB:.1f} MiB "
+                              f"({100 * state.peak / base.peak_bytes:.0f}% of the unoptimized "
+                              f"{base.peak_bytes / MIB:.1f} MiB), and recompute blocks only add to it (lowest=false: "
+                              "the lowest reachable peak was not searched)")  # fmt: skip
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
                     device: str, replay_random: bool = True) -> list[Candidate]:  # fmt: skip
@@ -297,6 +355,11 @@ class SelectPass(Pass):
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
+        share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {base.peak_bytes / MIB:.1f} MiB"
+        if not self.lowest:
+            return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is out of reach: the best plan peaks at "
+                    f"{plan.predicted_peak / MIB:.1f} MiB ({share}) {where} (lowest=false: the lowest reachable "
+                    "peak was not searched)")  # fmt: skip
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
             if not optimizer_passes_ran:
@@ -307,6 +370,5 @@ class SelectPass(Pass):
                 why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
                 why += ", ...)" if len(plan.refused) > 1 else ")"
         return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
-                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({100 * plan.predicted_peak / base.peak_bytes:.0f}% "
-                f"of the unoptimized {base.peak_bytes / MIB:.1f} MiB) {where}, holding "
+                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({share}) {where}, holding "
                 f"{describe_breakdown(plan.predicted_breakdown)}; {why}")

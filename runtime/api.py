@@ -33,11 +33,13 @@ from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
 from mutwo.runtime import distributed
 from mutwo.runtime.backends import BackendError, check_backend
-from mutwo.runtime.capture import CapturedStep, LossFn, StepBinding, capture
+from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
+from mutwo.runtime.training import TrainingOptions
+from mutwo.runtime.transfer import measure_transfers
 
 DEFAULT_PASSES = "profile,optimizer,select,rewrite"
 
@@ -63,7 +65,9 @@ class Optimized:
 
     @property
     def plan(self) -> Any:
-        return self.context.artifacts.get("plan")
+        """The plan the pipeline made: ``select``'s (recompute only) or ``select-swap``'s."""
+        artifacts = self.context.artifacts
+        return artifacts["plan"] if "plan" in artifacts else artifacts.get("swap-plan")
 
 
 @dataclass
@@ -80,11 +84,14 @@ class CapturedGraph:
         return device_of(self.inputs)
 
 
-def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                  loss_fn: LossFn, data_parallel: DataParallel | None = None) -> CapturedGraph:  # fmt: skip
+def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
+                  training: TrainingOptions | None = None, micro: str = "step",
+                  accumulated: dict[str, torch.Tensor] | None = None,
+                  data_parallel: DataParallel | None = None) -> CapturedGraph:  # fmt: skip
     """Capture one iteration (model, optimizer and batch already on their device) into verified IR;
-    with ``data_parallel``, gradients are averaged across its ranks, which must all capture it."""
-    captured, binding = capture(model, optimizer, batch, loss_fn, data_parallel)
+    ``training``, ``micro`` and ``accumulated`` as for :func:`mutwo.runtime.capture.capture`; with
+    ``data_parallel``, gradients are averaged across its ranks, which must all capture it."""
+    captured, binding = capture(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
     verify(graph)
     if data_parallel is not None:
@@ -103,6 +110,7 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
     context.services["keep_grads"] = keep_grads
     context.services["profiler"] = lambda g, runs, warmup: profile_graph(g, lowered.inputs, runs=runs,
                                                                          warmup=warmup, progress=log)  # fmt: skip
+    context.services["transfer"] = lambda: measure_transfers(device)
     if device.type == "cuda":
         context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
     dp = lowered.binding.data_parallel
@@ -125,6 +133,9 @@ def optimize_graph(
     budget: Budget | None = None,
     out_dir: Path | None = None,
     check: bool = False,
+    training: TrainingOptions | None = None,
+    micro: str = "step",
+    accumulated: dict[str, torch.Tensor] | None = None,
     keep_grads: bool = False,
     log: Callable[[str], None] = lambda message: None,
     data_parallel: DataParallel | None = None,
@@ -142,7 +153,7 @@ def optimize_graph(
     if data_parallel is not None and backend != "eager":
         raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
     pipeline = PassRegistry().build_pipeline(passes)
-    lowered = capture_graph(model, optimizer, batch, loss_fn, data_parallel)
+    lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
     original = lowered.graph.copy()
     context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
     context.services["replay_random"] = backend == "eager"
@@ -167,10 +178,13 @@ def optimize_graph(
 class MutwoStep:
     """A training step made by :func:`optimize`; call it with a batch, it returns the loss.
 
-    ``steps`` keeps one optimized graph per batch signature (shapes and dtypes); ``last`` is the
-    one used by the latest call. With ``keep_grads``, each parameter's ``.grad`` is set to the
-    step's gradient, as ``loss.backward()`` would (this keeps the gradients alive until the next
-    step, like eager training without ``zero_grad``).
+    ``steps`` keeps the optimized graphs by what a graph is specific to (:func:`capture_key`): the
+    batch's shapes and dtypes, every module's training flag, the optimizer's hyperparameters other
+    than the learning rate. A graph is also dropped when a branch the optimizer took on its step
+    count goes the other way (RAdam) or when the optimizer created its state in it (SGD's first
+    momentum buffer). ``last`` is the graph used by the latest call. With ``keep_grads``, each
+    parameter's ``.grad`` is set to the step's gradient, as ``loss.backward()`` would (this keeps
+    the gradients alive until the next step, like eager training without ``zero_grad``).
     """
 
     model: torch.nn.Module
@@ -179,35 +193,100 @@ class MutwoStep:
     options: dict[str, Any]
     keep_grads: bool = False
     log: Callable[[str], None] = field(default=lambda message: None)
-    steps: dict[tuple[Any, ...], tuple[Optimized, GraphStep]] = field(default_factory=dict)
+    steps: dict[tuple[Any, ...], list[tuple[Optimized, GraphStep]]] = field(default_factory=dict)
     last: Optimized | None = None
+    micro_index: int = 0  #: with gradient accumulation: the micro-batch the next call runs
+    #: with gradient accumulation: the gradients accumulated so far (shared with the graphs' bindings)
+    accumulated: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def prepare(self, batch: Any) -> GraphStep:
-        """The optimized step for ``batch``'s signature, captured and optimized on first sight."""
-        key = _signature(batch)
-        if key not in self.steps:
-            if self.steps:
-                self.log(f"mutwo: a batch of another shape ({_describe(batch)}): capturing and optimizing "
-                         "the iteration again for it")  # fmt: skip
-            optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, **self.options)
-            if optimized.report is not None and not optimized.report.equivalent:
-                raise NotEquivalentError(optimized.report.summary())
-            assert optimized.step is not None
-            self.steps[key] = (optimized, optimized.step)
-        self.last, step = self.steps[key]
-        return step
+    @property
+    def micro(self) -> str:
+        """Which graph the next call runs: "step" without accumulation, else "first", "middle" or "last"."""
+        k = self.options["training"].accumulation_steps
+        if k == 1:
+            return "step"
+        return "first" if self.micro_index == 0 else "last" if self.micro_index == k - 1 else "middle"
+
+    def prepare(self, batch: Any) -> tuple[GraphStep, list[torch.Tensor]]:
+        """The optimized step for ``batch`` and its inputs, captured and optimized when no graph fits."""
+        key = capture_key(self.model, self.optimizer, batch) + ("micro", self.micro)
+        candidates = self.steps.setdefault(key, [])
+        reasons: list[str] = []
+        for optimized, step in list(candidates):
+            try:
+                flat = step.flat_inputs(batch)
+            except StaleCaptureError as stale:
+                reasons.append(str(stale).split(";")[0])
+                if step.stale is not None:
+                    candidates.remove((optimized, step))
+                continue
+            self.last = optimized
+            return step, flat
+        if reasons:
+            self.log(f"mutwo: {reasons[0]}: capturing and optimizing the iteration again")
+        elif len(self.steps) > 1:
+            self.log(f"mutwo: {_describe_change(self.steps, key, batch)}: capturing and optimizing the iteration "
+                     "again for it")  # fmt: skip
+        optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, micro=self.micro,
+                                   accumulated=self.accumulated, **self.options)  # fmt: skip
+        if optimized.report is not None and not optimized.report.equivalent:
+            raise NotEquivalentError(optimized.report.summary())
+        assert optimized.step is not None
+        step = optimized.step
+        candidates.append((optimized, step))
+        self.last = optimized
+        return step, step.flat_inputs(batch)
 
     def __call__(self, batch: Any) -> torch.Tensor:
         if self.options.get("data_parallel") is not None:
             self.options["data_parallel"].require_sync()
-        output = self.prepare(batch)(batch)
-        # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        step, flat = self.prepare(batch)
+        micro = self.micro
+        output = step.run(flat)
+        gradients = output.gradients
+        if micro == "first":
+            self.accumulated.clear()  # in place: the bindings of the other graphs read this dict
+            self.accumulated.update(gradients)
+        if micro in ("middle", "last"):
+            gradients = self.accumulated
+        if micro in ("step", "last"):
+            # The graph did optimizer.step()'s work: tell learning-rate schedulers, which check for it.
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if micro != "step":
+            self.micro_index = (self.micro_index + 1) % self.options["training"].accumulation_steps
         if self.keep_grads:
             params = dict(self.model.named_parameters())
-            for name, grad in output.gradients.items():
+            for name, grad in gradients.items():
                 params[name].grad = grad
         return output.loss
+
+
+def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> tuple[Any, ...]:
+    """What a captured graph is specific to: the batch's structure, shapes, dtypes and devices,
+    every module's ``training`` flag (train and eval iterations differ: batch norm statistics,
+    dropout), and each param group's hyperparameters except the learning rate (a graph input)."""
+    modes = tuple(module.training for module in model.modules())
+    hyper = tuple(tuple(sorted((k, _frozen(v)) for k, v in group.items() if k not in ("params", "lr")))
+                  for group in optimizer.param_groups)  # fmt: skip
+    return ("batch", _signature(batch), "modes", modes, "hyperparameters", hyper)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
+
+
+def _describe_change(steps: dict[tuple[Any, ...], Any], key: tuple[Any, ...], batch: Any) -> str:
+    """What differs from the graphs captured before, in words."""
+    previous = next(k for k in steps if k != key)
+    if previous[1] != key[1]:
+        return f"a batch of another shape ({_describe(batch)})"
+    if previous[3] != key[3]:
+        return "the model is in another mode (model.train() / model.eval())"
+    if previous[7] != key[7]:
+        return f"the {key[7]} micro-batch of gradient accumulation"
+    return "the optimizer's hyperparameters changed"
 
 
 def optimize(
@@ -222,6 +301,11 @@ def optimize(
     keep_grads: bool = False,
     out_dir: str | Path | None = None,
     verbose: bool = False,
+    max_grad_norm: float | None = None,
+    norm_type: float = 2.0,
+    precision: str = "fp32",
+    accumulation_steps: int = 1,
+    grad_scaler: torch.amp.GradScaler | None = None,
     data_parallel: bool | None = None,
     bucket_cap_mb: float | None = None,
     backend: str = "eager",
@@ -233,6 +317,15 @@ def optimize(
     ``check``: compare the optimized step with the captured one before first use and raise
     :class:`NotEquivalentError` on any difference. The model, optimizer state and batches must
     be on the device to train on. ``example_batch`` is captured right away.
+    ``max_grad_norm`` / ``norm_type``: clip the gradients as ``torch.nn.utils.clip_grad_norm_(
+    model.parameters(), max_grad_norm, norm_type)`` before the optimizer step, inside the graph.
+    ``precision``: ``"fp32"``, ``"bf16-autocast"`` or ``"fp16-autocast"`` (the model and the loss
+    under ``torch.autocast``). ``accumulation_steps=k``: each call takes one micro-batch and
+    returns its loss (before the division by k); every k-th call steps the optimizer, as an eager
+    loop of ``(loss / k).backward()`` would. ``grad_scaler``: a ``torch.amp.GradScaler`` whose
+    scale, unscale, inf check, skipped step and scale update run inside the graph, as
+    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` would; see
+    :mod:`mutwo.runtime.training`.
 
     Data parallel: a ``DistributedDataParallel`` model is unwrapped and its gradients are averaged
     as DDP would (its process group, buckets and buffer broadcast); a plain model is, when a
@@ -254,8 +347,9 @@ def optimize(
         distributed.broadcast_model(model, dp)
     lead = dp is None or dp.rank == 0
     log = (lambda message: print(message, file=sys.stderr)) if verbose and lead else (lambda message: None)
+    training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
     options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
-               "data_parallel": dp, "backend": backend,
+               "training": training, "data_parallel": dp, "backend": backend,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)

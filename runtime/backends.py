@@ -30,6 +30,7 @@ from torch import fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import rng_state
+from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.equivalence import Tolerance
@@ -100,6 +101,13 @@ def check_backend(name: str) -> str:
     return name
 
 
+def swap_refusal(backend: str) -> str:
+    """Why ``backend`` cannot run a plan that swaps, and what to do instead."""
+    return (f"the {backend} backend cannot run a plan that swaps to host memory (mutwo::offload/prefetch/wait keep "
+            "host buffers and copy streams outside any compiled graph, and Inductor cannot functionalize them): use "
+            "--backend eager, or plan with select,rewrite instead of swap")
+
+
 def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend: str, graph: Graph) -> CompiledStep:
     """Make ``module`` (``graph``, a whole iteration, lowered by ``to_fx``; inputs in slot order)
     runnable by ``backend``.
@@ -118,6 +126,8 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
         raise BackendError(f"the {backend} backend cannot run a plan that replays random ops from a saved generator "
                            f"state ({len(replays)}, e.g. {replays[0]}): plan for it (optimize(..., backend=...) and "
                            "mutwo-opt --backend tell select so) or use --backend eager")  # fmt: skip
+    if any(node.target in SWAP_OPS for node in module.graph.nodes):
+        raise BackendError(swap_refusal(backend))
     started = time.perf_counter()
     run: Callable[..., Any] = module
     cache_hit = None

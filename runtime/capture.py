@@ -31,6 +31,7 @@ from mutwo.ir.from_fx import PHASE_META
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime import optim as functional_optim
 from mutwo.runtime.collectives import GradientBuckets, broadcast_coalesced
+from mutwo.runtime.guards import RecordedGuard, TraceDecider
 from mutwo.runtime.input_aliasing import refuse_written_aliases, separate_aliases
 from mutwo.runtime.rnn import run_rnn_layers_in_training_mode
 from mutwo.runtime.tracing import (
@@ -41,6 +42,7 @@ from mutwo.runtime.tracing import (
     forbid_value_dependent_shapes,
     quiet_torch_errors,
 )
+from mutwo.runtime.training import TrainingOptions
 
 if TYPE_CHECKING:
     from mutwo.runtime.distributed import DataParallel
@@ -66,7 +68,8 @@ class CapturedStep:
 
     ``slots[i]`` describes placeholder ``i``; ``gradient_labels[j]`` names the parameter whose
     gradient is output ``j + 1`` (output 0 is the loss); ``constants`` are tensors the model
-    holds outside parameters and buffers, fed like inputs.
+    holds outside parameters and buffers, fed like inputs; ``guards`` the branches the optimizer
+    took on host numbers, which must still go the same way for the graph to be run.
     """
 
     graph_module: fx.GraphModule
@@ -74,6 +77,7 @@ class CapturedStep:
     gradient_labels: list[str]
     batch_spec: pytree.TreeSpec
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    guards: list[RecordedGuard] = field(default_factory=list)  #: branches taken on host numbers
 
 
 @dataclass
@@ -83,45 +87,58 @@ class StepBinding:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
-    spec: functional_optim.OptimizerSpec
     param_names: list[str]
     buffer_names: list[str]
     trainable: list[str]  #: names of the parameters the optimizer updates, in group order
-    group_of: dict[str, int]  #: trainable parameter name -> index of its param group
-    foreach_layout: list[list[str]] = field(default_factory=list)  #: buckets of the multi-tensor update
-    checked_steps: list[int] = field(default_factory=list)  #: ids of the step tensors last checked
+    group_names: list[list[str]]  #: every parameter of each param group, by name
+    state_layout: dict[str, tuple[str, ...]]  #: the optimizer state tensors of each trainable parameter
+    #: state the optimizer creates inside step(), and the tensors allocated to receive it
+    fresh: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    training: TrainingOptions = field(default_factory=TrainingOptions)  #: clipping and precision
+    #: with gradient accumulation, which micro-batch the graph runs: "first" (returns the gradients),
+    #: "middle" (adds them to ``accumulated``) or "last" (adds them, then clips and steps); else "step"
+    micro: str = "step"
+    #: the gradients accumulated so far, by parameter name (inputs of the middle and last graphs)
+    accumulated: dict[str, torch.Tensor] = field(default_factory=dict)
     data_parallel: DataParallel | None = None  #: how gradients are averaged across ranks, if they are
     gradient_buckets: list[list[str]] = field(default_factory=list)  #: the all-reduce buckets, in issue order
 
     @classmethod
     def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+             training: TrainingOptions | None = None, micro: str = "step",
+             accumulated: dict[str, torch.Tensor] | None = None,
              data_parallel: DataParallel | None = None) -> StepBinding:  # fmt: skip
-        spec = functional_optim.describe(optimizer)
+        functional_optim.check_supported(optimizer)
         params = dict(model.named_parameters())
         name_of = {id(p): name for name, p in params.items()}
-        trainable: list[str] = []
-        group_of: dict[str, int] = {}
-        for index, group in enumerate(optimizer.param_groups):
+        group_names: list[list[str]] = []
+        for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in name_of:
                     raise CaptureError("the optimizer holds a tensor that is not a parameter of the model; "
                                        "build the optimizer from model.parameters()")  # fmt: skip
-                name = name_of[id(param)]
-                if param.requires_grad:
-                    trainable.append(name)
-                    group_of[name] = index
-        return cls(model, optimizer, loss_fn, spec, list(params), [n for n, _ in model.named_buffers()],
-                   trainable, group_of, data_parallel=data_parallel)  # fmt: skip
+            group_names.append([name_of[id(p)] for p in group["params"]])
+        trainable = [name for names in group_names for name in names if params[name].requires_grad]
+        if not trainable:
+            raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
+        functional_optim.init_state(optimizer, [params[n] for n in trainable])
+        layout = {name: functional_optim.state_names(optimizer, params[name]) for name in trainable}
+        return cls(model, optimizer, loss_fn, list(params), [n for n, _ in model.named_buffers()], trainable,
+                   group_names, layout, training=training or TrainingOptions(), micro=micro,
+                   accumulated=accumulated if accumulated is not None else {}, data_parallel=data_parallel)  # fmt: skip
 
     # -- the flat input list ---------------------------------------------------------------
     def state_names(self, name: str) -> tuple[str, ...]:
-        group = self.optimizer.param_groups[self.group_of[name]]
-        return functional_optim.state_names_for(self.spec, group)
+        return self.state_layout[name] + tuple(key for (owner, key) in self.fresh if owner == name)
 
     def slots(self, batch: Any) -> list[InputSlot]:
         slots = [InputSlot(NodeKind.PARAMETER, n) for n in self.param_names]
         slots += [InputSlot(NodeKind.BUFFER, n) for n in self.buffer_names]
         slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:{s}") for n in self.trainable for s in self.state_names(n)]
+        slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:accumulated_grad") for n in self.accumulated_inputs()]
+        if self.training.scaler is not None:
+            slots += [InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:scale"),
+                      InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:growth_tracker")]  # fmt: skip
         slots += [InputSlot(NodeKind.OTHER, f"lr:group{i}") for i in range(len(self.optimizer.param_groups))]
         leaves, _ = pytree.tree_flatten_with_path(batch)
         slots += [InputSlot(NodeKind.INPUT, "batch" + pytree.keystr(path)) for path, leaf in leaves
@@ -136,8 +153,11 @@ class StepBinding:
         flat += [buffers[n] for n in self.buffer_names]
         for name in self.trainable:
             state = self.optimizer.state[params[name]]
-            flat += [state[s] for s in self.state_names(name)]
-        flat += [learning_rate(g) for g in self.optimizer.param_groups]
+            flat += [state[s] for s in self.state_layout[name]]
+            flat += [tensor for (owner, _), tensor in self.fresh.items() if owner == name]
+        flat += list(self.accumulated_inputs().values())
+        flat += self.training.scaler_state(params[self.trainable[0]].device)
+        flat += [functional_optim.learning_rate(g) for g in self.optimizer.param_groups]
         flat += [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
         return flat
 
@@ -149,61 +169,37 @@ class StepBinding:
             flat[index] = flat[index].requires_grad_(name in trainable)
         return flat
 
-    # -- the optimizer's multi-tensor form --------------------------------------------------
-    def foreach_buckets(self) -> list[list[str]]:
-        """The trainable parameters updated together by one multi-tensor update, read from the
-        live model and optimizer: per param group taking torch.optim's foreach form, one bucket
-        per device, dtype and (for Adam) step count, whose bias corrections are then one number.
+    def accumulated_inputs(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradients the graph reads and adds to (middle and last micro-batches)."""
+        return self.accumulated if self.micro in ("middle", "last") else {}
 
-        The graph keeps each bucket's step counts equal (it steps them together); the bucket
-        layout is remembered so that :meth:`check_foreach_buckets` can tell when someone else
-        changed them.
-        """
-        params = dict(self.model.named_parameters())
-        buckets: dict[tuple[Any, ...], list[str]] = {}
-        for index, group in enumerate(self.optimizer.param_groups):
-            names = [n for n in self.trainable if self.group_of[n] == index]
-            if not functional_optim.uses_foreach(group, [params[n] for n in names]):
-                continue
-            for name in names:
-                param = params[name]
-                key: tuple[Any, ...] = (index, param.device, param.dtype)
-                if self.spec.algorithm != "sgd":
-                    key += (float(self.optimizer.state[param]["step"]),)
-                buckets.setdefault(key, []).append(name)
-        self.foreach_layout = list(buckets.values())
-        self.checked_steps = []
-        return self.foreach_layout
+    def allocate_fresh(self, created: dict[tuple[str, str], torch.Tensor]) -> None:
+        """Allocate real tensors for the state the optimizer creates inside step() (their values are
+        written by the first run)."""
+        for entry, fake in created.items():
+            self.fresh[entry] = torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype,
+                                                    device=fake.device)  # fmt: skip
 
-    def check_foreach_buckets(self) -> None:
-        """Raise :class:`StaleCaptureError` if an Adam bucket's step counts are no longer equal
-        (optimizer state replaced, say by ``load_state_dict`` from another run)."""
-        layout = self.foreach_layout
-        if self.spec.algorithm == "sgd" or not any(layout):
-            return
+    def install_fresh(self) -> None:
+        """After a run: hand the state the optimizer created to the optimizer, as its step() would."""
         params = dict(self.model.named_parameters())
-        steps = [[self.optimizer.state[params[n]]["step"] for n in bucket] for bucket in layout]
-        identities = [id(t) for bucket in steps for t in bucket]
-        if identities == self.checked_steps:  # the graph itself keeps its own step tensors equal
-            return
-        for bucket, tensors in zip(layout, steps, strict=True):
-            if len({float(t) for t in tensors}) > 1:
-                raise StaleCaptureError(
-                    f"the optimizer's step counts of {bucket[0]} and the parameters updated with it are no "
-                    "longer equal (was the optimizer state replaced?); capture the step again"
-                )
-        self.checked_steps = identities
+        for (name, key), tensor in self.fresh.items():
+            self.optimizer.state[params[name]][key] = tensor
+        self.fresh = {}
 
     # -- the traced function ---------------------------------------------------------------
-    def step_function(self, batch: Any, gradient_labels: list[str]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def step_function(self, batch: Any, gradient_labels: list[str],
+                      decide: Callable[[Any], bool]) -> Callable[..., tuple[torch.Tensor, ...]]:  # fmt: skip
         leaves, batch_spec = pytree.tree_flatten(batch)
         tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         n_params, n_buffers = len(self.param_names), len(self.buffer_names)
         state_layout = [(n, self.state_names(n)) for n in self.trainable]
-        n_state = sum(len(s) for _, s in state_layout)
+        accumulated_names = list(self.accumulated_inputs())
+        n_scaler = 2 if self.training.scaler is not None else 0
+        n_state = sum(len(s) for _, s in state_layout) + len(accumulated_names) + n_scaler
+        in_optimizer_order = [name for names in self.group_names for name in names]
+        k = self.training.accumulation_steps
         n_groups = len(self.optimizer.param_groups)
-        buckets = self.foreach_buckets()
-        in_buckets = {name for bucket in buckets for name in bucket}
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
             forbid_value_dependent_shapes()
@@ -214,43 +210,65 @@ class StepBinding:
             for name, names in state_layout:
                 states[name] = dict(zip(names, flat[cursor:cursor + len(names)], strict=True))
                 cursor += len(names)
-            lrs = flat[cursor:cursor + n_groups]
+            accumulated = dict(zip(accumulated_names, flat[cursor:cursor + len(accumulated_names)], strict=True))
+            cursor += len(accumulated_names)
+            scaler_state = flat[cursor:cursor + n_scaler]  # the scale and the growth tracker
+            cursor += n_scaler
+            lrs = list(flat[cursor:cursor + n_groups])
             batch_leaves = list(leaves)
             for position, tensor in zip(tensor_positions, flat[n_params + n_buffers + n_state + n_groups:],
                                         strict=True):  # fmt: skip
                 batch_leaves[position] = tensor
             traced_batch = pytree.tree_unflatten(batch_leaves, batch_spec)
 
+            device = next(iter(params.values())).device
             averaging = self._begin_data_parallel(params, buffers)
-            with torch.enable_grad():
+            with torch.enable_grad(), self.training.forward_context(device):
                 output = _call_model(self.model, params, buffers, traced_batch)
                 loss = self.loss_fn(output, traced_batch)
-                _check_loss(loss)
+            _check_loss(loss)
             _end_phase(Phase.FORWARD)
             wanted = [params[n] for n in self.trainable]
-            grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+            # An eager loop accumulating over k micro-batches calls (loss / k).backward() on each;
+            # with a grad scaler, scaler.scale(loss / k).backward().
+            objective = loss / k if k > 1 else loss
+            if scaler_state:
+                objective = objective * scaler_state[0].to(objective.device)
+            grads = torch.autograd.grad(objective, wanted, allow_unused=True)
             if averaging is not None:  # gradients final: their average over the ranks replaces them
                 grads = averaging.averaged(self.trainable, grads)
                 self.gradient_buckets = averaging.layout
+            grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
+            if accumulated:
+                grad_of = _accumulate(accumulated, grad_of)
+            if self.micro in ("step", "last"):
+                if scaler_state:
+                    found_inf = self.training.unscale([grad_of[n] for n in in_optimizer_order if n in grad_of],
+                                                      scaler_state[0])  # fmt: skip
+                # Unscaling and clipping write the gradients: they end the backward, as in the eager loop.
+                self.training.clip([(params[n], grad_of[n]) for n in self.param_names if n in grad_of])
+            if self.micro in ("first", "middle"):
+                # No optimizer step: the first returns its gradients (the accumulation starts from
+                # them, as .grad does), the middle ones have added theirs to the inputs in place.
+                returned = grad_of if self.micro == "first" else {}
+                gradient_labels.extend(returned)
+                outputs = (loss.detach(), *returned.values())
+                _end_phase(Phase.BACKWARD)
+                return outputs
             _end_phase(Phase.BACKWARD)
             with torch.no_grad():
-                grad_of = {name: grad for name, grad in zip(self.trainable, grads, strict=True) if grad is not None}
                 # torch.optim skips parameters without a gradient.
-                gradient_labels.extend(name for name in self.trainable if name in grad_of)
-                for name in self.trainable:
-                    if name in grad_of and name not in in_buckets:
-                        group_index = self.group_of[name]
-                        functional_optim.update(self.spec, self.optimizer.param_groups[group_index], params[name],
-                                                grad_of[name], states[name], lrs[group_index])  # fmt: skip
-                # Parameters without a gradient are not stepped: the layout to check is what is updated.
-                self.foreach_layout = [[name for name in bucket if name in grad_of] for bucket in buckets]
-                for names in self.foreach_layout:
-                    if names:
-                        group_index = self.group_of[names[0]]
-                        functional_optim.update_foreach(
-                            self.spec, self.optimizer.param_groups[group_index], [params[n] for n in names],
-                            [grad_of[n] for n in names], [states[n] for n in names], lrs[group_index])
-                outputs = (loss.detach(), *[g for g in grads if g is not None])
+                gradient_labels.extend(name for name in self.trainable if name in grad_of and name not in accumulated)
+                fresh = {(name, key): states[name][key] for name, key in self.fresh}
+                written = [t for n in grad_of for t in (params[n], *states.get(n, {}).values())]
+                skipped = (self.training.skipped_on_inf(found_inf, written) if scaler_state
+                           else contextlib.nullcontext())  # fmt: skip
+                with skipped:
+                    functional_optim.traced_step(self.optimizer, self.group_names, params, grad_of, states, lrs,
+                                                 decide, fresh)  # fmt: skip
+                if scaler_state:
+                    self.training.update_scale(scaler_state[0], scaler_state[1], found_inf)
+                outputs = (loss.detach(), *[grad_of[n] for n in gradient_labels])
             _end_phase(Phase.OPTIMIZER)
             return outputs
 
@@ -271,13 +289,15 @@ class StepBinding:
         return buckets
 
 
-def learning_rate(group: dict[str, Any]) -> torch.Tensor:
-    """A param group's learning rate as the 0-dim tensor fed to the graph: a Python number as
-    float64 on CPU (torch.optim computes with it in double precision), a tensor as it is."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        return lr.detach().reshape(()).clone()
-    return torch.tensor(float(lr), dtype=torch.float64)
+def _accumulate(accumulated: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add this micro-batch's gradients to the accumulated ones in place, as ``.grad`` accumulates."""
+    if set(grads) != set(accumulated):
+        raise CaptureError("this micro-batch gives gradients to other parameters than the first one did; "
+                           "gradient accumulation needs the same parameters used in every micro-batch")  # fmt: skip
+    with torch.no_grad():
+        for name, grad in grads.items():
+            accumulated[name].add_(grad)
+    return accumulated
 
 
 def _call_model(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
@@ -320,36 +340,50 @@ def _training_mode_kept(model: torch.nn.Module) -> Iterator[None]:
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
+            training: TrainingOptions | None = None, micro: str = "step",
+            accumulated: dict[str, torch.Tensor] | None = None,
             data_parallel: DataParallel | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
+    ``training`` adds gradient clipping, mixed precision and gradient accumulation
+    (:mod:`mutwo.runtime.training`); with accumulation, ``micro`` says which micro-batch the graph
+    runs and ``accumulated`` holds the gradients accumulated before it (see :class:`StepBinding`).
     Missing optimizer state is created as torch.optim's first step would create it. Raises
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
     data-dependent control flow) when the iteration cannot be traced. With ``data_parallel``, the
     graph also averages the gradients across ranks (:mod:`mutwo.runtime.collectives`).
     """
-    binding = StepBinding.bind(model, optimizer, loss_fn, data_parallel)
-    if not binding.trainable:
-        raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
-    functional_optim.init_state(optimizer, binding.spec)
-    gradient_labels: list[str] = []
-    slots = binding.slots(batch)
-    n_batch = sum(1 for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor))
-    inputs, aliases = separate_aliases(binding.trace_inputs(batch), len(slots) - n_batch)
+    binding = StepBinding.bind(model, optimizer, loss_fn, training, micro, accumulated, data_parallel)
     try:
-        with compiler_tracing(), quiet_torch_errors(), _training_mode_kept(model):
-            graph_module = make_fx(binding.step_function(batch, gradient_labels), tracing_mode="fake",
-                                   _allow_non_fake_inputs=True)(*inputs)  # fmt: skip
-    except CaptureError:
-        raise
-    except Exception as error:  # every tracing failure becomes one readable sentence
-        # torch's traceback says nothing to the user once explained; MUTWO_DEBUG=1 keeps it as the cause.
-        raise explain_capture_failure(error) from (error if debug_enabled() else None)
+        graph_module, gradient_labels, guards, aliases = _trace(binding, batch)
+    except functional_optim.FreshStateCreated as fresh:
+        binding.allocate_fresh(fresh.created)  # and trace again, writing the new state into them
+        graph_module, gradient_labels, guards, aliases = _trace(binding, batch)
+    slots = binding.slots(batch)
     refuse_written_aliases(graph_module.graph, aliases, [s.label for s in slots])
     run_rnn_layers_in_training_mode(graph_module.graph)
     constants = _lift_constants(graph_module, slots)
     _, batch_spec = pytree.tree_flatten(batch)
-    return CapturedStep(graph_module, slots, gradient_labels, batch_spec, constants), binding
+    return CapturedStep(graph_module, slots, gradient_labels, batch_spec, constants, guards), binding
+
+
+def _trace(binding: StepBinding, batch: Any) -> tuple[fx.GraphModule, list[str], list[RecordedGuard], Any]:
+    """Trace the step; also return the batch's aliases of the state (:mod:`mutwo.runtime.input_aliasing`)."""
+    gradient_labels: list[str] = []
+    n_batch = sum(1 for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor))
+    flat = binding.trace_inputs(batch)
+    inputs, aliases = separate_aliases(flat, len(flat) - n_batch)
+    decide = TraceDecider(inputs)
+    try:
+        with compiler_tracing(), quiet_torch_errors(), _training_mode_kept(binding.model):
+            graph_module = make_fx(binding.step_function(batch, gradient_labels, decide), tracing_mode="fake",
+                                   _allow_non_fake_inputs=True)(*inputs)  # fmt: skip
+    except (CaptureError, functional_optim.FreshStateCreated, functional_optim.UnsupportedOptimizerError):
+        raise
+    except Exception as error:  # every tracing failure becomes one readable sentence
+        # torch's traceback says nothing to the user once explained; MUTWO_DEBUG=1 keeps it as the cause.
+        raise explain_capture_failure(error) from (error if debug_enabled() else None)
+    return graph_module, gradient_labels, decide.recorded, aliases
 
 
 def _lift_constants(graph_module: fx.GraphModule, slots: list[InputSlot]) -> dict[str, torch.Tensor]:

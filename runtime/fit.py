@@ -1,173 +1,109 @@
 """The largest batch size whose optimized iteration fits a memory limit (``mutwo.fit_batch``,
 ``mutwo-opt --fit 16GiB``).
 
-The search predicts, it does not run: for each batch size tried, the iteration is captured (over
+The search predicts, then measures. For each batch size tried, the iteration is captured (over
 fake tensors: nothing of that size is allocated) and the pipeline ``optimizer,select`` plans it
-with the limit as its budget; the batch fits when the plan's simulated peak is within the limit.
-Batch sizes double from the config's until one does not fit, then bisection finds the boundary.
+against a *planning budget*: the limit less a safety margin (10% by default) for what the
+simulator does not see — the allocator's rounding and fragmentation between large blocks, cuBLAS
+and cuDNN workspaces that do not scale linearly with the batch. The largest batch whose plan fits
+is found by doubling, then bisection (:mod:`mutwo.runtime.fit_search`).
 
-What it assumes, and says in fit.json: the per-op times and workspaces that ``select`` weighs are
-measured once, at the config's batch size, and scaled linearly with the batch size (the graph of
-every batch size must have the same nodes; the search refuses otherwise). On a GPU the batch found
-is then confirmed by one measured run of the optimized step, capped at the limit with
-``torch.cuda.set_per_process_memory_fraction``; on a CPU there is nothing to measure against.
+On a GPU the batch found is then rewritten and run, the process capped at the limit with
+``torch.cuda.set_per_process_memory_fraction``. When that measured run runs out of memory or
+peaks above the limit, the search steps back: it plans again with a lower budget (lowered by the
+measured overshoot, or by a fixed step when the run ran out of memory) below the batch that
+failed, and measures that. After a failure followed by a success it bisects the budget between
+them while measured runs remain (4 at most). Every attempt is reported. On a CPU nothing is
+measured: the answer is the prediction at the planning budget.
+
+What the prediction assumes, and says in fit.json: the per-op times and workspaces that
+``select`` weighs are measured once, at the starting batch size, and scaled linearly with the
+batch size (the graph of every batch size must have the same nodes; the search refuses otherwise).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from mutwo.ir import to_fx
-from mutwo.ir.budget import Budget, BudgetError, parse_bytes
-from mutwo.ir.graph import Graph
-from mutwo.ir.pass_base import PassContext
-from mutwo.ir.pass_manager import PassManager, PipelineFailure
-from mutwo.ir.printer import fingerprint
-from mutwo.ir.registry import PassRegistry
-from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
+from mutwo.ir.budget import BudgetError, parse_bytes
+from mutwo.passes.select import Plan
+from mutwo.runtime.api import CapturedGraph, capture_graph
 from mutwo.runtime.capture import LossFn
-from mutwo.runtime.profiler import Profile, device_bytes, measure_iterations, profile_graph
+from mutwo.runtime.fit_search import (
+    ASSUMPTIONS,
+    Attempt,
+    FitError,
+    FitPoint,
+    FitResult,
+    Planner,
+    Search,
+    mib,
+    search,
+)
+from mutwo.runtime.profiler import device_bytes, measure_iterations, profile_graph
 
-#: What the search plans each batch size with (the profile is given, scaled).
-FIT_PIPELINE = "optimizer,select"
-#: What the prediction rests on (the module docstring says it at length).
-ASSUMPTIONS = ("per-op times and workspaces measured once at the profiled batch size and scaled linearly with the "
-               "batch size; the peak is the simulator's, which a GPU run confirms for the batch found")
-#: The largest batch size the search tries.
-MAX_BATCH = 1 << 16
+__all__ = ["ASSUMPTIONS", "Attempt", "FitError", "FitPoint", "FitResult", "Fitted", "Measure", "Measured", "fit",
+           "fit_batch",
+           "measure_capped", "parse_limit", "search"]  # fmt: skip
 
-
-class FitError(ValueError):
-    """No batch fits, graphs differ between batch sizes, or the measured peak exceeds the limit."""
+#: The share of the limit kept free of the plan, for what the simulator does not see (docs/fit.md).
+DEFAULT_MARGIN = 0.1
+#: Measured runs at most: each costs a capture, a plan and two iterations at the batch tried.
+MAX_RUNS = 4
+#: After a run out of memory (whose peak is unknown), the next planning budget is this share of the last.
+OOM_STEP = 0.8
+#: After a run over the limit, the next planning budget is the last one scaled by limit / peak, times this.
+OVER_STEP = 0.95
+#: Bisection between a failed and a fitting budget stops when they are this share of the limit apart.
+RESOLUTION = 0.04
 
 
 @dataclass
-class FitPoint:
-    """One batch size tried: whether its optimized iteration fits, and the simulated peak."""
+class Measured:
+    """One measured run: its peak and time per iteration, or why it failed (out of memory)."""
 
-    batch_size: int
-    fits: bool
-    predicted_peak: int  #: the plan's simulated peak (0 when planning failed before simulating)
-    note: str = ""  #: why it does not fit, or what the plan does
-
-
-@dataclass
-class FitResult:
-    """The search: every batch size tried, the largest that fits, and its measured run (on a GPU)."""
-
-    limit_bytes: int
-    profiled_batch: int
-    tried: list[FitPoint] = field(default_factory=list)
-    best: FitPoint | None = None
-    measured_peak: int | None = None
-    measured_seconds: float | None = None
-    measured_error: str = ""  #: the measured run's failure (out of memory under the cap)
-    assumptions: str = ASSUMPTIONS
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def over_limit(self) -> str:
-        """Why the measured run contradicts the prediction ('' when it fits or nothing was measured)."""
-        if self.best is not None and self.measured_error:
-            return f"batch {self.best.batch_size}: the measured run failed: {self.measured_error}"
-        if self.measured_peak is None or self.measured_peak <= self.limit_bytes or self.best is None:
-            return ""
-        return (f"batch {self.best.batch_size}: the measured peak {self.measured_peak / 2**20:.1f} MiB exceeds the "
-                f"limit {self.limit_bytes / 2**20:.1f} MiB: the simulator underestimated this model")  # fmt: skip
+    peak: int | None
+    seconds: float | None
+    error: str = ""
 
 
-def search(predict: Callable[[int], FitPoint], start: int, limit_bytes: int, profiled_batch: int,
-           max_batch: int = MAX_BATCH) -> FitResult:  # fmt: skip
-    """The largest batch size in 1..max_batch for which ``predict`` says it fits (fitting is
-    assumed monotone in the batch size): doubling from ``start``, then bisection until the gap to
-    the smallest size that does not fit is at most 1/16 of the size found (each try is a capture
-    and a plan: the last few percent are not worth their minutes on a large model)."""
-    result = FitResult(limit_bytes, profiled_batch)
-    cache: dict[int, FitPoint] = {}
-
-    def fits(batch: int) -> bool:
-        if batch not in cache:
-            cache[batch] = predict(batch)
-            result.tried.append(cache[batch])
-        return cache[batch].fits
-
-    low, high = 0, None  # low fits (0: none known), high does not
-    batch = min(start, max_batch)
-    while high is None:
-        if fits(batch):
-            low = batch
-            if batch == max_batch:
-                break
-            batch = min(2 * batch, max_batch)
-        else:
-            high = batch
-    if high is not None:
-        while high - low > max(1, low // 16):
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle)
-    if low == 0:
-        raise FitError(f"not even batch size 1 fits in {limit_bytes / 2**30:.2f} GiB: {cache[1].note}")
-    result.best = cache[low]
-    return result
+#: Runs the rewritten iteration at a batch size, capped at the limit: ``measure(batch, lowered,
+#: limit_bytes)``; the default on CUDA is :func:`measure_capped`. Tests inject one that fails.
+Measure = Callable[[int, CapturedGraph, int], Measured]
 
 
-def scaled_profile(profile: Profile, profiled: Graph, graph: Graph, factor: float) -> Profile:
-    """``profile`` (measured on ``profiled``) for ``graph``, the same iteration at another batch
-    size: node by node in execution order, times and workspaces multiplied by ``factor``."""
-    if [n.op_name for n in profiled.nodes] != [n.op_name for n in graph.nodes]:
-        raise FitError("the iteration's graph changes with the batch size (other ops, not just other shapes), so "
-                       "the profile cannot be scaled; use mutwo-experiment to sweep batch sizes instead")  # fmt: skip
-    nodes = {}
-    for old, new in zip(profiled.nodes, graph.nodes, strict=True):
-        if old.id in profile.nodes:
-            measured = profile.nodes[old.id]
-            nodes[new.id] = dataclasses.replace(measured, seconds=measured.seconds * factor,
-                                                workspace=int(measured.workspace * factor))  # fmt: skip
-    return Profile(profile.device, fingerprint(graph), nodes, profile.runs, None,
-                   {**profile.meta, "scaled_from_batch_size": profiled.meta.get("batch_size"), "factor": factor})
-
-
-def plan_at(lowered: CapturedGraph, profile: Profile, profiled: Graph, profiled_batch: int, batch: int,
-            limit_bytes: int, final: str = "") -> tuple[FitPoint, Any]:  # fmt: skip
-    """Plan ``lowered`` (captured at ``batch``) against the limit with the scaled profile; with
-    ``final`` (more passes, such as ``rewrite``), the graph is rewritten too."""
-    context = pass_context(lowered, Budget(bytes=limit_bytes))
-    context.artifacts["profile"] = scaled_profile(profile, profiled, lowered.graph, batch / profiled_batch)
-    pipeline = PassRegistry().build_pipeline(FIT_PIPELINE + final, {"profile"})
-    try:
-        PassManager(pipeline).run(lowered.graph, context)
-    except PipelineFailure as failure:
-        plan = context.artifacts.get("plan")
-        return FitPoint(batch, False, plan.predicted_peak if plan is not None else 0, str(failure)), context
-    plan = context.artifacts["plan"]
-    return FitPoint(batch, True, plan.predicted_peak, f"{len(plan.entries)} activations recomputed"), context
-
-
-def measure_capped(graph: Graph, inputs: list[torch.Tensor], device: torch.device,
-                   limit_bytes: int) -> tuple[int, float]:  # fmt: skip
-    """(peak bytes, seconds) of whole iterations of ``graph`` on CUDA, the process capped at the
-    limit. The measurement runs on clones of the state (parameters, optimizer state), so the live
+def measure_capped(batch: int, lowered: CapturedGraph, limit_bytes: int) -> Measured:
+    """Whole iterations of ``lowered`` (at ``batch``) on its GPU (1 warm-up, 1 measured), the process capped at
+    the limit. The run uses clones of the state (parameters, optimizer state), so the live
     originals, which a training process would not hold twice, are allowed on top of the limit;
     the peak it reports is the iteration's own, clones included."""
+    device = lowered.device
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    allowed = limit_bytes + device_bytes(inputs, device)
+    allowed = limit_bytes + device_bytes(lowered.inputs, device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), device)
     try:
-        measured = measure_iterations(to_fx(graph), inputs, runs=3, warmup=1)
+        measured = measure_iterations(to_fx(lowered.graph), lowered.inputs, runs=1, warmup=1)
+    except torch.OutOfMemoryError:
+        return Measured(None, None, "out of memory under the cap")
+    except RuntimeError as error:  # cuBLAS and cuDNN report a failed allocation in their own words
+        first = (str(error).strip().splitlines() or [""])[0]
+        if not any(sign in first for sign in ("out of memory", "ALLOC_FAILED")):
+            raise
+        return Measured(None, None, f"out of memory under the cap ({first[:120]})")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-    assert measured.peak_bytes is not None
-    return measured.peak_bytes, measured.seconds
+        gc.collect()
+        torch.cuda.empty_cache()
+    return Measured(measured.peak_bytes, measured.seconds)
 
 
 def parse_limit(memory: str | int) -> int:
@@ -180,63 +116,128 @@ def parse_limit(memory: str | int) -> int:
         raise FitError(f"memory limit: {error}") from None
 
 
+def check_margin(margin: float) -> float:
+    """The safety margin, a share of the limit in [0, 1)."""
+    if not 0 <= margin < 1:
+        raise FitError(f"margin {margin} is not a share of the limit: give a number from 0 (none) to below 1, "
+                       f"like {DEFAULT_MARGIN}")  # fmt: skip
+    return margin
+
+
 @dataclass
 class Fitted:
-    """A finished search: the result, and the batch found planned and rewritten, ready to run."""
+    """A finished search: the result, and the plan of the batch found (None when none was)."""
 
     result: FitResult
-    point: FitPoint
-    lowered: CapturedGraph
-    context: PassContext
+    plan: Plan | None
 
 
-def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int,
-        log: Callable[[str], None] = lambda message: None) -> Fitted:  # fmt: skip
+def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int, *,
+        margin: float = DEFAULT_MARGIN, measure: Measure | None = None, max_runs: int = MAX_RUNS,
+        log: Callable[[str], None] = lambda message: None,
+        progress: Callable[[FitResult], None] = lambda result: None) -> Fitted:  # fmt: skip
     """Profile the iteration at ``start`` once, search (``capture_at(batch)`` captures it at a
-    batch size), rewrite the batch found, and on a GPU measure it capped at the limit."""
+    batch size), rewrite the batch found and, with ``measure`` (given, or by default on a GPU),
+    run it capped at the limit, stepping back after a failed run (see the module docstring).
+    ``result.best`` is None when no batch measured within the limit; ``result.failure`` says why.
+    ``progress`` sees the result so far after every search and every measured run."""
+    budget = int(limit_bytes * (1 - check_margin(margin)))
+    began = time.perf_counter()
+
+    def note(message: str) -> None:
+        log(f"fit [{time.perf_counter() - began:6.1f} s] {message}")
+
     base = capture_at(start)
-    log(f"fit: profiling batch size {start} once; other batch sizes scale its times linearly")
+    if measure is None and base.device.type == "cuda":
+        measure = measure_capped
+    note(f"profiling batch size {start} once; other batch sizes scale its times linearly")
     try:
-        profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1)
+        profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1, iteration_runs=0)
     except torch.OutOfMemoryError:
         raise FitError(f"profiling batch size {start} ran out of memory (it runs unoptimized): start the search "
                        "from a smaller batch size") from None
-    profiled = base.graph
+    planner = Planner(capture_at, profile, base.graph, start, note)
+    planner.graphs[start] = base.graph  # profiling read it, changed nothing: no second capture
     del base
+    result = FitResult(limit_bytes, start, margin, budget)
+    kept: Plan | None = None  # the plan of ``fitting`` (no tensors: a later run must not pay for them)
+    fitting: Attempt | None = None  # the largest batch measured within the limit
+    failed: Attempt | None = None  # the smallest batch whose measured run failed
+    guess = start
+    while True:
+        top = failed.batch_size - 1 if failed is not None else None
+        found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
+                       frozenset(planner.graphs))  # fmt: skip
+        result.tried.extend(found.tried)
+        progress(result)
+        if found.best is None or (fitting is not None and found.best.batch_size <= fitting.batch_size):
+            break  # nothing new to measure at this budget
+        planned = planner.rewrite(found.best.batch_size, budget)
+        if measure is None:
+            result.best = planned.point
+            return Fitted(result, planned.context.artifacts["plan"])
+        point = planned.point
+        note(f"measuring batch {point.batch_size} capped at {mib(limit_bytes)}")
+        attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
+        result.attempts.append(attempt)
+        progress(result)
+        note(attempt.describe())
+        if attempt.fits:
+            fitting, result.best, kept = attempt, point, planned.context.artifacts["plan"]
+        else:
+            failed = attempt
+        del planned
+        next_budget = _next_budget(fitting, failed, limit_bytes)
+        if next_budget is None or len(result.attempts) >= max_runs:
+            break
+        guess = max(1, int(attempt.batch_size * next_budget / budget))
+        budget = next_budget
+    if fitting is None:
+        result.failure = _nothing_fits(result, found)
+        return Fitted(result, None)
+    result.measured_peak, result.measured_seconds = fitting.measured_peak, fitting.measured_seconds
+    return Fitted(result, kept)
 
-    def predict(batch: int) -> FitPoint:
-        point, _ = plan_at(capture_at(batch), profile, profiled, start, batch, limit_bytes)
-        log(f"fit: batch {batch}: {'fits' if point.fits else 'does not fit'}, predicted peak "
-            f"{point.predicted_peak / 2**20:.1f} MiB ({point.note.splitlines()[0] if point.note else ''})")
-        return point
 
-    result = search(predict, start, limit_bytes, start)
-    assert result.best is not None
-    batch = result.best.batch_size
-    lowered = capture_at(batch)
-    point, context = plan_at(lowered, profile, profiled, start, batch, limit_bytes, ",rewrite")
-    if not point.fits:
-        raise FitError(f"planning batch {batch} again failed: {point.note}")
-    if lowered.device.type == "cuda":
-        try:
-            measured = measure_capped(lowered.graph, lowered.inputs, lowered.device, limit_bytes)
-            result.measured_peak, result.measured_seconds = measured
-        except torch.OutOfMemoryError:
-            result.measured_error = "out of memory under the cap: the simulator underestimated this model"
-    return Fitted(result, point, lowered, context)
+def _next_budget(fitting: Attempt | None, failed: Attempt | None, limit: int) -> int | None:
+    """The planning budget of the next measured run, or None when the search is done: below a
+    failure with nothing measured to fit yet, lowered by its overshoot (by a fixed step when the
+    run ran out of memory); between a failure and a success, their middle."""
+    if failed is None:
+        return None  # the first run fit: the simulator's answer with its margin stands
+    if fitting is None:
+        peak = failed.measured_peak
+        return int(failed.planned_budget * (OOM_STEP if peak is None else min(1.0, limit / peak) * OVER_STEP))
+    if failed.planned_budget - fitting.planned_budget <= RESOLUTION * limit:
+        return None
+    return (failed.planned_budget + fitting.planned_budget) // 2
 
 
-def fit_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], Any],
-              loss_fn: LossFn, memory: str | int, *, start: int = 1, verbose: bool = False) -> FitResult:  # fmt: skip
+def _nothing_fits(result: FitResult, last: Search) -> str:
+    """Why no batch was found, in one line: the search's reason, or every measured run."""
+    if not result.attempts:
+        return last.failure
+    runs = "; ".join(a.describe() for a in result.attempts)
+    then = f"; then {last.failure}" if last.best is None and last.failure else ""
+    return (f"no batch size measured within {mib(result.limit_bytes)} in {len(result.attempts)} runs "
+            f"({runs}){then}; give a larger limit or a larger margin")  # fmt: skip
+
+
+def fit_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], object],
+              loss_fn: LossFn, memory: str | int, *, start: int = 1, margin: float = DEFAULT_MARGIN,
+              measure: Measure | None = None, verbose: bool = False) -> FitResult:  # fmt: skip
     """The largest batch size whose optimized iteration fits in ``memory`` (``"16GiB"`` or bytes).
 
     ``make_batch(n)`` returns a batch of ``n`` samples on the training device. The iteration is
     profiled once at ``start`` and planned (optimizer passes and recomputation) at the batch sizes
-    the search tries; see the module docstring for what the prediction assumes. On a GPU the batch
-    found is measured once, capped at ``memory``: :class:`FitError` if it does not fit after all.
+    the search tries, against ``memory`` less ``margin`` of it; see the module docstring. On a GPU
+    (or with ``measure``) the batch found is measured capped at ``memory``, stepping back after a
+    failed run; :class:`FitError` when no batch fits.
     """
     log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
-    fitted = fit(lambda n: capture_graph(model, optimizer, make_batch(n), loss_fn), start, parse_limit(memory), log)
-    if fitted.result.over_limit():
-        raise FitError(fitted.result.over_limit())
+    limit = parse_limit(memory)
+    fitted = fit(lambda n: capture_graph(model, optimizer, make_batch(n), loss_fn), start, limit, margin=margin,
+                 measure=measure, log=log)  # fmt: skip
+    if fitted.result.failure:
+        raise FitError(fitted.result.failure)
     return fitted.result

@@ -1,315 +1,214 @@
-"""Optimizer updates written with plain tensor ops, traceable into the captured iteration.
+"""The optimizer update inside the captured iteration: torch.optim's own ``step()``, traced.
 
-torch.optim reads the step count and learning rate as Python numbers, which tracing would bake
-into the graph as constants, and its ``capturable`` variant refuses CPU tensors. These updates
-instead read the learning rate and step count from tensors fed to the graph, and reproduce
-torch.optim's single-tensor arithmetic operation by operation so that, on CPU, the captured
-iteration is bitwise equal to eager ``torch.optim``:
+The captured iteration calls the optimizer's own ``step`` — whatever its class, its single-tensor
+or multi-tensor (foreach) form, its options — on the traced parameters, gradients and state: the
+param groups and ``optimizer.state`` are pointed at the traced tensors for the duration of the call.
+What torch.optim computes on the host from the step count and the learning rate (``lr / (1 -
+beta1 ** step)``) stays symbolic (:mod:`mutwo.runtime.host_scalars`), so step counts and learning
+rates are inputs of the graph, never constants, and the captured update is bitwise equal to eager
+``optimizer.step()`` on every device: it performs the same operations with the same numbers. The
+other hyperparameters (betas, eps, momentum, weight decay) are read when the step is captured.
 
-- Python-number arithmetic on the step count and learning rate (``1 - beta1 ** step``, ``lr /
-  bias_correction1``...) is done on 0-dim float64 tensors, which round like Python floats.
-- An op that takes a step-dependent Python scalar is replaced by one with the same rounding:
-  ``add_(g, alpha=-lr)`` by ``addcmul_(g, -lr)`` and ``addcdiv_(m, d, value=-s)`` by
-  ``add_(m * -s / d)``.
-
-On CUDA, where torch.optim defaults to its multi-tensor (``foreach``) form, :func:`update_foreach`
-updates a whole bucket of parameters with ``torch._foreach_*`` ops instead, as torch.optim's
-``_multi_tensor_*`` functions do: a handful of kernels per bucket rather than a dozen per
-parameter, which would make the captured step launch-bound. :func:`uses_foreach` picks the form
-torch.optim would pick for the group.
-
-Constants that do not change between iterations (betas, eps, momentum, weight decay) stay
-constants of the graph: changing them in ``param_groups`` needs a new capture.
+State is created before capture as the optimizer's first step would create it (its own
+``_init_group``). What an optimizer only creates inside ``step`` (SGD's momentum buffer, which
+starts as a copy of the first gradient) is *fresh* state: the first captured iteration creates it
+in the graph and writes it into tensors allocated for it, and the next iteration is captured again
+with the state in place. SGD with ``dampening=0`` avoids that second capture: its buffer starts at
+``-0.0``, and ``-0.0 * momentum + grad`` equals the first gradient bit for bit, signed zeros
+included.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.optim import optimizer as optimizer_module
 
-SUPPORTED = "torch.optim.SGD, torch.optim.Adam and torch.optim.AdamW"
+from mutwo.runtime.host_scalars import HostScalar, HostScalarMode
+from mutwo.runtime.tracing import not_compiling
+
+#: Optimizers whose update one captured iteration cannot express, and why.
+REFUSED = {
+    "LBFGS": "re-evaluates the model through a closure several times per step, which one captured iteration "
+             "cannot express; use another optimizer, or train eagerly",
+    "SparseAdam": "needs sparse gradients, which the captured backward does not produce; use torch.optim.Adam",
+}  # fmt: skip
 
 
 class UnsupportedOptimizerError(ValueError):
     """The optimizer, or one of its options, has no traceable update here."""
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """What the capture needs to know about a torch.optim optimizer."""
+class FreshStateCreated(Exception):
+    """Raised while tracing: ``step()`` created state tensors the graph must then keep (see the module
+    docstring). ``created`` maps (parameter name, state name) to the traced tensor."""
 
-    algorithm: str  #: 'sgd', 'adam' or 'adamw'
-    state_names: tuple[str, ...]  #: per-parameter state tensors, in graph-input order
+    def __init__(self, created: dict[tuple[str, str], torch.Tensor]) -> None:
+        super().__init__(f"{len(created)} state tensors created by the optimizer step")
+        self.created = created
 
 
-def describe(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
-    """Check that ``optimizer`` is supported and say which state each parameter carries."""
-    # AdamW subclasses Adam in recent torch releases: test it first.
-    if isinstance(optimizer, torch.optim.AdamW) or (isinstance(optimizer, torch.optim.Adam) and any(
-            g.get("decoupled_weight_decay") for g in optimizer.param_groups)):  # fmt: skip
-        algorithm = "adamw"
-    elif isinstance(optimizer, torch.optim.Adam):
-        algorithm = "adam"
-    elif isinstance(optimizer, torch.optim.SGD):
-        algorithm = "sgd"
-    else:
+def check_supported(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, in one sentence, an optimizer whose ``step()`` cannot be traced into the iteration."""
+    name = type(optimizer).__name__
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in REFUSED and cls.__module__.startswith("torch.optim"):
+            raise UnsupportedOptimizerError(f"torch.optim.{cls.__name__} {REFUSED[cls.__name__]}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(f"{name} is not a torch.optim.Optimizer")
+    for flag in ("differentiable", "fused"):
+        if any(group.get(flag) for group in optimizer.param_groups):
+            raise UnsupportedOptimizerError(f"{name}({flag}=True) is not supported; construct it with {flag}=False")
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks)  # fmt: skip
+    if any(hooks):
         raise UnsupportedOptimizerError(
-            f"optimizer {type(optimizer).__name__} is not supported; use {SUPPORTED}"
+            f"{name} has optimizer step hooks, which would not run in the captured step; remove them "
+            "(register_step_pre_hook, register_step_post_hook)"
         )
-    groups = optimizer.param_groups
-    for group in groups:
-        for flag in ("differentiable", "fused"):
-            if group.get(flag):
-                raise UnsupportedOptimizerError(f"{type(optimizer).__name__}({flag}=True) is not supported; "
-                                                f"construct it with {flag}=False")  # fmt: skip
-        if algorithm == "sgd" and group["momentum"] != 0 and group["dampening"] != 0:
-            missing = [p for p in group["params"] if "momentum_buffer" not in optimizer.state.get(p, {})]
-            if missing:
-                raise UnsupportedOptimizerError(
-                    "SGD with dampening starts its momentum buffer from the first gradient, which one "
-                    "graph cannot express; run one eager optimizer step first or set dampening=0"
-                )
-    if algorithm == "sgd":
-        has_momentum = any(group["momentum"] != 0 for group in groups)
-        names: tuple[str, ...] = ("momentum_buffer",) if has_momentum else ()
-    else:
-        amsgrad = any(group["amsgrad"] for group in groups)
-        names = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-    return OptimizerSpec(algorithm, names)
-
-
-def state_names_for(spec: OptimizerSpec, group: dict[str, Any]) -> tuple[str, ...]:
-    """The state tensors one parameter of ``group`` carries."""
-    if spec.algorithm == "sgd":
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
-    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-
-
-def init_state(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> None:
-    """Create missing per-parameter state exactly as torch.optim's first step would.
-
-    SGD's momentum buffer starts at -0.0: with dampening 0 (checked by :func:`describe`), the
-    first update ``-0.0 * momentum + grad`` equals torch.optim's ``clone(grad)`` bit for bit,
-    signed zeros included (``-0.0 + g`` is ``g`` for every ``g``; ``+0.0 + -0.0`` would not be).
-    """
     for group in optimizer.param_groups:
-        names = state_names_for(spec, group)
-        for param in group["params"]:
-            if not param.requires_grad or not names:
-                continue
-            state = optimizer.state[param]
-            if all(name in state for name in names):
-                continue
-            if spec.algorithm == "sgd":
-                state["momentum_buffer"] = torch.full_like(param, -0.0, memory_format=torch.preserve_format)
-                continue
-            if group["capturable"]:
-                state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=param.device)
-            else:
-                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
-            for name in names[1:]:
-                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if isinstance(group["lr"], torch.Tensor) and not group.get("capturable"):
+            raise UnsupportedOptimizerError(
+                f"{name} has a tensor learning rate, which torch.optim reads on the host at every step; give it "
+                "as a Python float (mutwo feeds the learning rate to the graph as a tensor anyway, so schedulers "
+                "need no recapture), or use capturable=True on a GPU"
+            )
 
 
-def _scalar_dtype() -> torch.dtype:
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+def init_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create the missing state of ``params`` exactly as the optimizer's first ``step()`` would."""
+    missing = {p for p in params if not optimizer.state.get(p)}
+    if not missing:
+        return
+    init_group = getattr(optimizer, "_init_group", None)
+    if init_group is not None:
+        lists = len(inspect.signature(init_group).parameters) - 1  # (group, then lists it fills)
+        saved = {p: p.grad for p in missing}  # the real gradients, if any, are put back
+        try:
+            for p in missing:
+                p.grad = torch.zeros_like(p)
+            for group in optimizer.param_groups:
+                if any(p in saved for p in group["params"]):
+                    init_group(group, *([] for _ in range(lists)))
+        finally:
+            for p, grad in saved.items():
+                p.grad = grad
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group["momentum"] != 0 and group["dampening"] == 0:
+                for p in group["params"]:
+                    if p in missing and "momentum_buffer" not in optimizer.state[p]:
+                        optimizer.state[p]["momentum_buffer"] = torch.full_like(
+                            p, -0.0, memory_format=torch.preserve_format)
 
 
-def uses_foreach(group: dict[str, Any], params: list[torch.Tensor]) -> bool:
-    """Whether to update ``group`` with :func:`update_foreach`, as eager torch.optim would.
+def state_names(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[str, ...]:
+    """The state tensors of ``param`` the graph takes as inputs, in the optimizer's order."""
+    state = optimizer.state.get(param, {})
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) and value is not None:
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__} keeps state '{key}' as a Python {type(value).__name__}, which the "
+                "graph cannot update in place; load a state dict saved by a recent torch or start afresh"
+            )
+    return tuple(key for key, value in state.items() if isinstance(value, torch.Tensor))
 
-    ``foreach=True`` takes it; ``foreach=None`` is torch.optim's default, foreach when every
-    parameter is a CUDA tensor, unless the learning rate is a tensor. ``capturable`` groups keep
-    their step counts on the device and take the single-tensor form here.
+
+def learning_rate(group: dict[str, Any]) -> torch.Tensor:
+    """A param group's learning rate as the 0-dim tensor fed to the graph: a Python number as a
+    float64 CPU tensor (whose ``.item()`` is that very number), a tensor as it is."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        return lr.detach().reshape(()).clone()
+    return torch.tensor(float(lr), dtype=torch.float64)
+
+
+def _step_function(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """The class's ``step`` without torch.optim's profiling and hook wrapper (hooks are refused)."""
+    step = type(optimizer).step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _pointed_at(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], lrs: list[Any],
+                state: dict[torch.Tensor, dict[str, Any]]) -> Iterator[None]:  # fmt: skip
+    """Point the param groups and the state at traced tensors, and back afterwards.
+
+    A group that leaves ``foreach`` to torch.optim gets the form eager would pick for its real
+    parameters (multi-tensor on a GPU): torch.optim decides from the tensors' types, and would
+    pick the single-tensor form for traced ones, whose kernels round differently on a GPU.
     """
-    if group.get("foreach") is False or group.get("capturable"):
-        return False
-    if group.get("foreach"):
-        return True
-    return (not isinstance(group["lr"], torch.Tensor) and bool(params)
-            and all(p.device.type == "cuda" for p in params))  # fmt: skip
+    saved = [(group["params"], group["lr"], group.get("foreach")) for group in optimizer.param_groups]
+    saved_state = optimizer.state
+    try:
+        for group, params, lr in zip(optimizer.param_groups, groups, lrs, strict=True):
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = _eager_foreach(group)
+            group["params"], group["lr"] = params, lr
+        # Copies: what step() writes must not show in ``state``, which says what existed before.
+        optimizer.state = defaultdict(dict, {param: dict(entries) for param, entries in state.items()})
+        yield
+    finally:
+        for group, (params, lr, foreach) in zip(optimizer.param_groups, saved, strict=True):
+            group["params"], group["lr"] = params, lr
+            if "foreach" in group:
+                group["foreach"] = foreach
+        optimizer.state = saved_state
 
 
-def update(
-    spec: OptimizerSpec,
-    group: dict[str, Any],
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    lr: torch.Tensor,
+def _eager_foreach(group: dict[str, Any]) -> bool:
+    """Whether eager torch.optim takes the multi-tensor form for ``group``'s (real) parameters."""
+    differentiable = bool(group.get("differentiable", False))
+    _, foreach = optimizer_module._default_to_fused_or_foreach(list(group["params"]), differentiable, use_fused=False)
+    return bool(foreach)
+
+
+def traced_step(
+    optimizer: torch.optim.Optimizer,
+    group_names: list[list[str]],
+    params: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+    lrs: list[torch.Tensor],
+    decide: Callable[[HostScalar], bool],
+    fresh: dict[tuple[str, str], torch.Tensor],
 ) -> None:
-    """Update ``param`` and its ``state`` in place; ``lr`` is a 0-dim float64 tensor."""
-    if spec.algorithm == "sgd":
-        _sgd(group, param, grad, state, lr)
-    else:
-        _adam(group, param, grad, state, lr, decoupled=spec.algorithm == "adamw")
-
-
-def _sgd(group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
-         lr: torch.Tensor) -> None:  # fmt: skip
-    momentum, weight_decay = group["momentum"], group["weight_decay"]
-    if group["maximize"]:
-        grad = -grad
-    if weight_decay != 0:
-        grad = grad.add(param, alpha=weight_decay)
-    if momentum != 0:
-        buf = state["momentum_buffer"]
-        buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
-        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-    # torch.optim: param.add_(grad, alpha=-lr); addcmul_ with a 0-dim tensor rounds the same.
-    param.addcmul_(grad, -lr)
-
-
-def _adam(group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
-          lr: torch.Tensor, *, decoupled: bool) -> None:  # fmt: skip
-    beta1, beta2 = group["betas"]
-    beta1, beta2 = float(beta1), float(beta2)
-    weight_decay, eps = group["weight_decay"], group["eps"]
-    if group["maximize"]:
-        grad = -grad
-    step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-    step_t.add_(1)
-    if weight_decay != 0:
-        if decoupled:
-            param.mul_(1 - lr * weight_decay)
-        else:
-            grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step = step_t.to(device=lr.device, dtype=torch.float64)
-    bias_correction1 = 1 - torch.pow(beta1, step)
-    bias_correction2 = 1 - torch.pow(beta2, step)
-    # A tensor learning rate keeps its dtype in torch.optim (the bias correction is a Python
-    # number, which does not promote): divide in that dtype.
-    step_size = lr / bias_correction1.to(lr.dtype)
-    bias_correction2_sqrt = bias_correction2.sqrt()
-    if group["amsgrad"]:
-        max_exp_avg_sq = state["max_exp_avg_sq"]
-        max_exp_avg_sq.copy_(torch.maximum(max_exp_avg_sq, exp_avg_sq))
-        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    else:
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    # torch.optim: param.addcdiv_(exp_avg, denom, value=-step_size). The CPU kernel computes
-    # param + ((-step_size) * exp_avg) / denom; the CUDA kernel fma(-step_size, exp_avg / denom,
-    # param), which addcmul_ with a scalar tensor reproduces.
-    neg_step_size = (-step_size).to(param.dtype)
-    if param.device.type == "cuda":
-        param.addcmul_(exp_avg / denom, neg_step_size)
-    else:
-        param.add_(exp_avg * neg_step_size / denom)
-
-
-def update_foreach(
-    spec: OptimizerSpec,
-    group: dict[str, Any],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    states: list[dict[str, torch.Tensor]],
-    lr: torch.Tensor,
-) -> None:
-    """Update a bucket of parameters of one group, device and dtype in place, as torch.optim's
-    ``_multi_tensor_sgd`` / ``_multi_tensor_adam`` do; ``lr`` is a 0-dim float64 CPU tensor.
-
-    For Adam, every parameter of the bucket must have the same step count (the capture buckets
-    them so): the bias corrections are then one number for the bucket, applied with one kernel.
-    """
-    if spec.algorithm == "sgd":
-        _sgd_foreach(group, params, grads, states, lr)
-    else:
-        _adam_foreach(group, params, grads, states, lr, decoupled=spec.algorithm == "adamw")
-
-
-def _sgd_foreach(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                 states: list[dict[str, torch.Tensor]], lr: torch.Tensor) -> None:  # fmt: skip
-    momentum, weight_decay = group["momentum"], group["weight_decay"]
-    if group["maximize"]:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    if momentum != 0:
-        bufs = [state["momentum_buffer"] for state in states]
-        torch._foreach_mul_(bufs, momentum)
-        torch._foreach_add_(bufs, grads, alpha=1 - group["dampening"])
-        # Out of place: torch.optim adds into the .grad tensors, which the graph returns.
-        grads = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
-    torch.ops.mutwo.foreach_add_scaled_(params, grads, -lr)
-
-
-def _adam_foreach(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                  states: list[dict[str, torch.Tensor]], lr: torch.Tensor, *, decoupled: bool) -> None:  # fmt: skip
-    beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
-    weight_decay, eps = group["weight_decay"], group["eps"]
-    steps = [state["step"] for state in states]
-    exp_avgs = [state["exp_avg"] for state in states]
-    exp_avg_sqs = [state["exp_avg_sq"] for state in states]
-    if group["maximize"]:
-        grads = torch._foreach_neg(grads)
-    torch._foreach_add_(steps, 1)
-    if weight_decay != 0:
-        if decoupled:
-            # A CPU 0-dim scalar is read with .item(), like torch.optim's Python number.
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    # The bucket shares one step count: Python-number arithmetic on it, in float64 tensors.
-    step = steps[0].to(dtype=torch.float64)
-    bias_correction1 = 1 - torch.pow(beta1, step)
-    bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
-    neg_step_size = -(lr / bias_correction1)
-    if group["amsgrad"]:
-        max_exp_avg_sqs = [state["max_exp_avg_sq"] for state in states]
-        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
-        denoms = torch._foreach_sqrt(max_exp_avg_sqs)
-    else:
-        denoms = torch._foreach_sqrt(exp_avg_sqs)
-    torch.ops.mutwo.foreach_div_(denoms, bias_correction2_sqrt)
-    torch._foreach_add_(denoms, eps)
-    torch.ops.mutwo.foreach_addcdiv_(params, exp_avgs, denoms, neg_step_size)
-
-
-# The multi-tensor updates that take a step-dependent Python number in torch.optim are custom ops:
-# aten's tensor-scalar overloads of them cannot be traced with fake tensors (their fake kernels
-# move the scalar to the meta device, then refuse it) or round differently. Their scalar is a
-# 0-dim CPU tensor, read on the host, so no device synchronisation happens.
-
-
-@torch.library.custom_op("mutwo::foreach_add_scaled_", mutates_args=("params",))
-def foreach_add_scaled_(params: list[torch.Tensor], tensors: list[torch.Tensor], alpha: torch.Tensor) -> None:
-    """``params[i] += alpha * tensors[i]``, exactly as torch.optim's ``_foreach_add_(params, grads, alpha=-lr)``."""
-    torch._foreach_add_(params, tensors, alpha=alpha.item())
-
-
-@foreach_add_scaled_.register_fake
-def _foreach_add_scaled_fake(params: list[torch.Tensor], tensors: list[torch.Tensor], alpha: torch.Tensor) -> None:
-    return None
-
-
-@torch.library.custom_op("mutwo::foreach_div_", mutates_args=("tensors",))
-def foreach_div_(tensors: list[torch.Tensor], value: torch.Tensor) -> None:
-    """``tensors[i] /= value``, exactly as torch.optim's ``_foreach_div_(denoms, [bias_correction2_sqrt, ...])``
-    (on CUDA, aten's one-scalar overload multiplies by the reciprocal instead, which rounds differently)."""
-    torch._foreach_div_(tensors, [value.item()] * len(tensors))
-
-
-@foreach_div_.register_fake
-def _foreach_div_fake(tensors: list[torch.Tensor], value: torch.Tensor) -> None:
-    return None
-
-
-@torch.library.custom_op("mutwo::foreach_addcdiv_", mutates_args=("params",))
-def foreach_addcdiv_(params: list[torch.Tensor], tensor1: list[torch.Tensor], tensor2: list[torch.Tensor],
-                     value: torch.Tensor) -> None:  # fmt: skip
-    """``params[i] += value * tensor1[i] / tensor2[i]``, exactly as torch.optim's
-    ``_foreach_addcdiv_(params, exp_avgs, denoms, [step_size, ...])``."""
-    torch._foreach_addcdiv_(params, tensor1, tensor2, [value.item()] * len(params))
-
-
-@foreach_addcdiv_.register_fake
-def _foreach_addcdiv_fake(params: list[torch.Tensor], tensor1: list[torch.Tensor], tensor2: list[torch.Tensor],
-                          value: torch.Tensor) -> None:  # fmt: skip
-    return None
+    """Run ``optimizer.step()`` on traced tensors: ``group_names`` names each group's parameters,
+    ``grads`` holds the gradient of every parameter that has one, ``lrs`` each group's learning-rate
+    input. ``fresh`` maps (parameter, state name) to the input that receives state the step creates;
+    state it creates otherwise raises :class:`FreshStateCreated`."""
+    hidden = {(name, key) for name, key in fresh}
+    traced_state = {
+        params[name]: {key: value for key, value in states.get(name, {}).items() if (name, key) not in hidden}
+        for names in group_names for name in names
+    }
+    with HostScalarMode(decide), not_compiling():
+        # A Python-number learning rate is read like a step count: a host number of the graph. A
+        # tensor one (capturable groups only) stays a tensor, as torch.optim computes with it.
+        group_lrs = [lr if isinstance(group["lr"], torch.Tensor) else lr.item()
+                     for lr, group in zip(lrs, optimizer.param_groups, strict=True)]  # fmt: skip
+        with _pointed_at(optimizer, [[params[n] for n in names] for names in group_names], group_lrs, traced_state):
+            for name, grad in grads.items():
+                params[name].grad = grad
+            try:
+                _step_function(optimizer)(optimizer)
+            finally:
+                for name in grads:
+                    params[name].grad = None
+            after = optimizer.state
+    created: dict[tuple[str, str], torch.Tensor] = {}
+    for names in group_names:
+        for name in names:
+            before = traced_state.get(params[name], {})
+            for key, value in after.get(params[name], {}).items():
+                if isinstance(value, torch.Tensor) and before.get(key) is not value:
+                    created[(name, key)] = value
+    if set(created) != set(fresh):
+        raise FreshStateCreated(created)
+    for entry, value in created.items():
+        fresh[entry].copy_(value)

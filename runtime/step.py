@@ -13,7 +13,8 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.backends import CompiledStep, check_backend, compile_step
-from mutwo.runtime.capture import CapturedStep, StepBinding
+from mutwo.runtime.capture import CapturedStep, StaleCaptureError, StepBinding
+from mutwo.runtime.guards import GuardCheck
 
 
 class BatchMismatchError(ValueError):
@@ -48,14 +49,23 @@ class GraphStep:
         self.graph_module: fx.GraphModule = to_fx(graph)
         self._batch_metas = [p.tensor for p in graph.placeholders if p.kind is NodeKind.INPUT
                              and p.label.startswith("batch")]  # fmt: skip
+        self.guard_check = GuardCheck(captured.graph_module, captured.guards)
+        self.stale: str | None = None  #: why this step may no longer run, once it may not
         # The graph returns (loss, *gradients); a pass may have stopped returning some gradients
         # (optimizer-in-backward frees them after their update): the output says which remain.
         self.gradient_labels = [node.label for node in graph.output.args[0][1:]]
 
     def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
+        """The inputs for ``batch``; raises :class:`StaleCaptureError` when the step must be captured again."""
+        if self.stale is not None:
+            raise StaleCaptureError(self.stale)
         self.check_batch(batch)
-        self.binding.check_foreach_buckets()
-        return self.binding.flat_inputs(batch) + list(self.captured.constants.values())
+        flat = self.binding.flat_inputs(batch) + list(self.captured.constants.values())
+        failing = self.guard_check.failing(flat)
+        if failing is not None:
+            raise StaleCaptureError(f"the optimizer's branch on {failing.describe()} goes the other way now; "
+                                    "capture the step again")  # fmt: skip
+        return flat
 
     def check_batch(self, batch: Any) -> None:
         """Raise :class:`BatchMismatchError` unless ``batch`` matches the captured one."""
@@ -72,8 +82,17 @@ class GraphStep:
                 )
 
     def __call__(self, batch: Any) -> StepOutput:
-        flat = self.flat_inputs(batch)
-        return self.run_flat(flat)
+        return self.run(self.flat_inputs(batch))
+
+    def run(self, flat: list[torch.Tensor]) -> StepOutput:
+        """One iteration on the inputs :meth:`flat_inputs` gave."""
+        output = self.run_flat(flat)
+        if self.binding.fresh:
+            # The optimizer created its state in this run (SGD's first momentum buffer): from now on
+            # the step reads it, which another capture expresses.
+            self.binding.install_fresh()
+            self.stale = "the optimizer created its state in the previous run; capture the step again"
+        return output
 
     def compile(self, flat: list[torch.Tensor]) -> CompiledStep:
         """The graph made runnable by the backend, for inputs like ``flat`` (compiled once)."""

@@ -122,3 +122,19 @@ def explain_capture_failure(error: BaseException) -> CaptureError:
             "this device yet (recurrent layers capture on CPU)"
         )
     return CaptureError(f"capturing the training step failed at {where}: {type(error).__name__}: {first_line}")
+
+
+_IS_COMPILING = torch.compiler.is_compiling
+
+
+@contextlib.contextmanager
+def not_compiling() -> Iterator[None]:
+    """Inside :func:`compiler_tracing`, give code its eager paths back: torch.optim reads its step
+    counts with ``.item()`` (which :mod:`mutwo.runtime.host_scalars` keeps symbolic) only when it
+    believes it is not being compiled."""
+    patched = torch.compiler.is_compiling
+    torch.compiler.is_compiling = _IS_COMPILING  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = patched  # type: ignore[assignment]

@@ -114,6 +114,19 @@ def test_random_replays_are_not_planned_for_a_compiled_backend() -> None:
     assert any("cannot replay random ops" in m for m in messages)
 
 
+def test_a_swap_plan_is_refused_by_the_compiled_backends() -> None:
+    """Swap ops keep host buffers and copy streams outside the graph (Inductor cannot functionalize
+    mutwo::wait's alias): a swap plan is refused in one line, before anything compiles."""
+    workload = models.cnn(batch_size=32)
+    swapping = optimize_graph(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn,
+                              passes="profile{runs=1,warmup=0},swap", budget=parse_budget("0.8"))  # fmt: skip
+    assert swapping.plan.of("swap"), "nothing swapped: the test would not exercise a swap plan"
+    for backend in ("inductor", "cudagraphs"):
+        with pytest.raises(BackendError, match=f"the {backend} backend cannot run a plan that swaps") as refused:
+            compile_graph(swapping.graph, swapping.inputs, backend)
+        assert "\n" not in str(refused.value)
+
+
 def test_cuda_graphs_refuse_a_cpu_step() -> None:
     workload = models.mlp()
     with pytest.raises(BackendError, match="CUDA graphs need the model"):

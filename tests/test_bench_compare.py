@@ -32,15 +32,34 @@ def test_budgets_name_measured_peaks_or_pass_through() -> None:
 
 
 def test_backend_variants_name_their_backend_and_budget() -> None:
-    assert compare.mutwo_variant("mutwo-0.5") == ("0.5", "eager", False)
-    assert compare.mutwo_variant("mutwo+opt-none") == ("none", "eager", True)
-    assert compare.mutwo_variant("mutwo@inductor-compile0.5") == ("compile0.5", "inductor", False)
-    assert compare.mutwo_variant("mutwo@inductor-cudagraphs-none") == ("none", "inductor-cudagraphs", False)
+    assert compare.mutwo_variant("mutwo-0.5") == ("0.5", "eager", False, False)
+    assert compare.mutwo_variant("mutwo+opt-none") == ("none", "eager", True, False)
+    assert compare.mutwo_variant("mutwo@inductor-compile0.5") == ("compile0.5", "inductor", False, False)
+    assert compare.mutwo_variant("mutwo@inductor-cudagraphs-none") == ("none", "inductor-cudagraphs", False, False)
+    assert compare.mutwo_variant("mutwo-swap-eager0.5") == ("eager0.5", "eager", False, True)
+    assert compare.mutwo_variant("mutwo-swap@inductor-0.5") == ("0.5", "inductor", False, True)
+    assert compare.mutwo_variant("compile-0.5") is None
+    assert compare.budget_spec("mutwo@inductor-cudagraphs-compile0.5") == "compile0.5"
 
 
 def test_a_budget_naming_an_unmeasured_variant_is_refused() -> None:
     with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
         compare.mutwo_budget("checkpoint", ROWS[:1])
+
+
+def test_a_cpu_dry_run_plans_for_the_stand_in_budget_only_where_asked() -> None:
+    cpu = [{"variant": "eager", "peak_bytes": None}, {"variant": "checkpoint", "peak_bytes": None}]
+    assert compare.mutwo_budget("checkpoint", cpu, "0.5") == "0.5"
+    assert compare.mutwo_budget("checkpoint", ROWS, "0.5") == Budget(bytes=400), "a measured peak wins"
+    with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
+        compare.mutwo_budget("checkpoint", cpu)
+    with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
+        compare.mutwo_budget("checkpoint", [{"variant": "checkpoint", "error": "out of memory"}], "0.5")
+
+
+def test_a_model_is_a_known_name_or_a_config_file(tmp_path: Path) -> None:
+    assert compare.config_path("bert") == compare.ROOT / "examples" / "bert.yaml"
+    assert compare.config_path(str(tmp_path / "my.yaml")) == tmp_path / "my.yaml"
 
 
 def test_every_residual_block_is_checkpointed_and_the_numbers_stay_the_same() -> None:
@@ -57,3 +76,18 @@ def test_every_residual_block_is_checkpointed_and_the_numbers_stay_the_same() ->
     assert torch.equal(output, expected)
     output.sum().backward()
     assert batch.grad is not None
+
+
+def test_variant_names_give_their_budget_and_the_swap_study_compares_both_plans_at_both_peaks() -> None:
+    assert compare.budget_spec("mutwo-swap-eager0.5") == "eager0.5"
+    assert compare.budget_spec("mutwo+opt-checkpoint") == "checkpoint"
+    assert compare.budget_spec("mutwo-0.5") == "0.5"
+    assert compare.budget_spec("checkpoint") is None
+    study = compare.PRESETS["swap-study"]
+    for spec in ("eager0.5", "checkpoint"):
+        assert {f"mutwo-{spec}", f"mutwo-swap-{spec}"} <= set(study)
+        # the measured variant a budget names runs before it
+        reference = "eager" if spec.startswith("eager") else "checkpoint"
+        assert study.index(reference) < study.index(f"mutwo-swap-{spec}")
+    planned = [i for i, v in enumerate(study) if compare.budget_spec(v) not in (None, "none")]
+    assert study.index("mutwo-none") < min(planned)  # it profiles once, the planned variants reuse the profile

@@ -174,6 +174,24 @@ def test_the_tiny_config_used_by_the_catalogue_runs(workdir: Path, capsys: pytes
     assert (out / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("optimizer", ["{name: sgd, lr: 0.01, momentum: 0.9, dampening: 0.5}",
+                                       "{name: rmsprop, lr: 0.01, centered: true}", "{name: radam, lr: 0.01}"])
+def test_training_keys_run_and_check_bitwise(optimizer: str, workdir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    config = write_config(workdir, f"""\
+        model: {{source: python, name: tiny.py:make}}
+        batch_size: 4
+        optimizer: {optimizer}
+        precision: bf16-autocast
+        max_grad_norm: 0.5
+        passes: stats
+        """)  # fmt: skip
+    out = workdir / "out"
+    code, stdout, err = run_cli(capsys, "-q", "--check", "-o", out, config)
+    assert code == EXIT_OK, err
+    assert "equivalent" in (stdout + err + (out / "summary.json").read_text()).lower()
+
+
 # -- the config file -----------------------------------------------------------------------------
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", tmp_path / "nope.yaml")
@@ -222,6 +240,18 @@ CONFIG_ERRORS = {
     "unknown-backend": (
         "model: {source: python, name: tiny.py:make}\nbackend: inductr\n",
         ["unknown backend 'inductr'", "use one of eager, inductor, cudagraphs, inductor-cudagraphs"],
+    ),
+    "unknown-precision": (
+        "model: {source: python, name: tiny.py:make}\nprecision: bf16\n",
+        ["unknown precision 'bf16'", "use one of fp32, bf16-autocast, fp16-autocast"],
+    ),
+    "non-positive-max-grad-norm": (
+        "model: {source: python, name: tiny.py:make}\nmax_grad_norm: 0\n",
+        ["'max_grad_norm' must be a positive number", "got 0"],
+    ),
+    "grad-scaler-not-a-bool": (
+        "model: {source: python, name: tiny.py:make}\ngrad_scaler: 1\n",
+        ["'grad_scaler' must be true or false"],
     ),
     "unknown-optimizer-key": (
         "model: {source: python, name: tiny.py:make}\noptimizer: {name: adam, lr: 0.01, fused: true}\n",
@@ -297,10 +327,6 @@ def test_python_factory_that_raises(workdir: Path, capsys: pytest.CaptureFixture
 
 # -- the optimizer -------------------------------------------------------------------------------
 OPTIMIZER_ERRORS = {
-    "sgd-dampening": (
-        "{name: sgd, lr: 0.01, momentum: 0.9, dampening: 0.5}",
-        ["SGD with dampening", "set dampening=0"],
-    ),
     "sgd-negative-momentum": (
         "{name: sgd, lr: 0.01, momentum: -1}",
         ["optimizer sgd", "Invalid momentum value: -1"],
@@ -388,6 +414,20 @@ def test_cuda_graphs_of_a_cpu_step(backend: str, workdir: Path, capsys: pytest.C
     assert f"--backend {backend} needs a CUDA device" in line and "use --backend eager or inductor" in line
 
 
+@pytest.mark.parametrize("pipeline", ["profile,swap", "profile,select-swap,insert-swap"])
+def test_a_swap_plan_for_a_compiled_backend(pipeline: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "inductor", "--budget", "0.9",
+                              "-p", pipeline, good_config(workdir))  # fmt: skip
+    assert "the inductor backend cannot run a plan that swaps to host memory" in line
+    assert "use --backend eager, or plan with select,rewrite instead of swap" in line
+
+
+def test_fit_with_a_compiled_backend(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "inductor", "--fit", "1GiB",
+                              good_config(workdir))  # fmt: skip
+    assert "--fit searches with the eager backend, not inductor" in line and "without --backend" in line
+
+
 def test_output_folder_under_a_regular_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = workdir / "file.txt"
     blocker.write_text("keep me\n")
@@ -429,7 +469,13 @@ def test_bad_value_for_a_typed_option(workdir: Path, capsys: pytest.CaptureFixtu
     ("profile,select{budget=-0.5},rewrite", ["pass 'select'", "budget must be positive"]),
     ("profile{runs=0},select,rewrite", ["pass 'profile'", "runs must be at least 1"]),
     ("peak-consumers{top=0}", ["pass 'peak-consumers': top must be at least 1"]),
-], ids=["select-budget-word", "select-budget-negative", "profile-runs-zero", "loaded-pass"])  # fmt: skip
+    ("profile,select-swap{allow=teleport},insert-swap", ["pass 'select-swap'", "allow must list swap and/or "
+                                                         "recompute", "'teleport'"]),
+    ("profile,select-swap{bandwidth=-3},insert-swap", ["pass 'select-swap'", "bandwidth must be a positive"]),
+    ("profile,select-swap{budget=lots},insert-swap", ["pass 'select-swap'", "budget 'lots'", "'min'"]),
+    ("profile,insert-swap", ["pass 'insert-swap' needs swap-plan", "run select-swap before it"]),
+], ids=["select-budget-word", "select-budget-negative", "profile-runs-zero", "loaded-pass", "swap-allow-word",
+        "swap-bandwidth-negative", "swap-budget-word", "insert-swap-without-plan"])  # fmt: skip
 def test_bad_option_value_is_refused_before_capture(pipeline: str, words: list[str], workdir: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     # Caught when the pipeline is built: the forward below would fail capture if it were reached.

@@ -9,7 +9,7 @@ from mutwo.ir import from_fx
 from mutwo.ir.memory import simulate
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.capture import capture
-from mutwo.runtime.equivalence import compare_graphs, deterministic_algorithms
+from mutwo.runtime.equivalence import compare_graphs, deterministic_algorithms, replays_exact
 from mutwo.runtime.profiler import measure_iterations, profile_graph
 from mutwo.runtime.step import GraphStep
 from tests import models
@@ -59,8 +59,9 @@ def test_cuda_check_of_a_graph_against_its_copy_is_bitwise_with_deterministic_ke
     optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-3)
     captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+    inputs = binding.flat_inputs(workload.batch) + list(captured.constants.values())
     with deterministic_algorithms():
-        report = compare_graphs(graph, graph.copy(), binding.flat_inputs(workload.batch))
+        report = compare_graphs(graph, graph.copy(), inputs)
     assert report.bitwise and report.equivalent, report.summary()
 
 
@@ -69,7 +70,7 @@ def test_cuda_simulated_peak_matches_measured() -> None:
     optimizer = torch.optim.Adam(workload.model.parameters())
     captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
-    inputs = binding.flat_inputs(workload.batch)
+    inputs = binding.flat_inputs(workload.batch) + list(captured.constants.values())
     measured = measure_iterations(to_fx(graph), inputs, runs=3, warmup=2)
     profile = profile_graph(graph, inputs, runs=2, warmup=1, iteration_runs=0)
     simulated = simulate(graph, workspace=profile.workspace())
@@ -89,7 +90,7 @@ def test_cuda_rewrite_is_equivalent_and_fits_the_budget(make: object) -> None:
     captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
     original = graph.copy()
-    inputs = binding.flat_inputs(workload.batch)
+    inputs = binding.flat_inputs(workload.batch) + list(captured.constants.values())
     ctx = PassContext()
     ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup)
     ctx.services["budget"] = parse_budget("min")
@@ -97,7 +98,8 @@ def test_cuda_rewrite_is_equivalent_and_fits_the_budget(make: object) -> None:
     assert any(n.origin is not None for n in graph)
     with deterministic_algorithms():
         report = compare_graphs(original, graph, inputs)
-    assert report.bitwise and report.equivalent, report.summary()
+    # Bitwise unless the plan replays a batch norm from its statistics, which is exact on CPU only.
+    assert report.equivalent and report.bitwise == replays_exact(graph, "cuda"), report.summary()
     measured = measure_iterations(to_fx(graph), inputs, runs=3, warmup=2)
     predicted = ctx.artifacts["plan"].predicted_peak
     assert measured.peak_bytes is not None and measured.peak_bytes <= 1.03 * predicted

@@ -59,3 +59,5 @@ def test_cuda_fit_batch_measures_the_batch_it_found_within_the_limit() -> None:
     result = mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, "256MiB", start=1024)
     assert result.best is not None and result.best.batch_size > 1024
     assert result.measured_peak is not None and result.measured_peak <= 256 * 2**20
+    assert result.attempts and result.attempts[-1].fits and len(result.attempts) <= 4
+    assert result.best.batch_size == max(a.batch_size for a in result.attempts if a.fits)

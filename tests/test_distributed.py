@@ -188,7 +188,7 @@ def test_collectives_are_communication_nodes_that_overlap_the_backward(one_rank:
     workload = models.cnn(batch_size=4)
     optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
     lowered = capture_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
-                            DataParallel.for_group(bucket_cap_mb=BUCKET_CAP_MB))  # fmt: skip
+                            data_parallel=DataParallel.for_group(bucket_cap_mb=BUCKET_CAP_MB))  # fmt: skip
     graph = lowered.graph
     issues, waits = _collectives(graph, "all_reduce_"), _collectives(graph, "wait_tensor")
     bucket_waits = [w for w in waits if w.phase is Phase.BACKWARD]
@@ -217,7 +217,7 @@ def test_reading_a_bucket_before_its_wait_breaks_an_invariant(one_rank: None) ->
     workload = models.mlp(batch_size=4)
     optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
     graph = capture_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
-                          DataParallel.for_group()).graph  # fmt: skip
+                          data_parallel=DataParallel.for_group()).graph  # fmt: skip
     issue = _collectives(graph, "all_reduce_")[0]
     graph.create_node("call_function", torch.ops.aten.clone.default, (issue,), name="early_read", after=issue,
                       phase=Phase.BACKWARD, tensors=(issue.tensor,))  # fmt: skip

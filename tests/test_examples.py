@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mutwo.tools.config import load_config
 from mutwo.tools.mutwo_opt import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,3 +27,14 @@ def test_bert_example_is_optimized_and_bitwise_equal_on_cpu(tmp_path: Path, monk
     assert summary["recomputed"] > 0
     # The config's budget, 0.8 of the unoptimized simulated peak, is met.
     assert summary["peak_bytes_after"] <= 0.8 * summary["peak_bytes_before"] * 1.001
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "examples").glob("*.yaml")))
+def test_every_example_config_loads(path: str) -> None:
+    config = load_config(REPO / "examples" / path)
+    assert config.batch_size > 0
+
+
+def test_the_bf16_example_trains_under_autocast_with_clipping() -> None:
+    config = load_config(REPO / "examples" / "bert_bf16.yaml")
+    assert (config.precision, config.max_grad_norm, config.grad_scaler) == ("bf16-autocast", 1.0, False)

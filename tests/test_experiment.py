@@ -34,11 +34,11 @@ def rows_by_key(results: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]
 # -- an end-to-end CPU run ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, Any]]:
-    """``mutwo-experiment examples/tiny_mlp.yaml --batch-sizes 32,64 --budgets 0.9``, run once."""
+    """``mutwo-experiment examples/tiny_mlp.yaml --batch-sizes 32,64 --budgets 0.95``, run once."""
     out = tmp_path_factory.mktemp("experiment") / "x"
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO)
-        code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.9", "-o", str(out)])
+        code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.95", "-o", str(out)])
     return code, out, json.loads((out / "results.json").read_text(encoding="utf-8"))
 
 
@@ -49,10 +49,10 @@ def test_cpu_run_writes_one_row_per_batch_size_and_variant(cpu_run: tuple[int, P
     assert results["config"] == "examples/tiny_mlp.yaml"
     assert (results["warmup"], results["iterations"], results["memory_limit_bytes"]) == (3, 10, None)
     assert [(r["batch_size"], r["variant"]) for r in results["runs"]] == [
-        (32, "eager"), (32, "none"), (32, "0.9"), (64, "eager"), (64, "none"), (64, "0.9")]  # fmt: skip
+        (32, "eager"), (32, "none"), (32, "0.95"), (64, "eager"), (64, "none"), (64, "0.95")]  # fmt: skip
     for row in results["runs"]:
         if "error" in row:  # the only result allowed to be an error: a budget the tiny MLP cannot reach
-            assert row["variant"] == "0.9" and "unreachable" in row["error"], row
+            assert row["variant"] == "0.95" and "unreachable" in row["error"], row
             continue
         assert row["iteration_ms"] > 0, row
         assert len(row["iteration_ms_all"]) == 10
@@ -61,8 +61,8 @@ def test_cpu_run_writes_one_row_per_batch_size_and_variant(cpu_run: tuple[int, P
             assert row["simulated_peak_bytes"] > 0, row
             assert row["planning_seconds"] > 0, row
     rows = rows_by_key(results)
-    assert "error" not in rows[(64, "0.9")]  # at batch 64 the budget is reachable: a full mutwo row
-    assert rows[(64, "0.9")]["simulated_peak_bytes"] < rows[(64, "none")]["simulated_peak_bytes"]
+    assert "error" not in rows[(64, "0.95")]  # at batch 64 the budget is reachable: a full mutwo row
+    assert rows[(64, "0.95")]["simulated_peak_bytes"] < rows[(64, "none")]["simulated_peak_bytes"]
 
 
 def test_cpu_run_budgets_reuse_the_profile_of_none(cpu_run: tuple[int, Path, dict[str, Any]]) -> None:
@@ -70,7 +70,7 @@ def test_cpu_run_budgets_reuse_the_profile_of_none(cpu_run: tuple[int, Path, dic
     rows = rows_by_key(results)
     for batch in (32, 64):
         assert (out / f"b{batch}" / "profile.json").is_file()
-        assert rows[(batch, "0.9")]["profile_seconds"] == rows[(batch, "none")]["profile_seconds"]
+        assert rows[(batch, "0.95")]["profile_seconds"] == rows[(batch, "none")]["profile_seconds"]
 
 
 def test_cpu_run_draws_only_the_latency_plot(cpu_run: tuple[int, Path, dict[str, Any]]) -> None:
@@ -84,7 +84,7 @@ def test_cpu_run_draws_only_the_latency_plot(cpu_run: tuple[int, Path, dict[str,
 def test_cpu_run_exits_ok_when_a_budget_is_unreachable_at_a_small_batch(
         cpu_run: tuple[int, Path, dict[str, Any]]) -> None:  # fmt: skip
     code, _, results = cpu_run
-    row = rows_by_key(results)[(32, "0.9")]
+    row = rows_by_key(results)[(32, "0.95")]
     assert "unreachable" in row.get("error", "") and row["error_kind"] == "unreachable"
     assert code == EXIT_OK
 
@@ -102,7 +102,7 @@ def test_budget_run_skips_profiling_when_none_saved_a_matching_profile(
     monkeypatch.setattr(PassRegistry, "build_pipeline", spy)
     monkeypatch.chdir(REPO)
     none = run_configuration(CONFIG, 64, "none", tmp_path, device="cpu")
-    budget = run_configuration(CONFIG, 64, "0.9", tmp_path, device="cpu")
+    budget = run_configuration(CONFIG, 64, "0.95", tmp_path, device="cpu")
     assert pipelines == ["profile", "select,rewrite"]
     assert "error" not in none and "error" not in budget, (none, budget)
     assert budget["profile_seconds"] == none["profile_seconds"]
@@ -231,20 +231,20 @@ def fake_worker(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
 
 def test_out_of_memory_skips_larger_batches(fake_worker: list[tuple[int, str]], tmp_path: Path) -> None:
     out = tmp_path / "x"
-    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.9", "-o", str(out)])
+    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.95", "-o", str(out)])
     assert code == EXIT_OK  # running out of memory is a result, not a failure
-    assert fake_worker == [(32, "eager"), (32, "none"), (32, "0.9"), (64, "none"), (64, "0.9")]
+    assert fake_worker == [(32, "eager"), (32, "none"), (32, "0.95"), (64, "none"), (64, "0.95")]
     rows = rows_by_key(json.loads((out / "results.json").read_text(encoding="utf-8")))
     assert len(rows) == 6
     assert rows[(32, "eager")]["error"] == OUT_OF_MEMORY
     assert rows[(64, "eager")]["error"].startswith("skipped")
-    assert rows[(64, "none")]["iteration_ms"] == 1.0 and rows[(64, "0.9")]["iteration_ms"] == 1.0
+    assert rows[(64, "none")]["iteration_ms"] == 1.0 and rows[(64, "0.95")]["iteration_ms"] == 1.0
     assert (out / "latency_vs_batch.png").is_file()
 
 
 def test_keep_going_after_oom_measures_larger_batches(fake_worker: list[tuple[int, str]], tmp_path: Path) -> None:
     out = tmp_path / "x"
-    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.9", "-o", str(out),
+    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "32,64", "--budgets", "0.95", "-o", str(out),
                  "--keep-going-after-oom"])  # fmt: skip
     assert code == EXIT_OK
     assert (64, "eager") in fake_worker

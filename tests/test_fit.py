@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import mutwo
-from mutwo.runtime.fit import FitError, FitPoint, search
+from mutwo.ir.memory import simulate
+from mutwo.passes.select import SelectPass
+from mutwo.runtime.api import CapturedGraph
+from mutwo.runtime.fit import FitError, FitPoint, FitResult, Measure, Measured, search
 from mutwo.tools.mutwo_opt import main
 from tests import models
 
@@ -19,7 +22,7 @@ EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_mlp.yaml"
 def _linear(bytes_per_sample: int, fixed: int, limit: int):  # noqa: ANN202 (a closure)
     def predict(batch: int) -> FitPoint:
         peak = fixed + batch * bytes_per_sample
-        return FitPoint(batch, peak <= limit, peak)
+        return FitPoint(batch, peak <= limit, peak, budget=limit)
 
     return predict
 
@@ -27,41 +30,66 @@ def _linear(bytes_per_sample: int, fixed: int, limit: int):  # noqa: ANN202 (a c
 @pytest.mark.parametrize("start", [1, 7, 64, 500])
 def test_search_finds_the_largest_fitting_batch_within_a_sixteenth(start: int) -> None:
     limit = 10_000 + 300 * 100
-    result = search(_linear(100, 10_000, limit), start, limit, start)
-    assert result.best is not None and result.best.fits
-    best = result.best.batch_size
+    found = search(_linear(100, 10_000, limit), start, limit)
+    assert found.best is not None and found.best.fits
+    best = found.best.batch_size
     assert best <= 300 and 300 - best <= max(1, best // 16)
-    assert all(p.fits == (p.batch_size <= 300) for p in result.tried)
-    assert len({p.batch_size for p in result.tried}) == len(result.tried), "each size is planned once"
+    assert all(p.fits == (p.batch_size <= 300) for p in found.tried)
+    assert len({p.batch_size for p in found.tried}) == len(found.tried), "each size is planned once"
 
 
-def test_search_stops_at_the_largest_batch_it_tries() -> None:
-    result = search(_linear(1, 0, 10**9), 3, 10**9, 3, max_batch=40)
-    assert result.best is not None and result.best.batch_size == 40
+def test_search_bisects_through_sizes_already_captured_where_it_can() -> None:
+    limit = 10_000 + 300 * 100
+    found = search(_linear(100, 10_000, limit), 64, limit, cheap=frozenset({280, 310, 330}))
+    assert found.best is not None and 300 - found.best.batch_size <= found.best.batch_size // 16
+    tried = [p.batch_size for p in found.tried]
+    assert tried[:6] == [64, 128, 256, 512, 330, 280], "the captured sizes nearest the middles"
+
+
+def test_search_stops_at_the_largest_batch_it_may_try() -> None:
+    found = search(_linear(1, 0, 10**9), 3, 10**9, max_batch=40)
+    assert found.best is not None and found.best.batch_size == 40
+    assert search(_linear(1, 0, 10**9), 3, 10**9, max_batch=0).failure
 
 
 def test_search_says_when_not_even_one_sample_fits() -> None:
-    with pytest.raises(FitError, match="not even batch size 1 fits"):
-        search(_linear(100, 10_000, 5_000), 4, 5_000, 4)
+    found = search(_linear(100, 10_000, 5_000), 4, 5_000)
+    assert found.best is None and "not even batch size 1 fits" in found.failure
 
 
 def test_fit_on_cpu_writes_the_batch_plan_and_peaks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([EXAMPLE, "--fit", "2MiB", "--batch-size", "256", "-o", str(tmp_path), "-q"]) == 0
     fit = json.loads((tmp_path / "fit.json").read_text())
     best = fit["best"]["batch_size"]
-    assert fit["limit_bytes"] == 2 * 2**20 and fit["profiled_batch"] == 256
-    assert fit["best"]["predicted_peak"] <= 2 * 2**20 == fit["plan"]["budget_bytes"]
+    budget = int(2 * 2**20 * 0.9)  # the default margin keeps a tenth of the limit free
+    assert fit["limit_bytes"] == 2 * 2**20 and fit["profiled_batch"] == 256 and fit["planning_budget"] == budget
+    assert fit["best"]["predicted_peak"] <= budget == fit["plan"]["budget_bytes"] == fit["best"]["budget"]
     assert fit["plan"]["predicted_peak"] == fit["best"]["predicted_peak"]
     larger = [p for p in fit["tried"] if p["batch_size"] > best]
     assert larger and not any(p["fits"] for p in larger), "a larger batch was tried and did not fit"
-    assert fit["measured_peak"] is None and "scaled linearly" in fit["assumptions"]
+    assert fit["measured_peak"] is None and fit["attempts"] == [] and "scaled linearly" in fit["assumptions"]
+    assert fit["finished"] and not fit["failure"]
     assert f"largest batch that fits in 2MiB: {best}" in capsys.readouterr().out
+
+
+def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([EXAMPLE, "--fit", "1KiB", "--batch-size", "2", "-o", str(tmp_path), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "mutwo-opt: failed: not even batch size 1 fits in" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert fit["finished"] and fit["best"] is None and fit["plan"] is None
+    assert [p["batch_size"] for p in fit["tried"]] == [2, 1] and fit["failure"] in err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--fit", "0.5"], "--fit: memory limit: '0.5' is not a memory size: give bytes with a unit, like 16GiB"),
     (["--fit", "lots"], "--fit:"),
     (["--fit", "2MiB", "--budget", "0.5"], "drop --budget"),
+    (["--fit", "2MiB", "--fit-margin", "1.5"], "--fit-margin: margin 1.5 is not a share of the limit"),
+    (["--fit", "2MiB", "--fit-margin", "-0.1"], "--fit-margin: margin -0.1 is not a share of the limit"),
+    (["--fit-margin", "0.2"], "--fit-margin applies to --fit"),
 ])  # fmt: skip
 def test_fit_usage_errors(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([EXAMPLE, *argv, "-o", str(tmp_path / "out"), "-q"]) == 2
@@ -70,16 +98,97 @@ def test_fit_usage_errors(argv: list[str], message: str, tmp_path: Path, capsys:
     assert not (tmp_path / "out").exists(), "nothing is written"
 
 
-def test_fit_batch_from_the_api() -> None:
+def _mlp_fit(memory: str, measure: Measure | None = None, margin: float = 0.1) -> FitResult:
     workload = models.mlp()
     optimizer = models.OPTIMIZERS["adam"](workload.model.parameters())
 
     def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, 16), torch.randint(0, 5, (n,))
 
-    result = mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, "256KiB", start=8)
-    assert result.best is not None and result.best.fits and result.best.predicted_peak <= 256 * 2**10
-    assert result.best.batch_size > 8 and result.measured_peak is None
+    return mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, memory, start=64, margin=margin,
+                           measure=measure)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def predicted() -> FitResult:
+    """The MLP's fit in 256 KiB with nothing measured: the simulator's answer."""
+    return _mlp_fit("256KiB")
+
+
+def test_fit_batch_from_the_api(predicted: FitResult) -> None:
+    result = predicted
+    assert result.best is not None and result.best.fits and result.best.predicted_peak <= 0.9 * 256 * 2**10
+    assert result.best.batch_size > 64 and result.measured_peak is None and not result.attempts
     assert any(not p.fits and p.batch_size > result.best.batch_size for p in result.tried)
     with pytest.raises(FitError, match="is not a memory size"):
-        mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, "0.5")
+        _mlp_fit("0.5")
+
+
+class FakeGpu:
+    """A measurement that runs out of memory above ``fits_up_to`` samples, and otherwise peaks at
+    the rewritten graph's simulated peak times ``factor`` (what the simulator does not see)."""
+
+    def __init__(self, fits_up_to: int, factor: float = 1.0) -> None:
+        self.fits_up_to, self.factor, self.batches = fits_up_to, factor, []
+
+    def __call__(self, batch: int, lowered: CapturedGraph, limit: int) -> Measured:
+        self.batches.append(batch)
+        if batch > self.fits_up_to:
+            return Measured(None, None, "out of memory under the cap")
+        return Measured(int(simulate(lowered.graph).peak_bytes * self.factor), 0.01)
+
+
+def test_fit_steps_back_after_a_run_out_of_memory(predicted: FitResult) -> None:
+    free = predicted.best
+    assert free is not None
+    gpu = FakeGpu(fits_up_to=free.batch_size * 2 // 3)
+    result = _mlp_fit("256KiB", gpu)
+    assert result.best is not None and result.best.batch_size <= gpu.fits_up_to
+    assert gpu.batches[0] == free.batch_size, "the first run measures the simulator's answer"
+    assert result.attempts[0].error == "out of memory under the cap" and not result.attempts[0].fits
+    assert len(result.attempts) == len(gpu.batches) <= 4
+    assert [a.batch_size for a in result.attempts] == gpu.batches
+    fitting = [a for a in result.attempts if a.fits]
+    assert fitting and result.best.batch_size == max(a.batch_size for a in fitting)
+    assert result.measured_peak is not None and result.measured_peak <= 256 * 2**10
+    # every run after the first is below the smallest batch that failed before it
+    for index, attempt in enumerate(result.attempts[1:], start=1):
+        assert attempt.batch_size < min(a.batch_size for a in result.attempts[:index] if not a.fits)
+
+
+def test_fit_steps_back_by_the_measured_overshoot() -> None:
+    gpu = FakeGpu(fits_up_to=10**6, factor=1.3)  # the real peak is 30% above the simulated one
+    result = _mlp_fit("256KiB", gpu, margin=0.0)
+    first = result.attempts[0]
+    assert not first.fits and first.measured_peak is not None and first.measured_peak > 256 * 2**10
+    assert result.attempts[1].planned_budget < first.planned_budget * 256 * 2**10 / first.measured_peak
+    assert result.best is not None and result.measured_peak is not None and result.measured_peak <= 256 * 2**10
+
+
+def test_fit_fails_in_one_line_when_no_run_fits() -> None:
+    with pytest.raises(FitError) as error:
+        _mlp_fit("256KiB", FakeGpu(fits_up_to=0))
+    message = str(error.value)
+    assert message.startswith("no batch size measured within 0.25 MiB in 4 runs (batch ")
+    assert "out of memory under the cap" in message and "\n" not in message
+
+
+def test_select_can_stop_at_an_unreachable_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # What --fit's search plans with: a batch whose budget is out of reach fails at once.
+    argv = [EXAMPLE, "-p", "profile,select{lowest=false},rewrite", "--budget", "1KiB", "-o", str(tmp_path), "-q"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "is out of reach: recomputing every activation idle at the peak, the estimate stays at" in err
+    assert "lowest=false" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_plan_that_crashes_is_an_error_not_a_batch_that_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A crash inside select (BERT-base once hit Python's recursion limit there) once read as
+    # "does not fit", and the search went on to smaller batches as if nothing was wrong.
+    def crash(*args: object, **kwargs: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(SelectPass, "_greedy_plan", crash)
+    with pytest.raises(FitError, match=r"planning batch 64 failed: pass 'select' failed .*maximum recursion depth"):
+        _mlp_fit("256KiB")

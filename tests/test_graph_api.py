@@ -70,6 +70,21 @@ def test_create_node_before_and_after() -> None:
     assert_users_consistent(graph)
 
 
+def test_many_insertions_before_one_point_keep_their_order_and_positions() -> None:
+    # The graph remembers where the point moved to (no scan per insertion); every other
+    # mutation, and an insertion elsewhere, must make it forget.
+    graph, n = build_small_graph()
+    inserted = [neg(graph, n.h, before=n.r) for _ in range(40)]
+    elsewhere = neg(graph, n.h, after=n.h)
+    inserted.append(neg(graph, n.h, before=n.r))
+    graph.erase(inserted.pop(3))
+    inserted.append(neg(graph, n.h, before=n.r))
+    order = graph.nodes
+    assert order[order.index(n.h) + 1: order.index(n.r)] == [elsewhere, *inserted]
+    assert all(graph.position(node) == index for index, node in enumerate(order))
+    assert_users_consistent(graph)
+
+
 def test_create_node_refuses_before_and_after_together() -> None:
     graph, n = build_small_graph()
     count, version = len(graph), graph.version

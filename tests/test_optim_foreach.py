@@ -12,7 +12,7 @@ import torch
 
 from mutwo.ir import from_fx
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import StaleCaptureError, capture
+from mutwo.runtime.capture import capture
 from mutwo.runtime.step import GraphStep
 from tests import models
 
@@ -63,9 +63,10 @@ def test_foreach_graph_is_much_smaller_than_the_single_tensor_one() -> None:
     n_params = sum(1 for _ in single.model.parameters())
 
     def optimizer_ops(step: GraphStep) -> int:
-        """Optimizer-phase ops that launch work (list-element getitems do not)."""
+        """Optimizer-phase ops that launch device work: not list-element getitems, nor the host
+        numbers (a step size from a CPU step count) that torch.optim computes in Python per parameter."""
         return sum(1 for node in step.graph.nodes if node.phase.name == "OPTIMIZER" and node.op == "call_function"
-                   and "getitem" not in str(node.target))  # fmt: skip
+                   and "getitem" not in str(node.target) and "host_scalar" not in str(node.target))  # fmt: skip
 
     assert optimizer_ops(multi_step) < 40 < 5 * n_params < optimizer_ops(single_step)
 
@@ -80,35 +81,17 @@ def _two_step_counts(make_optimizer: object) -> tuple[models.Workload, torch.opt
     return workload, optimizer
 
 
-def test_parameters_with_different_step_counts_are_bucketed_apart_and_stay_bitwise() -> None:
+def test_parameters_with_different_step_counts_stay_bitwise() -> None:
+    """torch.optim's foreach Adam takes one bias correction per parameter: unequal step counts
+    (at capture, and again after the state is replaced) train like eager."""
     mine, my_opt = _two_step_counts(models.OPTIMIZERS["adam"])
     eager, eager_opt = _two_step_counts(models.OPTIMIZERS["adam"])
     step = _step(mine, my_opt)
-    assert len(step.binding.foreach_layout) == 2
     _assert_same_training(mine, my_opt, eager, eager_opt, step)
-
-
-def test_changed_step_counts_after_capture_are_refused_in_one_line() -> None:
-    workload = models.cnn()
-    optimizer = _foreach(models.OPTIMIZERS["adamw"](workload.model.parameters()))
-    step = _step(workload, optimizer)
-    step(workload.batch)
-    # Replace the state as load_state_dict from another run would: step counts no longer equal.
-    first = next(workload.model.parameters())
-    optimizer.state[first]["step"] = optimizer.state[first]["step"] + 5
-    with pytest.raises(StaleCaptureError, match="capture the step again"):
-        step(workload.batch)
-
-
-def test_cuda_default_form_is_foreach_and_cpu_default_is_single_tensor() -> None:
-    from mutwo.runtime.optim import uses_foreach
-
-    group = {"foreach": None, "lr": 0.1, "capturable": False}
-    assert not uses_foreach(group, [torch.zeros(1)])
-    assert not uses_foreach(group, [torch.zeros(1, device="meta")])
-    assert uses_foreach({**group, "foreach": True}, [torch.zeros(1)])
-    assert not uses_foreach({**group, "foreach": True, "capturable": True}, [torch.zeros(1)])
-    assert not uses_foreach({**group, "lr": torch.tensor(0.1)}, [torch.zeros(1)])
+    for workload, optimizer in ((mine, my_opt), (eager, eager_opt)):
+        first = next(workload.model.parameters())
+        optimizer.state[first]["step"] = optimizer.state[first]["step"] + 5
+    _assert_same_training(mine, my_opt, eager, eager_opt, step)
 
 
 class _WithUnusedParameter(torch.nn.Module):

@@ -17,7 +17,11 @@ from mutwo.runtime.backends import BACKENDS
 DEFAULT_PIPELINE = "profile,optimizer,select,rewrite"
 SOURCES = ("torchvision", "transformers", "python")
 DEVICES = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("sgd", "adam", "adamw")
+#: optimizer name in the config -> the torch.optim class (every one mutwo captures)
+OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "adagrad": "Adagrad",
+              "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "adadelta": "Adadelta", "rprop": "Rprop",
+              "asgd": "ASGD"}  # fmt: skip
+PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast")
 
 
 class ConfigError(ValueError):
@@ -41,6 +45,9 @@ TOP_KEYS = {
     "passes": Key((str,), "a pipeline like 'stats,dce'"),
     "seed": Key((int,), "an integer"),
     "backend": Key((str,), "one of " + ", ".join(BACKENDS)),
+    "precision": Key((str,), "one of " + ", ".join(PRECISIONS)),
+    "max_grad_norm": Key(_NUMBER, "a positive number (clip_grad_norm_ before the optimizer step)"),
+    "grad_scaler": Key((bool,), "true or false (a torch.amp.GradScaler, for fp16-autocast)"),
 }
 MODEL_KEYS = {
     "source": Key((str,), "one of " + ", ".join(SOURCES)),
@@ -65,6 +72,14 @@ OPTIMIZER_KEYS = {
     "eps": Key(_NUMBER, "a number"),
     "amsgrad": Key((bool,), "true or false"),
     "maximize": Key((bool,), "true or false"),
+    "foreach": Key((bool,), "true or false"),
+    "alpha": Key(_NUMBER, "a number"),
+    "centered": Key((bool,), "true or false"),
+    "lr_decay": Key(_NUMBER, "a number"),
+    "initial_accumulator_value": Key(_NUMBER, "a number"),
+    "momentum_decay": Key(_NUMBER, "a number"),
+    "decoupled_weight_decay": Key((bool,), "true or false"),
+    "rho": Key(_NUMBER, "a number"),
 }
 
 
@@ -91,6 +106,9 @@ class Config:
     passes: str = DEFAULT_PIPELINE
     seed: int = 0
     backend: str = "eager"
+    precision: str = "fp32"
+    max_grad_norm: float | None = None
+    grad_scaler: bool = False
 
 
 def _check_keys(section: str, data: dict[str, Any], schema: dict[str, Key]) -> None:
@@ -161,17 +179,22 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     config = Config(
         name=path.stem, path=path,
         model=ModelSpec(model["source"], model["name"], dict(model.get("config", {})), model.get("weights")),
-        input=dict(inputs), optimizer=optimizer,
+        input=dict(inputs), optimizer=optimizer, grad_scaler=data.get("grad_scaler", False),
     )  # fmt: skip
+    if data.get("max_grad_norm") is not None:
+        if data["max_grad_norm"] <= 0:
+            raise ConfigError(f"'max_grad_norm' must be a positive number, got {data['max_grad_norm']}")
+        config.max_grad_norm = float(data["max_grad_norm"])
     apply_overrides(config, batch_size=data.get("batch_size"), device=data.get("device"),
                     budget=data.get("budget"), passes=data.get("passes"), seed=data.get("seed"),
-                    backend=data.get("backend"))  # fmt: skip
+                    backend=data.get("backend"), precision=data.get("precision"))  # fmt: skip
     return config
 
 
 def apply_overrides(config: Config, *, batch_size: int | None = None, device: str | None = None,
                     budget: float | str | None = None, passes: str | None = None,
-                    seed: int | None = None, backend: str | None = None) -> Config:  # fmt: skip
+                    seed: int | None = None, backend: str | None = None,
+                    precision: str | None = None) -> Config:  # fmt: skip
     """Apply values from the file or the command line, checking each."""
     if batch_size is not None:
         if batch_size <= 0:
@@ -194,4 +217,8 @@ def apply_overrides(config: Config, *, batch_size: int | None = None, device: st
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
         config.backend = backend
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+        config.precision = precision
     return config

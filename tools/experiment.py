@@ -25,7 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.replay import describe
+from mutwo.runtime.training import PRECISIONS, TrainingOptions
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,29 +97,34 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
 
 def run_configuration(config_path: str | Path, batch_size: int, variant: Any, out: Path, *, device: str | None = None,
                       memory_limit: int | None = None, warmup: int = 3, iterations: int = 10,
+                      precision: str | None = None,
                       log: Callable[[str], None] = lambda message: None,
-                      optimizer_passes: bool = False, backend: str = "eager") -> dict[str, Any]:  # fmt: skip
+                      optimizer_passes: bool = False, swap: bool = False,
+                      backend: str = "eager") -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
     ``out/b<batch>/profile.json``) or a budget, as text or a :class:`Budget` (select and rewrite,
     with that profile when there is one). ``optimizer_passes``: run optimizer-in-backward and
-    foreach-buckets (the ``optimizer`` alias) after the profile, before select. ``backend``: what
-    runs the planned graph (compiled as part of planning; CUDA graphs get a capturable optimizer
-    with learning rates on the GPU, :func:`mutwo.runtime.cuda_graphs.graphable_optimizer`).
+    foreach-buckets (the ``optimizer`` alias) after the profile, before select. ``swap``: plan
+    with select-swap and insert-swap (keep, recompute or swap each activation) instead.
+    ``backend``: what runs the planned graph (compiled as part of planning; CUDA graphs get a
+    capturable optimizer with learning rates on the GPU,
+    :func:`mutwo.runtime.cuda_graphs.graphable_optimizer`).
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
     from mutwo.runtime.backends import BackendError
 
-    training = build_training(config_path, batch_size, device)
-    row: dict[str, Any] = {"batch_size": batch_size, "variant": variant}
+    training = build_training(config_path, batch_size, device, precision)
+    row: dict[str, Any] = {"batch_size": batch_size, "variant": variant, "precision": training.options.precision}
     try:
         if variant == "eager":
             step = training.eager_step()
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
-            step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, backend)
+            step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap,
+                                 backend)  # fmt: skip
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -156,35 +162,54 @@ class Training:
     batch: Any
     loss_fn: Callable[[Any, Any], torch.Tensor]
     device: torch.device
+    options: TrainingOptions = field(default_factory=TrainingOptions)  #: clipping, precision, scaler
 
     def eager_step(self, model: torch.nn.Module | None = None) -> Callable[[], None]:
-        """One eager iteration as a user writes it (``model`` defaults to the built one)."""
+        """One eager iteration as a user writes it (``model`` defaults to the built one), with the
+        config's autocast, gradient clipping and grad scaler."""
         runner = model if model is not None else self.model
+        dtype = PRECISIONS[self.options.precision]
+        scaler = self.options.scaler
 
         def step() -> None:
             self.optimizer.zero_grad(set_to_none=True)
-            output = runner(**self.batch) if isinstance(self.batch, dict) else runner(*self.batch)
-            self.loss_fn(output, self.batch).backward()
-            self.optimizer.step()
+            with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                output = runner(**self.batch) if isinstance(self.batch, dict) else runner(*self.batch)
+                loss = self.loss_fn(output, self.batch)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            if self.options.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(runner.parameters(), self.options.max_grad_norm,
+                                               self.options.norm_type)  # fmt: skip
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
 
         return step
 
 
-def build_training(config_path: str | Path, batch_size: int, device: str | None = None) -> Training:
-    """Build the config's model, batch and optimizer at ``batch_size`` on its device."""
+def build_training(config_path: str | Path, batch_size: int, device: str | None = None,
+                   precision: str | None = None) -> Training:  # fmt: skip
+    """Build the config's model, batch and optimizer at ``batch_size`` on its device (``precision``
+    overrides the config's)."""
     from mutwo.tools.config import apply_overrides, load_config
-    from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device
+    from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device, training_options
 
-    config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device)
+    config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device, precision=precision)
     target = target_device(config)
     torch.manual_seed(config.seed)
     workload = build_workload(config)
     model = workload.model.to(target)
-    return Training(model, build_optimizer(config, model), to_device(workload.batch, target), workload.loss_fn, target)
+    return Training(model, build_optimizer(config, model), to_device(workload.batch, target), workload.loss_fn, target,
+                    training_options(config, target))  # fmt: skip
 
 
-def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any], log: Callable[[str], None],
-                  optimizer_passes: bool = False, backend: str = "eager") -> Callable[[], Any]:  # fmt: skip
+def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
+                  log: Callable[[str], None], optimizer_passes: bool = False,
+                  swap: bool = False, backend: str = "eager") -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
@@ -196,14 +221,14 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     if backend.endswith("cudagraphs"):
         graphable_optimizer(training.optimizer, training.device)
     started = time.perf_counter()
-    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn)
+    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
     context.services["replay_random"] = backend == "eager"
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
-    planning += ["select", "rewrite"] if budget is not None else []
+    planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
     passes = ",".join(["profile", *planning])
     if budget is not None:
         if saved.exists():
@@ -234,7 +259,13 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         row["recomputed_tensors"] = len(plan.entries)
         row["predicted_added_ms"] = round(plan.added_seconds * 1e3, 3)
         row["profiled_iteration_ms"] = round(plan.base_seconds * 1e3, 3)
+        row["predicted_iteration_ms"] = round((plan.base_seconds + plan.added_seconds) * 1e3, 3)
+        row["planned_peak_bytes"] = plan.predicted_peak
         row["recomputed_ops"] = dict(Counter(e["op"] for e in plan.entries).most_common(8))
+    swap_plan = context.artifacts.get("swap-plan")
+    if swap_plan is not None:
+        row.update(_swap_plan_row(swap_plan))
+    if plan is not None or swap_plan is not None:
         # What the clones replay, and how (a copy, with a generator state, from batch-norm statistics).
         row["cloned_ops"] = dict(Counter(f"{lowered.graph.node(n.origin).op_name} ({describe(n.target)})"
                                          for n in lowered.graph if n.origin is not None).most_common(12))  # fmt: skip
@@ -260,6 +291,21 @@ class PlannedStep:
         """The allocator's peak while a CUDA graph recorded the step (0 for other backends):
         replays allocate nothing, so the peak of replays alone misses the iteration's memory."""
         return getattr(self.step.compiled.run, "recorded_peak_absolute", 0)
+
+
+def _swap_plan_row(plan: Any) -> dict[str, Any]:
+    """What a select-swap plan chose and predicted, for a results row."""
+    swapped, recomputed = plan.of("swap"), plan.of("recompute")
+    return {
+        "swapped_tensors": len(swapped), "swapped_bytes": sum(e["bytes"] for e in swapped),
+        "recomputed_tensors": len(recomputed), "planned_peak_bytes": plan.predicted_peak,
+        "profiled_iteration_ms": round(plan.base_seconds * 1e3, 3),
+        "predicted_iteration_ms": round(plan.predicted_seconds * 1e3, 3),
+        "predicted_added_ms": round(plan.recompute_seconds * 1e3, 3),
+        "predicted_stall_ms": round(plan.stall_seconds * 1e3, 3), "time_scale": round(plan.time_scale, 4),
+        "transfer": plan.transfer, "recomputed_ops": dict(Counter(e["op"] for e in recomputed).most_common(8)),
+        "swapped_ops": dict(Counter(e["op"] for e in swapped).most_common(8)),
+    }  # fmt: skip
 
 
 # -- the whole experiment ----------------------------------------------------------------------------

@@ -10,32 +10,60 @@ from typing import Any
 import torch
 
 from mutwo.ir.pass_base import write_atomic
-from mutwo.runtime.fit import FitError, fit, parse_limit
+from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, fit, parse_limit
+from mutwo.runtime.fit_search import mib
 from mutwo.tools.cli import EXIT_OK, UsageError
 from mutwo.tools.config import Config
 
 
-def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
-    """Search from the config's batch size, print the batch, the plan and the peaks, write fit.json."""
+def fit_options(cli: Any) -> tuple[int, float]:
+    """The limit and margin the command line asks for; a usage error before anything runs."""
     try:
         limit = parse_limit(cli.args.fit)
     except FitError as error:
         raise UsageError(f"--fit: {error}") from None
     if cli.args.budget is not None:
         raise UsageError("--fit chooses the batch size for a memory limit, which is the budget; drop --budget")
+    margin = DEFAULT_MARGIN if cli.args.fit_margin is None else cli.args.fit_margin
+    try:
+        return limit, check_margin(margin)
+    except FitError as error:
+        raise UsageError(f"--fit-margin: {error}") from None
+
+
+def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
+    """Search from the config's batch size, print every measured run, the batch, the plan and the
+    peaks, write fit.json (as the search goes, and also when no batch fits: the record of what was
+    tried; ``finished`` says whether the search ended)."""
+    limit, margin = fit_options(cli)
+
+    def record(result: FitResult, plan: dict[str, Any] | None = None, finished: bool = False) -> None:
+        # Rewritten as the search goes: a run stopped from outside leaves what it had tried.
+        write_atomic(out / "fit.json", json.dumps({**result.to_json(), "plan": plan, "finished": finished},
+                                                  indent=2) + "\n")  # fmt: skip
+
     fitted = fit(lambda batch: cli.capture(dataclasses.replace(config, batch_size=batch), device),
-                 config.batch_size, limit, cli.log)  # fmt: skip
-    result, point = fitted.result, fitted.point
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "fit.json", json.dumps({**result.to_json(), "plan": fitted.context.artifacts["plan"].to_json()},
-                                              indent=2) + "\n")  # fmt: skip
+                 config.batch_size, limit, margin=margin, log=cli.log, progress=record)  # fmt: skip
+    result = fitted.result
+    record(result, fitted.plan.to_json() if fitted.plan is not None else None, finished=True)
+    for attempt in result.attempts:
+        print(f"measured run {attempt.describe()}")
+    if result.failure:
+        raise FitError(result.failure)
+    print(summary(result, cli.args.fit, out))
+    return EXIT_OK
+
+
+def summary(result: FitResult, limit_text: str, out: Path) -> str:
+    """The answer in one line: the batch, its plan, the predicted and measured peaks."""
+    best = result.best
+    assert best is not None
     if result.measured_peak is not None:
         seconds = result.measured_seconds or 0.0
-        measured = f", measured {result.measured_peak / 2**20:.1f} MiB ({seconds * 1e3:.1f} ms per iteration)"
+        measured = f", measured {mib(result.measured_peak)} ({seconds * 1e3:.1f} ms per iteration)"
     else:
-        measured = f", measured: {result.measured_error}" if result.measured_error else " (CPU: nothing measured)"
-    print(f"largest batch that fits in {cli.args.fit}: {point.batch_size} (tried {len(result.tried)} batch sizes); "
-          f"plan: {point.note}; predicted peak {point.predicted_peak / 2**20:.1f} MiB{measured}; wrote {out}/fit.json")
-    if result.over_limit():
-        raise FitError(result.over_limit())
-    return EXIT_OK
+        measured = " (CPU: nothing measured)"
+    return (f"largest batch that fits in {limit_text}: {best.batch_size} (planned {len(result.tried)} times, "
+            f"{len(result.attempts)} measured runs); plan: {best.note}, for {mib(best.budget)} (margin "
+            f"{result.margin:.0%}); predicted peak {mib(best.predicted_peak)}{measured}; "
+            f"wrote {out}/fit.json")  # fmt: skip

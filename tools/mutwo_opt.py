@@ -3,7 +3,8 @@
     mutwo-opt [-p/--passes LIST] [-o/--out DIR] [--device auto|cpu|cuda] [--batch-size N]
               [--budget B] [--check] [--list-passes] [--load-passes M] [--no-verify]
               [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot] [--time-passes]
-              [--bucket-cap-mb MB] [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
+              [--bucket-cap-mb MB] [--fit MEMORY [--fit-margin SHARE]]
+              [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
 captures the data-parallel iteration on its shard of the batch, the gradients are averaged
@@ -35,11 +36,13 @@ from mutwo.ir.pass_base import PassContext, write_atomic
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
+from mutwo.ir.swap import swap_nodes
+from mutwo.ir.timeline import calibrated_seconds, graph_timeline
 from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
-from mutwo.runtime.backends import BACKENDS, BackendError, CompiledStep, CompileError, compile_graph
+from mutwo.runtime.backends import BACKENDS, BackendError, CompiledStep, CompileError, compile_graph, swap_refusal
 from mutwo.runtime.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
@@ -50,8 +53,8 @@ from mutwo.runtime.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
-from mutwo.tools.reports import memory_timeline, write_reports
-from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device
+from mutwo.tools.reports import memory_timeline, swap_timeline, write_reports
+from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device, training_options
 
 
 class Failure(Exception):
@@ -69,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--backend", choices=BACKENDS,
                         help="what runs the final graph (default: the config's, else eager); see docs/backends.md")
+    parser.add_argument("--precision", help="override the config's precision: fp32, bf16-autocast, fp16-autocast")
     parser.add_argument("--check", action="store_true",
                         help="run the original and final graphs for 3 iterations and compare every number")
     parser.add_argument("--profile-from", metavar="FILE",
@@ -77,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse a plan.json written by the select pass for this same graph")
     parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
                         "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
+    parser.add_argument("--fit-margin", type=float, metavar="SHARE",
+                        help="with --fit: the share of MEMORY the plans keep free for what the simulator does not "
+                        "see (default 0.1)")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -130,7 +137,7 @@ class MutwoOpt:
             config = load_config(self.args.config)
             apply_overrides(config, batch_size=self.args.batch_size, device=self.args.device,
                             budget=self.args.budget, passes=self.args.passes, seed=self.args.seed,
-                            backend=self.args.backend)  # fmt: skip
+                            backend=self.args.backend, precision=self.args.precision)  # fmt: skip
         except ConfigError as error:
             raise UsageError(str(error)) from None
         return config
@@ -198,7 +205,8 @@ class MutwoOpt:
             if self.dp is not None:
                 distributed.broadcast_model(model, self.dp)
             self.log("capturing one training iteration (forward, backward, optimizer step)")
-            lowered = capture_graph(model, optimizer, batch, workload.loss_fn, self.dp)
+            lowered = capture_graph(model, optimizer, batch, workload.loss_fn, training_options(config, device),
+                                    data_parallel=self.dp)
         except (ConfigError, CaptureError, UnsupportedOptimizerError, distributed.DataParallelError) as error:
             raise UsageError(str(error)) from None
         except distributed.RanksDisagreeError as error:
@@ -235,8 +243,10 @@ class MutwoOpt:
                              "size and device")  # fmt: skip
         return artifact
 
-    def refuse_backend(self, config: Config, device: torch.device) -> None:
+    def refuse_backend(self, config: Config, device: torch.device, manager: PassManager) -> None:
         """Backend choices that cannot work here, refused before anything is captured."""
+        if config.backend != "eager" and any(p.name == "insert-swap" for p in manager.passes):
+            raise UsageError(swap_refusal(config.backend))
         if config.backend.endswith("cudagraphs") and device.type != "cuda":
             raise UsageError(f"--backend {config.backend} needs a CUDA device, this run is on {device}; use --backend "
                              "eager or inductor")  # fmt: skip
@@ -293,9 +303,17 @@ class MutwoOpt:
         if final is not original:
             memory_timeline(out / "memory_timeline_input.png", original, before, profile, f"{title} (input)")
             reports.append("memory_timeline_input.png")
-        # Recomputed: activations of the input whose backward readers now read a clone instead.
+        swaps = swap_nodes(final)
+        if swaps and profile is not None and "transfer" in ctx.artifacts:
+            seconds, _ = calibrated_seconds(profile)
+            timeline = graph_timeline(final, seconds, ctx.artifacts["transfer"])
+            swap_timeline(out / "swap_timeline.png", final, timeline, after, f"{title}: compute and copies")
+            reports.append("swap_timeline.png")
+        # Recomputed: activations of the input whose backward readers now read a clone instead
+        # (swapped ones read the copy brought back from host memory).
+        swapped = {offload.args[0].tensor.storage for offload, _, _ in swaps}
         recomputed = {r.key for r in compute_liveness(original).activations()} - {
-            r.key for r in final_liveness.activations()}  # fmt: skip
+            r.key for r in final_liveness.activations()} - swapped  # fmt: skip
         write_atomic(out / "final.ir.txt", print_graph(final))
         write_atomic(out / "final_graph.py", to_fx(final).code)
         summary = {
@@ -324,6 +342,8 @@ class MutwoOpt:
             "iteration_seconds_after": measured.get("iteration_seconds_after"),
             "reports": reports,
             "recomputed": len(recomputed),
+            "swapped": len(swapped),
+            "swapped_bytes": sum(offload.tensors[0].storage_bytes for offload, _, _ in swaps),
             "cloned_nodes": sum(1 for n in final if n.origin is not None),
             "equivalent": None if report is None else report.equivalent,
             "error": error,
@@ -369,12 +389,17 @@ class MutwoOpt:
         device = self.join_data_parallel(self.resolve_device(config))
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
+        if self.args.fit_margin is not None and self.args.fit is None:
+            raise UsageError("--fit-margin applies to --fit; add --fit MEMORY (like --fit 16GiB)")
         if self.args.fit is not None:
+            if config.backend != "eager":  # the search measures eager runs: a compiled step's peak differs
+                raise UsageError(f"--fit searches with the eager backend, not {config.backend}; run --fit without "
+                                 "--backend, then the batch size it finds with --backend")  # fmt: skip
             try:
                 return run_fit(self, config, device, out)
             except FitError as error:
                 raise Failure(str(error)) from None
-        self.refuse_backend(config, device)
+        self.refuse_backend(config, device, manager)
         lowered = self.capture(config, device)
         if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
             try:

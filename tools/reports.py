@@ -10,6 +10,7 @@ from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.node import Phase
 from mutwo.ir.pass_base import write_atomic
+from mutwo.ir.timeline import GraphTimeline
 
 MIB = 2**20
 PHASE_COLOURS = {Phase.FORWARD: "#e8f1fa", Phase.BACKWARD: "#fdf0e6", Phase.OPTIMIZER: "#eef7ea"}
@@ -87,6 +88,42 @@ def peak_breakdown(path: Path, simulation: MemorySimulation, title: str = "") ->
         axes.text(value, y, f" {value:.1f}", va="center", fontsize=8)
     axes.set_xlabel("MiB live at the peak")
     axes.set_title(title or f"at the peak: {simulation.peak_bytes / MIB:.1f} MiB ({simulation.peak_phase})")
+    figure.tight_layout()
+    _save(figure, path)
+    plt.close(figure)
+    return path
+
+
+def swap_timeline(path: Path, graph: Graph, timeline: GraphTimeline, simulation: MemorySimulation,
+                  title: str = "") -> Path:  # fmt: skip
+    """The simulated iteration of a graph that swaps, over time: the compute stream (phases shaded,
+    stalls on copies in red), the copy-out and copy-in streams (one bar per copy) and, below,
+    the device memory while each node runs."""
+    plt = _pyplot()
+    nodes = graph.nodes
+    figure, (lanes, memory) = plt.subplots(2, 1, figsize=(12, 6), sharex=True, height_ratios=(1, 1.4))
+    start_ms = [t * 1e3 for t in timeline.start]
+    end_ms = [t * 1e3 for t in timeline.end]
+    for phase, colour in PHASE_COLOURS.items():
+        spans = [(start_ms[i], end_ms[i] - start_ms[i]) for i, n in enumerate(nodes) if n.phase is phase]
+        if spans:
+            lanes.broken_barh(spans, (2, 0.8), facecolors=colour, edgecolors="#999999", linewidth=0.2,
+                              label=f"compute: {phase.value}")  # fmt: skip
+    stalls = [(start * 1e3, seconds * 1e3) for start, seconds in timeline.stalled]
+    if stalls:
+        lanes.broken_barh(stalls, (2, 0.8), facecolors="#d62728", label="compute stalled on a copy")
+    for lane, key, colour in ((1, "copy_out", "#1f77b4"), (0, "copy_in", "#2ca02c")):
+        bars = [(s[key][0] * 1e3, (s[key][1] - s[key][0]) * 1e3) for s in timeline.swaps]
+        lanes.broken_barh(bars, (lane, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3)
+    lanes.set_yticks([0.4, 1.4, 2.4], ["copy in (host→device)", "copy out (device→host)", "compute"])
+    lanes.set_title(title or "one training iteration, simulated")
+    lanes.legend(loc="upper right", fontsize=7)
+    memory.step(start_ms, [b / MIB for b in simulation.curve], where="post", color="#1f77b4", lw=1.0)
+    peak_at = start_ms[simulation.peak_rank]
+    memory.annotate(f"peak {simulation.peak_bytes / MIB:.1f} MiB", xy=(peak_at, simulation.peak_bytes / MIB),
+                    xytext=(10, -20), textcoords="offset points", arrowprops={"arrowstyle": "->"})  # fmt: skip
+    memory.set_ylabel("device MiB")
+    memory.set_xlabel(f"ms ({timeline.seconds * 1e3:.1f} ms in all, {timeline.stall * 1e3:.2f} ms stalled on copies)")
     figure.tight_layout()
     _save(figure, path)
     plt.close(figure)

@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
-from mutwo.tools.config import Config, ConfigError
+from mutwo.runtime.training import TrainingOptions
+from mutwo.tools.config import OPTIMIZERS, Config, ConfigError
 
 
 @dataclass
@@ -185,9 +186,15 @@ def build_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
     options = {k: v for k, v in config.optimizer.items() if k != "name"}
     if "betas" in options:
         options["betas"] = tuple(options["betas"])
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[config.optimizer["name"]]
+    cls = getattr(torch.optim, OPTIMIZERS[config.optimizer["name"]])
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         return cls(params, **options)
     except (TypeError, ValueError, IndexError) as error:
         raise ConfigError(f"optimizer {config.optimizer['name']}: {error}") from None
+
+
+def training_options(config: Config, device: torch.device) -> TrainingOptions:
+    """Clipping, precision and grad scaling as the config asks (a fresh GradScaler for ``device``)."""
+    scaler = torch.amp.GradScaler(device.type) if config.grad_scaler else None
+    return TrainingOptions(max_grad_norm=config.max_grad_norm, precision=config.precision, grad_scaler=scaler)

@@ -1,0 +1,179 @@
+"""The time simulator: the compute stream and the two copy streams over one iteration.
+
+Compute nodes run one after another for their profiled time. A swap's copy out is issued when the
+compute stream reaches its offload and runs on the copy-out stream, after the copies out issued
+before it; its copy in is issued at its prefetch and runs on the copy-in stream once the copy out
+has finished; the compute stream stops at the wait until the copy in is done. A transfer that
+the compute between its prefetch and its wait cannot hide therefore *stalls* the iteration by
+the remainder. Copies take ``latency + bytes / bandwidth`` in their direction (the two
+directions of PCIe are independent). Where copies cannot overlap compute (on CPU the swap ops
+copy on the calling thread), each copy adds its whole time where it is issued.
+
+:func:`schedule_transfers` works on plain positions and times, so the selection pass uses it on
+its estimate as :func:`graph_timeline` uses it on a rewritten graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node
+from mutwo.ir.replay import batch_norm_from_stats
+from mutwo.ir.swap import swap_nodes
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """How long a host-device copy takes on a machine, as measured by the runtime's profiler."""
+
+    d2h_bytes_per_second: float
+    h2d_bytes_per_second: float
+    latency_seconds: float
+    overlap: bool  #: copies run beside compute (CUDA streams) rather than on its timeline (CPU)
+    device: str = ""
+
+    def d2h_seconds(self, nbytes: int) -> float:
+        return self.latency_seconds + nbytes / self.d2h_bytes_per_second
+
+    def h2d_seconds(self, nbytes: int) -> float:
+        return self.latency_seconds + nbytes / self.h2d_bytes_per_second
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TransferModel:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One swap on a timeline: positions are the nodes before which its ops are issued."""
+
+    offload_at: int
+    prefetch_at: int
+    wait_at: int
+    out_seconds: float
+    in_seconds: float
+
+
+@dataclass
+class StreamSchedule:
+    """When every copy ran and what it cost the compute stream."""
+
+    copy_out: list[tuple[float, float]]  #: per transfer: (start, end)
+    copy_in: list[tuple[float, float]]
+    stalls: list[float]  #: per transfer: time the compute stream lost to it
+    delays: list[tuple[int, float]] = field(default_factory=list)  #: (position, seconds added before it)
+
+    @property
+    def stall(self) -> float:
+        return sum(self.stalls)
+
+
+_OUT, _IN, _WAIT = 0, 1, 2  # at one position, copies out are issued first, then copies in, then waits
+
+
+def schedule_transfers(clock: Sequence[float], transfers: Sequence[Transfer], overlap: bool) -> StreamSchedule:
+    """Simulate the copy streams: ``clock[p]`` is when the node at position ``p`` starts if nothing
+    stalls (``clock[-1]`` the end of the iteration)."""
+    events = sorted(itertools.chain.from_iterable(
+        ((t.offload_at, _OUT, k), (t.prefetch_at, _IN, k), (t.wait_at, _WAIT, k)) for k, t in enumerate(transfers)))
+    schedule = StreamSchedule([(0.0, 0.0)] * len(transfers), [(0.0, 0.0)] * len(transfers), [0.0] * len(transfers))
+    stalled = 0.0
+    out_free = in_free = 0.0
+    for position, kind, k in events:
+        now = clock[position] + stalled
+        transfer = transfers[k]
+        if kind == _OUT:
+            start = max(now, out_free) if overlap else now
+            out_free = start + transfer.out_seconds
+            schedule.copy_out[k] = (start, out_free)
+            added = 0.0 if overlap else transfer.out_seconds
+        elif kind == _IN:
+            start = max(now, in_free, schedule.copy_out[k][1]) if overlap else now
+            in_free = start + transfer.in_seconds
+            schedule.copy_in[k] = (start, in_free)
+            added = 0.0 if overlap else transfer.in_seconds
+        else:
+            added = max(0.0, schedule.copy_in[k][1] - now)
+        if added:
+            schedule.stalls[k] += added
+            schedule.delays.append((position, added))
+            stalled += added
+    return schedule
+
+
+@dataclass
+class GraphTimeline:
+    """The timeline of one graph: compute intervals per node, copies per swap, stalls."""
+
+    start: list[float]  #: per position, when the node starts
+    end: list[float]
+    swaps: list[dict[str, Any]]  #: per swap: tag, bytes, copy-out and copy-in intervals, stall
+    seconds: float  #: the whole iteration
+    stalled: list[tuple[float, float]] = field(default_factory=list)  #: (start, seconds) the compute stream waits
+
+    @property
+    def stall(self) -> float:
+        return sum(s["stall"] for s in self.swaps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "stall_seconds": self.stall, "swaps": self.swaps, "stalled": self.stalled,
+                "node_start": self.start, "node_end": self.end}  # fmt: skip
+
+
+def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: TransferModel | None) -> GraphTimeline:
+    """Simulate ``graph`` with ``seconds(node)`` per compute node (swap ops take none on the compute
+    stream) and ``model`` for its swaps (``None`` when it has none)."""
+    nodes = graph.nodes
+    swaps = swap_nodes(graph)
+    if swaps and model is None:
+        raise ValueError("the graph swaps activations: its timeline needs a transfer model")
+    in_swaps = {n for triple in swaps for n in triple}
+    clock = list(itertools.accumulate((0.0 if n in in_swaps else seconds(n) for n in nodes), initial=0.0))
+    transfers = []
+    for offload, prefetch, wait in swaps:
+        nbytes = offload.tensors[0].storage_bytes
+        assert model is not None
+        transfers.append(Transfer(graph.position(offload), graph.position(prefetch), graph.position(wait),
+                                  model.d2h_seconds(nbytes), model.h2d_seconds(nbytes)))  # fmt: skip
+    schedule = schedule_transfers(clock, transfers, model.overlap if model is not None else True)
+    shift = [0.0] * (len(nodes) + 1)
+    stalled: list[tuple[float, float]] = []
+    total = 0.0
+    for position, added in schedule.delays:  # in order of position
+        stalled.append((clock[position] + total, added))
+        shift[position] += added
+        total += added
+    shift = list(itertools.accumulate(shift))
+    start = [clock[i] + shift[i] for i in range(len(nodes))]
+    end = [start[i] + clock[i + 1] - clock[i] for i in range(len(nodes))]
+    records = [{"tag": offload.args[1], "bytes": offload.tensors[0].storage_bytes,
+                "offload": offload.id, "prefetch": prefetch.id, "wait": wait.id,
+                "copy_out": schedule.copy_out[k], "copy_in": schedule.copy_in[k], "stall": schedule.stalls[k]}
+               for k, (offload, prefetch, wait) in enumerate(swaps)]  # fmt: skip
+    return GraphTimeline(start, end, records, clock[-1] + shift[-1], stalled)
+
+
+def calibrated_seconds(profile: Any) -> tuple[Callable[[Node], float], float]:
+    """Seconds per node from a profile (a clone takes its origin's, a batch norm replayed from its
+    statistics the measured replay), scaled so that the profiled nodes add up to the measured
+    whole iteration where there is one: launch gaps and overlaps between ops are spread over the
+    nodes. Returns the function and the scale."""
+    total = sum(p.seconds for p in profile.nodes.values())
+    iteration = profile.iteration.seconds if profile.iteration is not None else None
+    scale = iteration / total if iteration and total > 0 else 1.0
+
+    def seconds(node: Node) -> float:
+        if node.origin is None:
+            return scale * profile.seconds(node.id)
+        if node.target is batch_norm_from_stats:
+            return scale * profile.replay_seconds(node.origin)
+        return scale * profile.seconds(node.origin)
+
+    return seconds, scale

@@ -1,0 +1,51 @@
+"""The ``insert-swap`` transform: realise a ``select-swap`` plan in the graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import StorageKey
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure
+from mutwo.ir.printer import fingerprint
+from mutwo.ir.recompute import NotRecomputable
+from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, rewrite
+from mutwo.passes.liveness import liveness_of
+from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP
+
+
+@dataclass(frozen=True)
+class InsertSwapPass(Pass):
+    """Insert the plan's swaps (offload, prefetch, wait) and recompute blocks into the graph.
+
+    Each swapped activation is offloaded to host memory right after its last forward use, its
+    prefetch is issued before the node the plan chose and its wait sits right before its first
+    backward use, whose readers (and their views) then read the swapped-in copy; recompute blocks
+    go right before their first backward use as in insert-recompute, reading swapped-in copies
+    that are live there. Writes swaps.json and clones.json.
+    """
+
+    name = "insert-swap"
+    requires = ("swap-plan",)
+    provides = ("swapped",)
+    is_transform = True
+
+    def run(self, graph: Graph, ctx: PassContext) -> SwapRewrite:
+        plan = ctx.artifacts["swap-plan"]
+        if plan.fingerprint != fingerprint(graph):
+            raise PassFailure("the swap plan was made for a different graph; run select-swap on this graph again")
+        liveness = liveness_of(graph, ctx)
+        analysis = SwapAnalysis(graph, liveness)
+        try:
+            placements = [Placement(analysis.site(StorageKey(e["storage_creator"], e["storage_output"])),
+                                    e["prefetch_before"]) for e in plan.of(SWAP)]  # fmt: skip
+            result = rewrite(graph, liveness, placements,
+                             [StorageKey(e["storage_creator"], e["storage_output"]) for e in plan.of(RECOMPUTE)])
+        except (NotSwappable, NotRecomputable) as error:
+            raise PassFailure(f"the swap plan cannot be realised: {error}") from None
+        ctx.artifacts["swapped"] = result
+        ctx.save_json("swaps.json", result.swaps)
+        ctx.save_json("clones.json", {str(k): v for k, v in sorted(result.clones.items())})
+        ctx.log(f"insert-swap: {len(result.swaps)} swaps, {sum(len(c) for c in result.clones.values())} recompute "
+                f"clones of {len(result.clones)} forward nodes")  # fmt: skip
+        return result

@@ -1,0 +1,290 @@
+"""The ``select-swap`` pass: keep, recompute or swap every activation (μ-TWO), as a plan."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mutwo.ir.budget import Budget, parse_budget
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
+from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
+from mutwo.ir.node import Node, Phase, StorageKey
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
+from mutwo.ir.printer import fingerprint
+from mutwo.ir.recompute import NotRecomputable, Recompute
+from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, SwapSite, rewrite
+from mutwo.ir.timeline import GraphTimeline, TransferModel, calibrated_seconds, graph_timeline
+from mutwo.passes.mu_two import GreedyResult, search
+from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule
+from mutwo.passes.select import PlanData, replay_seconds, start
+
+MIB = 2**20
+ACTIONS = ("swap", "recompute")
+
+
+@dataclass
+class SwapPlan(PlanData):
+    """A plan of swaps and recomputations, what it saves and costs, and what it predicts."""
+
+    predicted_seconds: float
+    recompute_seconds: float  #: what the recompute clones add
+    stall_seconds: float  #: what the copies the compute cannot hide add
+    time_scale: float  #: measured iteration / summed node times, applied to every node
+    transfer: dict[str, Any]
+    entries: list[dict[str, Any]]
+    kept: int  #: candidate activations kept on the device
+    met: bool
+
+    def of(self, action: str) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e["action"] == action]
+
+    def table(self) -> str:
+        lines = [f"{'action':<9} {'storage':>10} {'producer':<34} {'MiB':>8} {'ms':>8}  detail"]
+        for e in self.entries:
+            if e["action"] == SWAP:
+                cost, detail = e["stall_seconds"], f"prefetch before %{e['prefetch_before']}, copy in " \
+                                                   f"{e['h2d_seconds'] * 1e3:.3f} ms"
+            else:
+                cost, detail = e["seconds"], f"x{e['recompute_count']} from {len(e['sources'])} sources"
+            lines.append(f"{e['action']:<9} {e['storage']:>10} {e['op'][:34]:<34} {e['bytes'] / MIB:8.2f} "
+                         f"{cost * 1e3:8.3f}  {detail}")  # fmt: skip
+        swapped = sum(e["bytes"] for e in self.of(SWAP)) / MIB
+        lines.append(f"swap {len(self.of(SWAP))} activations ({swapped:.1f} MiB), recompute {len(self.of(RECOMPUTE))}, "
+                     f"keep {self.kept}: predicted peak {self.predicted_peak / MIB:.1f} MiB (unoptimized "
+                     f"{self.unoptimized_peak / MIB:.1f} MiB, budget {self.budget_bytes / MIB:.1f} MiB), predicted "
+                     f"{self.predicted_seconds * 1e3:.1f} ms per iteration (+{self.recompute_seconds * 1e3:.1f} ms "
+                     f"recompute, +{self.stall_seconds * 1e3:.1f} ms stalled on copies)")  # fmt: skip
+        return "\n".join(lines)
+
+    def csv(self) -> str:
+        out = io.StringIO()
+        columns = ["action", "storage", "node", "op", "bytes", "prefetch_before", "d2h_seconds", "h2d_seconds",
+                   "stall_seconds", "recompute_count", "seconds", "inactive_seconds"]  # fmt: skip
+        writer = csv.DictWriter(out, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(self.entries)
+        return out.getvalue()
+
+
+@dataclass
+class Evaluation:
+    """A plan applied to a copy of the graph and simulated exactly, in memory and time."""
+
+    chosen: list[SwapCandidate]
+    simulation: MemorySimulation
+    projected: torch.Tensor  #: the memory curve on the original ranks (inserted nodes count at the next one)
+    timeline: GraphTimeline
+    rewrite: SwapRewrite
+    graph: Graph  #: the rewritten copy
+
+
+def evaluate(graph: Graph, liveness: Liveness, sites: dict[StorageKey, SwapSite], chosen: list[SwapCandidate],
+             workspace: dict[int, int], seconds: Callable[[Node], float],
+             transfer: TransferModel) -> Evaluation:  # fmt: skip
+    """Rewrite a copy of ``graph`` for ``chosen`` and simulate it: the predictions of the plan."""
+    rewritten = graph.copy()
+    nodes = graph.nodes
+    placements = [Placement(sites[c.key], nodes[c.prompt].id) for c in chosen if c.action == SWAP]
+    result = rewrite(rewritten, liveness, placements, [c.key for c in chosen if c.action == RECOMPUTE])
+    clone_workspace = dict(workspace)
+    clone_workspace.update({n.id: workspace[n.origin] for n in rewritten if n.origin in workspace})
+    simulation = simulate(rewritten, workspace=clone_workspace)
+    projected = torch.zeros(len(nodes), dtype=torch.int64)
+    pending = 0  # the highest value among inserted nodes waiting for the original node they precede
+    for node, value in zip(rewritten, simulation.curve, strict=True):
+        rank = liveness.rank.get(node.id) if node.origin is None else None
+        if rank is None:
+            pending = max(pending, value)
+        else:
+            projected[rank], pending = max(value, pending), 0
+    return Evaluation(list(chosen), simulation, projected, graph_timeline(rewritten, seconds, transfer), result,
+                      rewritten)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SelectSwapPass(Pass):
+    """Choose, for every activation, to keep it, recompute it or swap it to host memory (μ-TWO).
+
+    The scheduler of the paper (Algorithm B): at the simulated peak, the activation idle longest is
+    priced as a swap (the stall its copies add to the copy streams, with the prefetch issued as
+    late as the copy in can still be hidden) and the one with the highest recompute ratio as a
+    recomputation (its total recompute time); the cheaper is chosen, recompute sources, counts
+    and times are updated as in the paper, and memory and time are re-simulated. The plan is
+    checked by applying it to a copy of the graph and simulating that exactly: those are its
+    predictions. Host-device bandwidth and latency come from the runtime's measurement (or the
+    bandwidth option); tensors whose copy would take mostly latency are not swapped. Budget as
+    for select. Writes swap_plan.json, swap_plan.csv, transfer.json. See docs/swap.md.
+    """
+
+    name = "select-swap"
+    requires = ("profile",)
+    provides = ("swap-plan", "transfer")
+    budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+    allow: str = option("swap,recompute", "what it may choose for an activation: swap, recompute, or both")
+    bandwidth: float | None = option(None, "host-device GB/s (both directions, no latency) instead of measuring it")
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            parse_budget(self.budget)  # a bad budget is a usage error when the pipeline is built
+        actions = [a.strip() for a in self.allow.split(",") if a.strip()]
+        if not actions or any(a not in ACTIONS for a in actions):
+            raise ValueError(f"allow must list swap and/or recompute, got {self.allow!r}")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            raise ValueError(f"bandwidth must be a positive number of GB/s, got {self.bandwidth}")
+
+    def run(self, graph: Graph, ctx: PassContext) -> SwapPlan:
+        begin = start(graph, ctx, self.budget, "select-swap: no budget and no device limit (CPU): nothing needs to "
+                      "leave memory")  # fmt: skip
+        profile, liveness, workspace, base = begin.profile, begin.liveness, begin.workspace, begin.base
+        budget, budget_bytes = begin.budget, begin.budget_bytes
+        transfer = self._transfer(ctx, base.device)
+        seconds, scale = calibrated_seconds(profile)
+        candidates, sites = self._candidates(graph, liveness, profile, scale, transfer, base.device)
+        ctx.log(f"select-swap: {len(candidates)} candidates ({sum(c.swappable for c in candidates)} swappable, "
+                f"{sum(c.recomputable for c in candidates)} recomputable); unoptimized peak "
+                f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
+                f"{transfer.d2h_bytes_per_second / 1e9:.1f} GB/s out, {transfer.h2d_bytes_per_second / 1e9:.1f} GB/s "
+                "in")  # fmt: skip
+        durations = [seconds(n) for n in graph]
+        forward = sum(d for d, n in zip(durations, graph, strict=True) if n.phase is Phase.FORWARD)
+        timeline = Timeline(durations, transfer.overlap, ceiling=forward)
+        curve = torch.tensor(base.curve, dtype=torch.int64)
+
+        def peak_after(candidate: SwapCandidate) -> tuple[int, int]:
+            end = candidate.prompt if candidate.action == SWAP else candidate.first_backward_use
+            curve[candidate.inactive_start + 1:end] -= candidate.memory
+            rank = int(torch.argmax(curve))
+            return int(curve[rank]), rank
+
+        def exact() -> Evaluation:
+            try:
+                return evaluate(graph, liveness, sites, state.chosen, workspace, seconds, transfer)
+            except (NotRecomputable, NotSwappable) as error:
+                raise PassFailure(f"select-swap chose a plan that cannot be realised: {error}") from None
+
+        state = GreedyResult()
+        remaining = list(candidates)
+        best = exact()
+
+        def grow(target: int, max_steps: int | None) -> bool:
+            nonlocal best
+            rank = int(torch.argmax(curve))
+            grew = schedule(remaining, timeline, target, peak_after, (int(curve[rank]), rank), state, max_steps)
+            if grew:
+                evaluation = exact()
+                curve.copy_(evaluation.projected)
+                if evaluation.simulation.peak_bytes < best.simulation.peak_bytes:
+                    best = evaluation
+            return grew
+
+        search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best.simulation.peak_bytes)
+        plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, profile, scale, transfer)
+        ctx.artifacts["swap-plan"] = plan
+        ctx.save_json("swap_plan.json", plan.to_json())
+        if ctx.out_dir is not None:
+            write_atomic(ctx.out_dir / "swap_plan.csv", plan.csv())
+        ctx.log("select-swap:\n" + plan.table())
+        if not plan.met:
+            raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak "
+                              f"select-swap reaches with {self.allow} is {plan.predicted_peak / MIB:.1f} MiB "
+                              f"({100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized "
+                              f"{base.peak_bytes / MIB:.1f} MiB), at %{plan.predicted_peak_node} in the "
+                              f"{plan.predicted_peak_phase} phase")  # fmt: skip
+        return plan
+
+    def _transfer(self, ctx: PassContext, device: str) -> TransferModel:
+        if self.bandwidth is not None:
+            rate = self.bandwidth * 1e9
+            return TransferModel(rate, rate, 0.0, overlap=device.startswith("cuda"), device=device)
+        model = ctx.artifacts.get("transfer")
+        if model is None:
+            measure = ctx.services.get("transfer")
+            if measure is None:
+                raise PassFailure("select-swap needs the runtime's transfer measurement; run it through mutwo-opt, "
+                                  "put one in ctx.services['transfer'], or give the bandwidth option")  # fmt: skip
+            model = measure()
+            ctx.artifacts["transfer"] = model
+            ctx.save_json("transfer.json", model.to_json())
+        return model
+
+    def _candidates(self, graph: Graph, liveness: Liveness, profile: Any, scale: float, transfer: TransferModel,
+                    device: str) -> tuple[list[SwapCandidate], dict[StorageKey, SwapSite]]:  # fmt: skip
+        allowed = {a.strip() for a in self.allow.split(",")}
+        recompute, swaps = Recompute(graph, liveness), SwapAnalysis(graph, liveness)
+        elapsed = elapsed_seconds(graph, lambda node_id: scale * profile.seconds(node_id))
+        min_swap_bytes = transfer.latency_seconds * min(transfer.d2h_bytes_per_second, transfer.h2d_bytes_per_second)
+        candidates: list[SwapCandidate] = []
+        sites: dict[StorageKey, SwapSite] = {}
+        for record in liveness.activations():
+            if record.device != device or record.bytes == 0:
+                continue
+            block = site = None
+            if "recompute" in allowed:
+                try:
+                    block = recompute.plan_block(record.key, set(), {})
+                except NotRecomputable:
+                    pass
+            # A copy that takes mostly latency (batch-norm statistics, say) frees next to nothing
+            # for what it occupies the copy streams: only tensors whose copy is mostly bytes swap.
+            if "swap" in allowed and record.bytes >= min_swap_bytes:
+                try:
+                    site = sites[record.key] = swaps.site(record.key)
+                except NotSwappable:
+                    pass
+            if block is None and site is None:
+                continue
+            assert record.first_backward_use is not None
+            candidates.append(SwapCandidate(
+                key=record.key, memory=allocation_size(record.bytes, device),
+                sources=set() if block is None else {t.storage for s in block.sources for t in graph.node(s).tensors
+                                                     if t is not None},
+                recompute_time=float("inf") if block is None else
+                scale * sum(replay_seconds(profile, n, block) for n in block.nodes),
+                inactive_start=record.last_forward_use if record.last_forward_use is not None else record.created,
+                first_backward_use=record.first_backward_use,
+                last_backward_use=record.last_backward_use or record.first_backward_use,
+                inactive_time=idle_seconds(record, elapsed), swappable=site is not None,
+                d2h_seconds=transfer.d2h_seconds(record.bytes), h2d_seconds=transfer.h2d_seconds(record.bytes),
+            ))  # fmt: skip
+        return candidates, sites
+
+    def _plan(self, graph: Graph, budget: Budget, budget_bytes: int, base: MemorySimulation,
+              best: Evaluation, candidates: list[SwapCandidate], sites: dict[StorageKey, SwapSite], profile: Any,
+              scale: float, transfer: TransferModel) -> SwapPlan:  # fmt: skip
+        nodes = graph.nodes
+        stalls = {s["tag"]: s["stall"] for s in best.timeline.swaps}
+        entries = []
+        for candidate in best.chosen:
+            creator = graph.node(candidate.key.creator)
+            entry: dict[str, Any] = {
+                "action": candidate.action, "storage": str(candidate.key), "storage_creator": candidate.key.creator,
+                "storage_output": candidate.key.output, "node": creator.id, "op": creator.op_name,
+                "bytes": candidate.memory, "inactive_seconds": candidate.inactive_time,
+                "overhead_seconds": candidate.overhead,
+            }  # fmt: skip
+            if candidate.action == SWAP:
+                site = sites[candidate.key]
+                assert candidate.prompt is not None
+                entry.update(prefetch_before=nodes[candidate.prompt].id, offload_after=nodes[site.last_forward_use].id,
+                             wait_before=site.wait_before, d2h_seconds=candidate.d2h_seconds,
+                             h2d_seconds=candidate.h2d_seconds, stall_seconds=stalls.get(site.base, 0.0))  # fmt: skip
+            else:
+                entry.update(recompute_count=candidate.recompute_count, seconds=candidate.recompute_time,
+                             total_seconds=candidate.total_recompute_time,
+                             sources=sorted(k.creator for k in candidate.sources))  # fmt: skip
+            entries.append(entry)
+        seconds, _ = calibrated_seconds(profile)
+        clones = {clone for copies in best.rewrite.clones.values() for clone in copies}
+        added = sum(seconds(best.graph.node(clone)) for clone in clones)
+        iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
+        exact = best.simulation
+        return SwapPlan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes,
+                        exact.peak_node, exact.peak_phase, iteration, best.timeline.seconds, added,
+                        best.timeline.stall, scale, transfer.to_json(), entries, len(candidates) - len(entries),
+                        exact.peak_bytes <= budget_bytes or budget.minimum)  # fmt: skip

@@ -1,0 +1,158 @@
+"""The kernels of the swap ops (:mod:`mutwo.ir.swap`): copies on side CUDA streams, ordered by
+events, into host buffers reused across iterations.
+
+On CUDA, for a swapped tensor ``x``:
+
+* ``offload(x)``: the copy-out stream waits for the compute stream (``x`` is ready there), then
+  copies ``x`` into a pinned host buffer without blocking the host; ``x.record_stream`` tells the
+  caching allocator that the copy-out stream still reads ``x``, so its block is not handed to
+  another tensor before the copy ends, although the graph drops ``x`` right after the offload;
+* ``prefetch(host)``: allocates the device tensor on the compute stream (like every other value
+  of the graph), then the copy-in stream waits for the compute stream (the block may have been
+  in use there until this point) and for the copy out, and copies the buffer in;
+* ``wait(x)``: the compute stream waits for that copy, and only there.
+
+Nothing else waits: the compute stream never waits for a copy out, and the host never waits for
+the device. A host buffer goes back to the pool with the event of the copy that read it last; the
+next copy out into it (an iteration later) waits for that event on the copy-out stream. Buffers
+are kept by size and never released, so after the first iteration no host memory is allocated
+(pinned memory comes from torch's caching host allocator, whose first allocation may synchronise).
+
+On CPU the same ops copy into a separate host buffer and back (no streams), so the swap path runs
+and is checked bitwise in CI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import mutwo.ir.swap  # noqa: F401  (defines the ops whose kernels this module registers)
+
+
+def covers_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is dense, starts at offset 0 and spans its whole storage, so that
+    copying it element by element copies the storage byte for byte."""
+    if tensor.storage_offset() != 0 or tensor.numel() * tensor.element_size() != tensor.untyped_storage().nbytes():
+        return False
+    expected = 1
+    for size, stride in sorted(((s, t) for s, t in zip(tensor.shape, tensor.stride(), strict=True) if s != 1),
+                               key=lambda pair: pair[1]):  # fmt: skip
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class HostBuffers:
+    """Host buffers of exact sizes, kept and reused; pinned when they feed CUDA copies.
+
+    ``take`` returns a free buffer of the size (with the event of the last copy that read it, which
+    a writer must wait for) or allocates one; ``give_back`` returns it with such an event.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, bool], list[tuple[torch.Tensor, Any]]] = {}
+        self.allocated_bytes = 0  #: host bytes allocated so far (they are never released)
+        self.allocations = 0
+
+    def take(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, Any]:
+        free = self._free.get((nbytes, pinned))
+        if free:
+            return free.pop()
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None
+
+    def give_back(self, buffer: torch.Tensor, last_reader: Any) -> None:
+        self._free.setdefault((buffer.numel(), buffer.is_pinned()), []).append((buffer, last_reader))
+
+    @property
+    def free_buffers(self) -> int:
+        return sum(len(entries) for entries in self._free.values())
+
+
+class SwapRuntime:
+    """Streams, in-flight copies and host buffers of the swap ops, one per process (like torch's
+    own caching allocators), shared by every graph that swaps."""
+
+    def __init__(self) -> None:
+        self.buffers = HostBuffers()
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._copied_out: dict[int, tuple[torch.Tensor, Any]] = {}  # host data_ptr -> (buffer, copy-out event)
+        self._copying_in: dict[int, Any] = {}  # device data_ptr -> copy-in event (None on CPU)
+
+    def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The copy-out and copy-in streams of a GPU."""
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._streams[device]
+
+    @property
+    def in_flight(self) -> int:
+        """Copies started but not yet consumed (0 between iterations of a well-formed graph)."""
+        return len(self._copied_out) + len(self._copying_in)
+
+    def offload(self, x: torch.Tensor, tag: int) -> torch.Tensor:
+        if not covers_storage(x):
+            raise RuntimeError(f"mutwo.offload (tag {tag}): the tensor does not span its storage densely from offset "
+                               "0; the swap plan must offload the tensor that allocated the storage")  # fmt: skip
+        buffer, last_reader = self.buffers.take(x.untyped_storage().nbytes(), pinned=x.is_cuda)
+        host = buffer.view(x.dtype).as_strided(x.shape, x.stride())
+        done = None
+        if x.is_cuda:
+            copy_out, _ = self.streams(x.device)
+            copy_out.wait_stream(torch.cuda.current_stream(x.device))  # x is ready there
+            if last_reader is not None:  # the buffer's previous copy in has read it
+                copy_out.wait_event(last_reader)
+            with torch.cuda.stream(copy_out):
+                host.copy_(x, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(copy_out)
+            x.record_stream(copy_out)  # its block is not reused before the copy has read it
+        else:
+            host.copy_(x)
+        self._copied_out[host.data_ptr()] = (buffer, done)
+        return host
+
+    def prefetch(self, host: torch.Tensor, device: torch.device, tag: int) -> torch.Tensor:
+        entry = self._copied_out.pop(host.data_ptr(), None)
+        if entry is None:
+            raise RuntimeError(f"mutwo.prefetch (tag {tag}): this host tensor is not the result of an offload "
+                               "still waiting for its prefetch")  # fmt: skip
+        buffer, copied_out = entry
+        target = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+        ready = None
+        if target.is_cuda:
+            _, copy_in = self.streams(target.device)
+            copy_in.wait_stream(torch.cuda.current_stream(target.device))  # the block may be in use until here
+            if copied_out is not None:
+                copy_in.wait_event(copied_out)
+            with torch.cuda.stream(copy_in):
+                target.copy_(host, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(copy_in)
+        else:
+            target.copy_(host)
+        self.buffers.give_back(buffer, ready)
+        self._copying_in[target.data_ptr()] = ready
+        return target
+
+    def wait(self, x: torch.Tensor, tag: int) -> torch.Tensor:
+        if x.data_ptr() not in self._copying_in:
+            raise RuntimeError(f"mutwo.wait (tag {tag}): this tensor is not the result of a prefetch still "
+                               "waiting for its wait")  # fmt: skip
+        ready = self._copying_in.pop(x.data_ptr())
+        if ready is not None:
+            torch.cuda.current_stream(x.device).wait_event(ready)
+        return x
+
+
+#: The process's swap runtime.
+RUNTIME = SwapRuntime()
+
+_IMPL = torch.library.Library("mutwo", "IMPL")
+_IMPL.impl("offload", RUNTIME.offload, "CompositeExplicitAutograd")
+_IMPL.impl("prefetch", RUNTIME.prefetch, "CompositeExplicitAutograd")
+_IMPL.impl("wait", RUNTIME.wait, "CompositeExplicitAutograd")

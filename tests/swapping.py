@@ -1,0 +1,47 @@
+"""Helpers of the swap tests (CPU and CUDA): plan and rewrite a workload's iteration in-process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mutwo.ir import from_fx
+from mutwo.ir.budget import parse_budget
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import PassContext
+from mutwo.ir.pass_manager import PassManager
+from mutwo.ir.registry import PassRegistry
+from mutwo.runtime.capture import capture
+from mutwo.runtime.profiler import profile_graph
+from mutwo.runtime.transfer import measure_transfers
+from tests import models
+
+
+@dataclass
+class Rewritten:
+    original: Graph
+    graph: Graph
+    inputs: list[torch.Tensor]
+    ctx: PassContext
+
+
+def lower(workload: models.Workload) -> tuple[Graph, list[torch.Tensor]]:
+    """The captured iteration of ``workload`` (Adam) as IR, with the inputs to run it on."""
+    optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
+    captured, binding = capture(workload.model, optimizer, workload.batch, workload.loss_fn)
+    graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
+    return graph, binding.flat_inputs(workload.batch)
+
+
+def rewrite(workload: models.Workload, pipeline: str, budget: str) -> Rewritten:
+    """Run ``pipeline`` over the iteration of ``workload`` with the runtime's services."""
+    graph, inputs = lower(workload)
+    original = graph.copy()
+    device = inputs[0].device
+    ctx = PassContext(device=str(device))
+    ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup)
+    ctx.services["transfer"] = lambda: measure_transfers(device)
+    ctx.services["budget"] = parse_budget(budget)
+    PassManager(PassRegistry().build_pipeline(pipeline)).run(graph, ctx)
+    return Rewritten(original, graph, inputs, ctx)

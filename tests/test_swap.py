@@ -1,0 +1,287 @@
+"""Swapping activations to host memory (μ-TWO's other half), on CPU.
+
+The swap ops copy to a separate host buffer and back (the CUDA path is in test_cuda_swap.py); the
+copy-stream simulator and the scheduler's swap calculator are checked on hand-made timelines; the
+rewrite is checked for where it puts offloads, prefetches and waits, for plans that swap only,
+that mix swaps and recomputations (a block reading a swapped-in copy), and against the original
+graph bitwise over 3 iterations; the verifier refuses graphs that break the swap protocol; and
+``mutwo-opt -p profile,swap --check`` writes the swap plan and the timeline plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import mutwo
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.memory import simulate
+from mutwo.ir.node import Phase
+from mutwo.ir.recompute import NotRecomputable, Recompute
+from mutwo.ir.swap import HOST, OFFLOAD, WAIT, NotSwappable, Placement, SwapAnalysis, rewrite, swap_nodes
+from mutwo.ir.timeline import Transfer, TransferModel, graph_timeline, schedule_transfers
+from mutwo.ir.verifier import VerificationError, verify
+from mutwo.passes.mu_two import GreedyResult
+from mutwo.passes.mu_two_swap import (
+    RECOMPUTE,
+    SWAP,
+    SwapCandidate,
+    Timeline,
+    choose,
+    schedule,
+    swap_overhead,
+)
+from mutwo.passes.select_swap import SwapPlan
+from mutwo.runtime.equivalence import compare_graphs
+from mutwo.runtime.swap import RUNTIME
+from mutwo.tools.mutwo_opt import EXIT_OK, main
+from tests import models, swapping
+
+REPO = Path(__file__).resolve().parent.parent
+SWAP_ONLY = "profile{runs=1,warmup=0},select-swap{allow=swap},insert-swap"
+
+
+# -- the ops ---------------------------------------------------------------------------------------
+def _round_trip(x: torch.Tensor, tag: int) -> torch.Tensor:
+    host = torch.ops.mutwo.offload(x, tag)
+    assert host.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    back = torch.ops.mutwo.prefetch(host, x.device, tag)
+    assert back.untyped_storage().data_ptr() not in (x.untyped_storage().data_ptr(),
+                                                     host.untyped_storage().data_ptr())  # fmt: skip
+    return torch.ops.mutwo.wait(back, tag)
+
+
+def test_ops_copy_out_and_back_exactly_and_reuse_host_buffers() -> None:
+    x = torch.randn(3, 5, 7).permute(2, 0, 1)  # dense but not contiguous: the layout comes back too
+    first = _round_trip(x, 1)
+    assert torch.equal(first, x) and first.stride() == x.stride()
+    allocations = RUNTIME.buffers.allocations
+    for tag in range(2, 5):  # later iterations take the same host buffer again
+        assert torch.equal(_round_trip(x, tag), x)
+    assert RUNTIME.buffers.allocations == allocations
+    assert RUNTIME.in_flight == 0
+
+
+def test_ops_refuse_what_breaks_the_protocol() -> None:
+    with pytest.raises(RuntimeError, match="not the result of an offload"):
+        torch.ops.mutwo.prefetch(torch.zeros(4), torch.device("cpu"), 1)
+    with pytest.raises(RuntimeError, match="not the result of a prefetch"):
+        torch.ops.mutwo.wait(torch.zeros(4), 1)
+    with pytest.raises(RuntimeError, match="does not span its storage"):
+        torch.ops.mutwo.offload(torch.zeros(8)[2:], 1)
+    assert RUNTIME.in_flight == 0
+
+
+# -- the time simulator and the swap calculator ------------------------------------------------------
+CLOCK = [float(i) for i in range(11)]  # ten nodes of one second each
+
+
+def test_a_copy_hidden_behind_compute_costs_nothing_and_the_rest_stalls() -> None:
+    hidden = Transfer(offload_at=1, prefetch_at=3, wait_at=6, out_seconds=0.5, in_seconds=1.5)
+    late = Transfer(offload_at=1, prefetch_at=5, wait_at=6, out_seconds=0.5, in_seconds=1.5)
+    assert schedule_transfers(CLOCK, [hidden], overlap=True).stall == 0.0
+    schedule = schedule_transfers(CLOCK, [late], overlap=True)
+    assert schedule.copy_in == [(5.0, 6.5)] and schedule.stall == pytest.approx(0.5)
+    # Without overlap (CPU) each copy takes its whole time where it is issued.
+    assert schedule_transfers(CLOCK, [hidden], overlap=False).stall == pytest.approx(2.0)
+
+
+def test_copies_queue_on_their_stream() -> None:
+    # Two copies out issued together: the second waits for the first, and so does its copy in.
+    first = Transfer(offload_at=1, prefetch_at=2, wait_at=9, out_seconds=3.0, in_seconds=1.0)
+    second = Transfer(offload_at=1, prefetch_at=2, wait_at=5, out_seconds=3.0, in_seconds=1.0)
+    schedule = schedule_transfers(CLOCK, [first, second], overlap=True)
+    assert schedule.copy_out == [(1.0, 4.0), (4.0, 7.0)]
+    assert schedule.copy_in[1] == (7.0, 8.0)
+    assert schedule.stalls == [0.0, pytest.approx(3.0)]  # the compute reaches the second wait at 5
+
+
+def _candidate(key: str, *, memory: int = 100, recompute_time: float = 1.0, start: int = 1, first_bw: int = 8,
+               inactive: float = 6.0, copy: float = 0.5, copy_out: float | None = None,
+               swappable: bool = True) -> SwapCandidate:  # fmt: skip
+    return SwapCandidate(key=key, memory=memory, sources=set(), recompute_time=recompute_time, inactive_start=start,
+                         first_backward_use=first_bw, last_backward_use=first_bw + 1, inactive_time=inactive,
+                         swappable=swappable, d2h_seconds=copy if copy_out is None else copy_out,
+                         h2d_seconds=copy)  # fmt: skip
+
+
+def test_the_prefetch_is_issued_as_late_as_the_copy_in_can_still_be_hidden() -> None:
+    timeline = Timeline([1.0] * 10, overlap=True)
+    overhead, prompt = swap_overhead(timeline, _candidate("a", copy=1.5), peak_rank=3)
+    assert overhead == 0.0 and prompt == 6  # issued at 6 s, copied by 7.5 s, needed at 8 s
+    # A copy in too long to hide behind the compute after the peak starts right after it and stalls.
+    overhead, prompt = swap_overhead(timeline, _candidate("b", copy=6.0, copy_out=0.5), peak_rank=3)
+    assert prompt == 4 and overhead == pytest.approx(2.0)  # in from 4 s to 10 s, needed at 8 s
+    # The copy in cannot start before the copy out has ended.
+    overhead, prompt = swap_overhead(timeline, _candidate("c", copy=6.0), peak_rank=3)
+    assert overhead == pytest.approx(6.0)  # out from 2 s to 8 s, in from 8 s to 14 s
+    # Without overlap nothing hides a copy: bring the tensor back last, at its whole cost.
+    overhead, prompt = swap_overhead(Timeline([1.0] * 10, overlap=False), _candidate("d", copy=1.5), peak_rank=3)
+    assert prompt == 8 and overhead == pytest.approx(3.0)
+
+
+def test_the_scheduler_takes_the_cheaper_of_the_best_swap_and_the_best_recomputation() -> None:
+    timeline = Timeline([1.0] * 10, overlap=False)
+    cheap_copy = [_candidate("idle", copy=0.1, inactive=7.0), _candidate("dense", recompute_time=2.0, inactive=1.0)]
+    chosen = choose(cheap_copy, timeline, peak_rank=4)
+    assert chosen is not None and (chosen.key, chosen.action) == ("idle", SWAP)
+    dear_copy = [_candidate("idle", copy=5.0, inactive=7.0, recompute_time=4.0),
+                 _candidate("dense", recompute_time=2.0, inactive=1.0)]  # the best ratio: 100 B / 2 s
+    chosen = choose(dear_copy, timeline, peak_rank=4)
+    assert chosen is not None and (chosen.key, chosen.action) == ("dense", RECOMPUTE)
+    # Neither is idle at the peak: nothing lowers it.
+    assert choose(cheap_copy, timeline, peak_rank=9) is None
+    # What cannot be recomputed can still be swapped.
+    chosen = choose([_candidate("x", recompute_time=math.inf, copy=50.0)], timeline, peak_rank=4)
+    assert chosen is not None and chosen.action == SWAP
+
+
+def test_inherited_lineages_never_cost_more_than_replaying_the_forward_pass() -> None:
+    # "b" is recomputed from "a"; once "a" is swapped out, b's lineage runs through a's (Algorithm F),
+    # whose Capuchin estimate (sums over every path) may exceed replaying the whole forward pass.
+    timeline = Timeline([1.0] * 10, overlap=False, ceiling=4.0)
+    a = _candidate("a", recompute_time=3.5, inactive=9.0, copy=0.01)
+    b = _candidate("b", recompute_time=2.0, inactive=1.0, start=2, first_bw=6)  # needed before a is back
+    b.sources = {"a"}
+    remaining = [a, b]
+    schedule(remaining, timeline, 0, lambda candidate: (1, 4), (2, 4), GreedyResult(), max_steps=1)
+    assert a.action == SWAP and remaining == [b]
+    assert b.recompute_time == b.total_recompute_time == 4.0 and b.sources == set()
+
+
+# -- the rewrite -------------------------------------------------------------------------------------
+def _check_placement(rewritten: swapping.Rewritten) -> None:
+    """Every swap: offload right after the storage's last forward reader, prefetch between offload and
+    wait, wait right before the first backward reader, and no backward node reads the forward value."""
+    original, graph = rewritten.original, rewritten.graph
+    liveness = compute_liveness(original)
+    swaps = swap_nodes(graph)
+    assert swaps
+    for offload, prefetch, wait in swaps:
+        source = offload.args[0]
+        record = liveness.storages[source.tensor.storage]
+        assert offload.tensor.device == HOST and prefetch.tensor.device != HOST
+        nodes = graph.nodes
+        before = next(n for n in reversed(nodes[:graph.position(offload)]) if n.target is not OFFLOAD)
+        assert before.id == original.nodes[record.last_forward_use].id if record.last_forward_use is not None \
+            else before.id == record.key.creator  # fmt: skip
+        assert graph.position(offload) < graph.position(prefetch) < graph.position(wait)
+        first_reader = original.nodes[record.first_backward_use].id
+        assert graph.position(wait) < graph.position(graph.node(first_reader))
+        forward = [graph.node(h) for h in record.holders if original.node(h).phase is Phase.FORWARD]
+        assert all(graph.position(u) < graph.position(offload) or u.target is OFFLOAD
+                   for h in forward for u in h.users)  # fmt: skip
+        assert all(user.target is WAIT for user in prefetch.users) and prefetch.phase is not Phase.OPTIMIZER
+
+
+@pytest.mark.parametrize("make,kwargs", [(models.cnn, {"batch_size": 32}),
+                                         (models.bert, {"batch_size": 4, "seq_len": 32})],
+                         ids=["cnn", "bert"])  # fmt: skip
+def test_a_swap_only_plan_is_placed_right_fits_its_budget_and_is_bitwise_equal(make: object,
+                                                                               kwargs: dict[str, int]) -> None:
+    rewritten = swapping.rewrite(make(**kwargs), SWAP_ONLY, "0.75")  # type: ignore[operator]
+    plan: SwapPlan = rewritten.ctx.artifacts["swap-plan"]
+    assert plan.of(SWAP) and not plan.of(RECOMPUTE) and plan.met
+    _check_placement(rewritten)
+    final = simulate(rewritten.graph, workspace=rewritten.ctx.artifacts["profile"].workspace())
+    assert final.peak_bytes == plan.predicted_peak <= plan.budget_bytes < plan.unoptimized_peak
+    assert all(n.is_alias for n in rewritten.graph if n.origin is not None)  # views replayed on the copy, no compute
+    report = compare_graphs(rewritten.original, rewritten.graph, rewritten.inputs)
+    assert report.bitwise and report.equivalent, report.summary()
+    assert RUNTIME.in_flight == 0
+
+
+def test_swaps_and_recomputations_together_a_block_reads_a_swapped_in_copy() -> None:
+    """Swap every other activation that could also be recomputed and recompute the rest: blocks read
+    swapped-in copies inside their windows and recompute the swapped tensors outside them."""
+    graph, inputs = swapping.lower(models.bert(batch_size=2, seq_len=16))
+    original = graph.copy()
+    liveness = compute_liveness(graph)
+    recompute, analysis = Recompute(graph, liveness), SwapAnalysis(graph, liveness)
+    both = []
+    for record in sorted(liveness.activations(), key=lambda r: r.created):
+        try:
+            recompute.plan_block(record.key, set(), {})
+            both.append(analysis.site(record.key))
+        except (NotRecomputable, NotSwappable):
+            continue
+    swapped, recomputed = both[::2], [site.storage for site in both[1::2]]
+    placements = [Placement(site, original.nodes[site.first_backward_use].id) for site in swapped]
+    result = rewrite(graph, liveness, placements, recomputed)
+    verify(graph)
+    assert len(result.swaps) == len(swapped) and result.clones
+    standing = set(result.replacements.values())
+    assert any(operand.id in standing for n in graph if n.origin is not None and n.target is not WAIT
+               for operand in n.operands)  # a clone reads what stands for a swapped-in value  # fmt: skip
+    report = compare_graphs(original, graph, inputs)
+    assert report.bitwise and report.equivalent, report.summary()
+
+
+def test_the_plan_predicts_the_rewritten_graph_time() -> None:
+    rewritten = swapping.rewrite(models.cnn(batch_size=32), SWAP_ONLY, "0.75")
+    plan: SwapPlan = rewritten.ctx.artifacts["swap-plan"]
+    profile = rewritten.ctx.artifacts["profile"]
+    model = TransferModel.from_json(plan.transfer)
+    timeline = graph_timeline(rewritten.graph, lambda n: profile.seconds(n.id if n.origin is None else n.origin),
+                              model)  # fmt: skip
+    assert timeline.seconds == pytest.approx(plan.predicted_seconds)
+    assert timeline.stall == pytest.approx(plan.stall_seconds)
+    # On CPU copies run on the compute thread: every swapped byte is paid for twice.
+    copies = sum(model.d2h_seconds(s["bytes"]) + model.h2d_seconds(s["bytes"]) for s in timeline.swaps)
+    assert timeline.stall == pytest.approx(copies)
+
+
+# -- the verifier ------------------------------------------------------------------------------------
+def test_the_verifier_refuses_reading_a_copy_before_its_wait() -> None:
+    rewritten = swapping.rewrite(models.cnn(batch_size=32), SWAP_ONLY, "0.75")
+    graph = rewritten.graph
+    _, prefetch, wait = swap_nodes(graph)[0]
+    reader = next(iter(wait.users))
+    reader.set_operands(*_replaced(reader, wait, prefetch))
+    with pytest.raises(VerificationError, match="invariant 'swap-protocol'.*only a mutwo.wait.default may"):
+        verify(graph)
+
+
+def test_the_verifier_refuses_writing_a_storage_after_its_offload() -> None:
+    rewritten = swapping.rewrite(models.cnn(batch_size=32), SWAP_ONLY, "0.75")
+    graph = rewritten.graph
+    offload = swap_nodes(graph)[0][0]
+    source = offload.args[0]
+    graph.create_node("call_function", torch.ops.aten.relu_.default, (source,), name="late_write",
+                      phase=Phase.FORWARD, tensors=source.tensors, after=offload)  # fmt: skip
+    with pytest.raises(VerificationError, match="invariant 'swap-protocol'.*after .* copies it out"):
+        verify(graph)
+
+
+def _replaced(node: object, old: object, new: object) -> tuple[tuple[object, ...], dict[str, object]]:
+    args = tuple(new if a is old else a for a in node.args)  # type: ignore[attr-defined]
+    return args, dict(node.kwargs)  # type: ignore[attr-defined]
+
+
+# -- end to end --------------------------------------------------------------------------------------
+def test_mutwo_opt_swaps_checks_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code = main(["-q", "--check", "-o", str(out), "--budget", "0.85", "-p", "profile,select-swap{allow=swap},"
+                 "insert-swap", str(REPO / "examples/tiny_mlp.yaml")])  # fmt: skip
+    assert code == EXIT_OK, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["equivalent"] is True and summary["swapped"] >= 1 and summary["recomputed"] == 0
+    assert "swap_timeline.png" in summary["reports"]
+    for name in ("swap_plan.json", "swap_plan.csv", "transfer.json", "swaps.json", "swap_timeline.png"):
+        assert (out / name).stat().st_size > 0
+    plan = json.loads((out / "swap_plan.json").read_text())
+    assert plan["predicted_peak"] == summary["peak_bytes_after"] and plan["transfer"]["overlap"] is False
+
+
+def test_optimize_takes_the_swap_pipeline_and_trains_like_the_captured_step() -> None:
+    workload = models.cnn(batch_size=32)
+    optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
+    step = mutwo.optimize(workload.model, optimizer, workload.batch, workload.loss_fn, budget=0.8,
+                          passes="profile{runs=1,warmup=0},swap", check=True)  # fmt: skip
+    assert step.last is not None and isinstance(step.last.plan, SwapPlan) and step.last.plan.of(SWAP)
+    losses = [float(step(workload.batch)) for _ in range(3)]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
