@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
+import mutwo.runtime.host_scalars  # noqa: F401  (defines the mutwo::host_call ops rewritten here)
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import rng_state
@@ -135,11 +136,28 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     if graphed:
         refuse_uncapturable(module, inputs, [label for _, label in slots])
     if backend.startswith("inductor"):
+        functionalizable_host_calls(module)
         mark_phases(module, graph)
         run, cache_hit = compile_inductor(module, inputs)
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots])
     return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
+
+
+def functionalizable_host_calls(module: fx.GraphModule) -> None:
+    """Rewrite each ``mutwo::host_call_one_(x, ...)`` of a traced torch.optim step in ``module``
+    into ``mutwo::host_call_([x], ...)``, its uses reading ``x``: the same call, writing the same
+    tensor. AOTAutograd functionalizes a custom op that writes its inputs and returns nothing
+    (``auto_functionalized``), but refuses one whose output aliases an input (``-> Tensor(a!)``)."""
+    for node in list(module.graph.nodes):
+        if node.target is torch.ops.mutwo.host_call_one_.default:
+            written, *rest = node.args
+            with module.graph.inserting_before(node):
+                call = module.graph.call_function(torch.ops.mutwo.host_call_.default, ([written], *rest))
+            call.meta = dict(node.meta)
+            node.replace_all_uses_with(written)
+            module.graph.erase_node(node)
+    module.recompile()
 
 
 def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) -> CompiledStep:
