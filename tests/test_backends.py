@@ -102,8 +102,9 @@ def test_random_replays_are_not_planned_for_a_compiled_backend() -> None:
     """Inductor would bake a saved generator state in as a constant: select keeps dropout's outputs
     for a compiled backend, and a plan that replays them anyway is refused in one line."""
     workload = token_mlp()
+    # 0.6: below what this model reaches without replaying dropout (tests/test_replay.py)
     replaying = optimize_graph(workload.model, _adam(workload.model.parameters()), workload.batch,
-                               workload.loss_fn, budget=parse_budget("0.75"))  # fmt: skip
+                               workload.loss_fn, budget=parse_budget("0.6"))  # fmt: skip
     with pytest.raises(BackendError, match="replays random ops from a saved generator state") as refused:
         compile_graph(replaying.graph, replaying.inputs, "inductor")
     assert "\n" not in str(refused.value)
