@@ -8,10 +8,19 @@ variant's measured peak, so that iteration times are compared at equal memory:
 
 - ``mutwo-0.5``: half of mutwo's own peak without recompute (any ``mutwo-opt --budget``);
 - ``mutwo-eager0.5``: half of eager's measured peak;
-- ``mutwo-checkpoint``: the peak per-block checkpointing measured.
+- ``mutwo-checkpoint``: the peak per-block checkpointing measured;
+- ``mutwo-compile0.5``: the peak ``compile-0.5`` (torch.compile, activation budget 0.5) measured.
 
 ``mutwo+opt-<budget>`` is the same with the optimizer passes (optimizer-in-backward and
 foreach-buckets) before select; ``mutwo+opt-none`` runs them without recompute.
+``mutwo@<backend>-<budget>`` runs the planned graph with a backend (docs/backends.md):
+``mutwo@inductor-compile0.5``, ``mutwo@cudagraphs-none``, ``mutwo@inductor-cudagraphs-none``;
+its compile time is part of ``planning_seconds`` (and ``compile_seconds``).
+
+``--reference FILE`` reads the rows of an earlier run's JSON (same model and batch) so that a
+budget can name a peak measured there without measuring it again; they are kept in the output
+under ``reference_runs``.
+
 ``mutwo-swap-<budget>`` plans with select-swap and insert-swap instead (keep, recompute or swap
 each activation to pinned host memory, μ-TWO); ``mutwo-<budget>`` stays recompute only. Rows of
 mutwo variants record the plan's predicted peak (``planned_peak_bytes``) and iteration time
@@ -42,7 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -60,7 +69,7 @@ VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "
 #: Named lists of variants: recompute-only vs swap+recompute at half of eager's peak and at checkpointing's.
 PRESETS = {"swap-study": ["eager", "checkpoint", "mutwo-none", "mutwo-eager0.5", "mutwo-swap-eager0.5",
                           "mutwo-checkpoint", "mutwo-swap-checkpoint"]}  # fmt: skip
-MUTWO_PREFIXES = ("mutwo-swap-", "mutwo+opt-", "mutwo-")
+MUTWO_PREFIXES = ("mutwo-swap", "mutwo+opt")
 WARMUP, MEASURED = 3, 10
 
 
@@ -92,6 +101,8 @@ def mutwo_budget(spec: str, done: list[dict[str, Any]], stand_in: str | None = N
     reference = {"checkpoint": ("checkpoint", 1.0)}
     if spec.startswith("eager"):
         reference[spec] = ("eager", float(spec.removeprefix("eager")))
+    if spec.startswith("compile"):
+        reference[spec] = (f"compile-{spec.removeprefix('compile')}", 1.0)
     if spec not in reference:
         return spec
     variant, factor = reference[spec]
@@ -103,27 +114,46 @@ def mutwo_budget(spec: str, done: list[dict[str, Any]], stand_in: str | None = N
     return Budget(bytes=int(peaks[-1] * factor))
 
 
+class MutwoVariant(NamedTuple):
+    """A mutwo variant's name, ``mutwo[+opt|-swap][@backend]-<budget>``, taken apart."""
+
+    spec: str  #: the budget: none, a fraction, bytes, eager<f>, compile<f>, checkpoint
+    backend: str  #: what runs the planned graph (docs/backends.md)
+    optimizer_passes: bool  #: ``mutwo+opt``: optimizer-in-backward and foreach-buckets before select
+    swap: bool  #: ``mutwo-swap``: select-swap and insert-swap instead of select and rewrite
+
+
+def mutwo_variant(variant: str) -> MutwoVariant | None:
+    """``variant`` taken apart, or None when it is not a mutwo variant."""
+    if not variant.startswith("mutwo") or "-" not in variant:
+        return None
+    prefix = next((p for p in MUTWO_PREFIXES if variant.startswith(p)), "mutwo")
+    head, spec = variant.rsplit("-", 1)
+    backend = head.split("@", 1)[1] if "@" in head else "eager"
+    return MutwoVariant(spec, backend, prefix == "mutwo+opt", prefix == "mutwo-swap")
+
+
+def budget_spec(variant: str) -> str | None:
+    """The budget part of a mutwo variant (``mutwo-swap-eager0.5`` -> ``eager0.5``), None for others."""
+    parsed = mutwo_variant(variant)
+    return None if parsed is None else parsed.spec
+
+
 def config_path(name: str) -> Path:
     """The config a ``--models`` name stands for: a known model, or a YAML file."""
     return ROOT / CONFIGS[name] if name in CONFIGS else Path(name).resolve()
 
 
-def budget_spec(variant: str) -> str | None:
-    """The budget part of a mutwo variant (``mutwo-swap-eager0.5`` -> ``eager0.5``), None for others."""
-    prefix = next((p for p in MUTWO_PREFIXES if variant.startswith(p)), None)
-    return None if prefix is None else variant.removeprefix(prefix)
-
-
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
            precision: str | None = None) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
-    own = budget_spec(variant)
+    own = mutwo_variant(variant)
     if own is not None:
-        spec: Any = json.loads(budget) if budget else own
+        spec: Any = json.loads(budget) if budget else own.spec
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
-                                precision=precision, optimizer_passes=variant.startswith("mutwo+opt"),
-                                swap=variant.startswith("mutwo-swap-"))  # fmt: skip
+                                precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
+                                backend=own.backend)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
@@ -150,6 +180,8 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated variants, or a preset: {', '.join(PRESETS)}")  # fmt: skip
     parser.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    parser.add_argument("--reference", action="append", default=[], metavar="FILE",
+                        help="an earlier run's JSON whose measured peaks budgets may name")
     parser.add_argument("--stand-in-budget", metavar="B",
                         help="where a budget names a peak that was not measured (a CPU dry run: peaks are "
                         "measured on CUDA only), plan for B instead (0.5: half of mutwo's own peak); the row says so")
@@ -163,6 +195,7 @@ def main() -> None:
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
+    references = [row for path in args.reference for row in json.loads(Path(path).read_text())["runs"]]
     for item in args.models.split(","):
         name, _, batch = item.rpartition(":")
         if name not in CONFIGS and not config_path(name).is_file():
@@ -170,9 +203,9 @@ def main() -> None:
         for variant in PRESETS.get(args.variants, args.variants.split(",")):
             base = {"model": name, "batch_size": int(batch), "variant": variant}
             spec = budget_spec(variant)
+            measured = [r for r in references + rows if r["model"] == name and r["batch_size"] == int(batch)]
             try:
-                budget = None if spec is None else mutwo_budget(spec, [r for r in rows if r["model"] == name],
-                                                                args.stand_in_budget)  # fmt: skip
+                budget = None if spec is None else mutwo_budget(spec, measured, args.stand_in_budget)
             except ValueError as error:
                 rows.append({**base, "error": str(error)})
                 print(json.dumps(rows[-1]), flush=True)
@@ -189,7 +222,7 @@ def main() -> None:
                                       done.stderr.strip()[-400:])}  # fmt: skip
             except subprocess.TimeoutExpired:
                 row = {**base, "error": f"timeout after {args.timeout} s"}
-            if budget is not None and budget == args.stand_in_budget and budget != variant.split("-", 1)[1]:
+            if budget is not None and budget == args.stand_in_budget and budget != spec:
                 row["stand_in_budget"] = budget  # not the measured peak the variant names
             print(json.dumps({k: v for k, v in row.items() if k != "iteration_ms_all"}), flush=True)
             rows.append(row)
@@ -197,7 +230,8 @@ def main() -> None:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                 Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
-                                                      "date": time.strftime("%Y-%m-%d"), "runs": rows}, indent=2))
+                                                      "date": time.strftime("%Y-%m-%d"), "runs": rows,
+                                                      "reference_runs": references}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

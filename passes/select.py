@@ -219,7 +219,12 @@ class SelectPass(Pass):
         profile, liveness, workspace, base = begin.profile, begin.liveness, begin.workspace, begin.base
         budget, budget_bytes = begin.budget, begin.budget_bytes
         recompute = Recompute(graph, liveness)
-        candidates = self._candidates(graph, liveness, recompute, profile, base.device)
+        # A compiled backend cannot replay a random op from a saved generator state (Inductor
+        # would bake the state in as a constant; a CUDA graph cannot read it on the host).
+        replay_random = ctx.services.get("replay_random", True)
+        if not replay_random:
+            ctx.log("select: the backend cannot replay random ops; their outputs are not recomputed")
+        candidates = self._candidates(graph, liveness, recompute, profile, base.device, replay_random)
         refused = refused_random_ops(graph)
         if refused:
             ctx.log(f"select: {len(refused)} random ops cannot be replayed, their outputs stay live: "
@@ -295,7 +300,7 @@ class SelectPass(Pass):
                               "the lowest reachable peak was not searched)")  # fmt: skip
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
-                    device: str) -> list[Candidate]:  # fmt: skip
+                    device: str, replay_random: bool = True) -> list[Candidate]:  # fmt: skip
         elapsed = elapsed_seconds(graph, profile.seconds)
         candidates = []
         for record in liveness.activations():
@@ -304,6 +309,8 @@ class SelectPass(Pass):
             try:
                 block = recompute.plan_block(record.key, set(), {})
             except NotRecomputable:
+                continue
+            if not replay_random and any(graph.node(n).is_random for n in block.nodes):
                 continue
             start = record.last_forward_use if record.last_forward_use is not None else record.created
             end = record.first_backward_use

@@ -32,6 +32,7 @@ from mutwo.ir.pass_manager import PassManager, PipelineResult
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
 from mutwo.runtime import distributed
+from mutwo.runtime.backends import BackendError, check_backend
 from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
@@ -59,6 +60,8 @@ class Optimized:
     result: PipelineResult
     inputs: list[torch.Tensor]
     report: EquivalenceReport | None = None
+    #: the final graph bound to the model and made runnable by the backend
+    step: GraphStep | None = None
 
     @property
     def plan(self) -> Any:
@@ -136,23 +139,36 @@ def optimize_graph(
     keep_grads: bool = False,
     log: Callable[[str], None] = lambda message: None,
     data_parallel: DataParallel | None = None,
+    backend: str = "eager",
 ) -> Optimized:
-    """Capture the iteration, lower it, and run ``passes`` over it, as ``mutwo-opt`` does.
+    """Capture the iteration, lower it, run ``passes`` over it, as ``mutwo-opt`` does, and make the
+    final graph runnable by ``backend`` (compiled here: part of planning).
 
-    With ``check``, the optimized graph is compared with the captured one for 3 iterations from
-    cloned state (bitwise on CPU; with deterministic kernels on CUDA). With ``data_parallel``,
-    every rank of its group must call this together; they end with the same graph or all fail.
+    With ``check``, the optimized step is compared with the captured graph for 3 iterations from
+    cloned state (bitwise on CPU and with deterministic kernels on CUDA; a compiled backend within
+    :class:`mutwo.runtime.equivalence.Tolerance`). With ``data_parallel``, every rank of its group
+    must call this together; they end with the same graph or all fail.
     """
+    check_backend(backend)
+    if data_parallel is not None and backend != "eager":
+        raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
     pipeline = PassRegistry().build_pipeline(passes)
     lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
     original = lowered.graph.copy()
     context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
+    context.services["replay_random"] = backend == "eager"
     result = PassManager(pipeline).run(lowered.graph, context)
     optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
     if data_parallel is not None:
         distributed.require_same_graph(lowered.graph, data_parallel, "optimized")
+    optimized.step = GraphStep(lowered.graph, lowered.captured, lowered.binding, backend)
+    compiled = optimized.step.compile(lowered.inputs)
+    if backend != "eager":
+        log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
+            + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
     if check:
-        optimized.report = check_graphs(original, lowered.graph, lowered.inputs)
+        optimized.report = check_graphs(original, lowered.graph, lowered.inputs, candidate_run=compiled.checked_run,
+                                        tolerance=compiled.tolerance)  # fmt: skip
         if data_parallel is not None:
             optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
     return optimized
@@ -215,7 +231,8 @@ class MutwoStep:
                                    accumulated=self.accumulated, **self.options)  # fmt: skip
         if optimized.report is not None and not optimized.report.equivalent:
             raise NotEquivalentError(optimized.report.summary())
-        step = GraphStep(optimized.graph, optimized.captured, optimized.binding)
+        assert optimized.step is not None
+        step = optimized.step
         candidates.append((optimized, step))
         self.last = optimized
         return step, step.flat_inputs(batch)
@@ -291,6 +308,7 @@ def optimize(
     grad_scaler: torch.amp.GradScaler | None = None,
     data_parallel: bool | None = None,
     bucket_cap_mb: float | None = None,
+    backend: str = "eager",
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -316,6 +334,10 @@ def optimize(
     DDP's constructor does. ``bucket_cap_mb`` is DDP's (default: a 1 MiB first bucket, then 25
     MiB). Every rank must call this, and every step, together, with batches (its shard) of the
     same shape; rank 0 alone writes to ``out_dir`` and logs.
+
+    ``backend``: what runs the optimized graph: ``eager`` (one aten kernel per node), ``inductor``
+    (fused by torch's Inductor, compiled now), ``cudagraphs`` or ``inductor-cudagraphs`` (replayed
+    as one CUDA graph); see docs/backends.md.
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
@@ -327,7 +349,7 @@ def optimize(
     log = (lambda message: print(message, file=sys.stderr)) if verbose and lead else (lambda message: None)
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
     options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
-               "training": training, "data_parallel": dp,
+               "training": training, "data_parallel": dp, "backend": backend,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
-from torch import fx
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
@@ -36,6 +36,29 @@ REDUCED_PRECISION_TOLERANCES = {torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (
 #: the reference's own difference between its two runs.
 REFERENCE_SPREAD = 4.0
 
+@dataclass(frozen=True)
+class Tolerance:
+    """How close a compiled step (fused kernels round differently) must come to the eager one.
+
+    Each iteration starts both steps from the reference's state, so a rounding difference is not
+    compounded over iterations. Everything (loss, gradients, parameters, buffers and optimizer
+    state written by the step) must agree within ``rtol``/``atol``, except that a parameter
+    updated by an adaptive optimizer (Adam, AdamW: it has ``exp_avg_sq`` state) may differ by
+    ``lr_factor`` times the largest learning rate more: Adam divides a gradient by its own
+    magnitude, so a parameter whose gradient is rounding noise (a bias before a batch norm) moves
+    by up to the learning rate whatever the noise is, in either direction. A graph computing in
+    reduced precision widens ``rtol``/``atol`` to its :data:`REDUCED_PRECISION_TOLERANCES`.
+    """
+
+    rtol: float = 1e-3
+    atol: float = 1e-5
+    lr_factor: float = 2.0
+
+    def __str__(self) -> str:
+        return (f"compiled-step tolerance: rtol={self.rtol}, atol={self.atol} (Adam-updated parameters: atol "
+                f"+ {self.lr_factor} x lr), each iteration from the same state")
+
+
 #: Learning-rate factor per iteration: the second iteration halves it, like a step scheduler.
 LR_SCHEDULE = (1.0, 0.5, 0.5, 0.25)
 
@@ -55,6 +78,8 @@ class Mismatch:
 class EquivalenceReport:
     iterations: int
     bitwise: bool
+    #: set when the candidate is a compiled step, compared within it (``bitwise`` is then False)
+    tolerance: Tolerance | None = None
     mismatches: list[Mismatch] = field(default_factory=list)
     compared: int = 0  #: number of tensors compared over all iterations
     #: gradients the candidate no longer returns: they are checked through what their updates wrote
@@ -69,7 +94,12 @@ class EquivalenceReport:
         return not self.mismatches
 
     def summary(self) -> str:
-        mode = "bitwise" if self.bitwise else f"rtol={self.rtol:g}, atol={self.atol:g}"
+        if self.bitwise:
+            mode = "bitwise"
+        elif self.tolerance is not None:
+            mode = str(self.tolerance)
+        else:
+            mode = f"rtol={self.rtol:g}, atol={self.atol:g}"
         if self.reference_varies is not None:
             mode += (f"; not bitwise because the original itself varies from run to run ({self.reference_varies}): "
                      f"each tensor within those tolerances or {REFERENCE_SPREAD:g}x the original's own variation")
@@ -115,7 +145,7 @@ def replays_exact(graph: Graph, device: str) -> bool:
     return exact_on(device) or not any(n.target is batch_norm_from_stats for n in graph)
 
 
-def _varies_between_runs(module: fx.GraphModule, inputs: list[torch.Tensor], seed: int, output_names: list[str],
+def _varies_between_runs(module: Callable[..., Any], inputs: list[torch.Tensor], seed: int, output_names: list[str],
                          input_names: list[str]) -> str | None:  # fmt: skip
     """Run ``module`` twice from clones of ``inputs``; name the first output or updated input that
     differs (a kernel not deterministic on the device even in deterministic mode), or None."""
@@ -128,10 +158,10 @@ def _varies_between_runs(module: fx.GraphModule, inputs: list[torch.Tensor], see
         runs.append((list(outputs), state))
     (outputs_a, state_a), (outputs_b, state_b) = runs
     for index, (a, b) in enumerate(zip(outputs_a, outputs_b, strict=True)):
-        if isinstance(a, torch.Tensor) and not _same(a, b, True):
+        if isinstance(a, torch.Tensor) and not _same(a, b, None):
             return f"{output_names[index]} (max |diff| {_max_diff(a, b):.3g})"
     for index, (a, b) in enumerate(zip(state_a, state_b, strict=True)):
-        if not _same(a, b, True):
+        if not _same(a, b, None):
             return f"{input_names[index]} after the step (max |diff| {_max_diff(a, b):.3g})"
     return None
 
@@ -145,12 +175,21 @@ def tolerances(graph: Graph) -> tuple[float, float]:
     return CUDA_RTOL, CUDA_ATOL
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, bitwise: bool, rtol: float = CUDA_RTOL, atol: float = CUDA_ATOL) -> bool:
+def _same(a: torch.Tensor, b: torch.Tensor, within: tuple[float, float] | None) -> bool:
+    """Equal bit for bit (``within`` None), or within ``(rtol, atol)``."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if bitwise:
+    if within is None or not a.is_floating_point():
         return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
-    return torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    return torch.allclose(a, b, rtol=within[0], atol=within[1], equal_nan=True)
+
+
+def _within(what: str, bitwise: bool, rtol: float, atol: float, slack: float) -> tuple[float, float] | None:
+    """The ``(rtol, atol)`` a compared tensor must meet, or None for bit for bit; ``slack`` is
+    added to the tolerance of a parameter (a compiled step's Adam-updated parameters)."""
+    if what == "random generator" or bitwise:
+        return None
+    return rtol, atol + (slack if what == NodeKind.PARAMETER.value else 0.0)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -168,6 +207,8 @@ def compare_graphs(
     seed: int = 0,
     bitwise: bool | None = None,
     progress: Callable[[int], None] | None = None,
+    candidate_run: Callable[..., Any] | None = None,
+    tolerance: Tolerance | None = None,
 ) -> EquivalenceReport:
     """Run both graphs from clones of ``inputs`` (in slot order) and compare everything: loss,
     gradients, every state slot, and the random generators' state after each iteration (the next
@@ -177,6 +218,9 @@ def compare_graphs(
     ``bitwise`` defaults to True on CPU, and elsewhere to whether deterministic algorithms are on
     and every replay in ``candidate`` is exact on that device (batch norms replayed from their
     statistics are not on CUDA: :func:`mutwo.ir.replay.exact_on`).
+
+    ``candidate_run`` runs the candidate instead of its fx module (a compiled step); with
+    ``tolerance`` everything is compared within it, each iteration from the reference's state.
     """
     ref_slots = [(p.kind, p.label) for p in reference.placeholders]
     if ref_slots != [(p.kind, p.label) for p in candidate.placeholders]:
@@ -185,18 +229,26 @@ def compare_graphs(
     if bitwise is None:
         bitwise = device.type == "cpu" or (torch.are_deterministic_algorithms_enabled()
                                            and replays_exact(candidate, str(device)))  # fmt: skip
-    modules: list[fx.GraphModule] = [to_fx(reference), to_fx(candidate)]
+    # The comparison mode is decided here, once: bitwise, or within the graph's precision's
+    # tolerances (widened for a compiled step), or within them or the reference's own variation.
+    if tolerance is not None:  # a compiled step rounds differently: never bitwise
+        bitwise = False
+        rtol, atol = tolerances(reference)
+        tolerance = replace(tolerance, rtol=max(tolerance.rtol, rtol), atol=max(tolerance.atol, atol))
+    modules: list[Callable[..., Any]] = [to_fx(reference), candidate_run or to_fx(candidate)]
     varies = None
     if bitwise and device.type != "cpu":
         output_names = ["loss", *(f"gradient {n.label}" for n in reference.output.args[0][1:])]
         varies = _varies_between_runs(modules[0], inputs, seed, output_names, [label for _, label in ref_slots])
     bitwise = bitwise and varies is None
-    report = EquivalenceReport(iterations, bitwise, reference_varies=varies)
-    report.rtol, report.atol = tolerances(reference)
+    report = EquivalenceReport(iterations, bitwise, tolerance, reference_varies=varies)
+    report.rtol, report.atol = (tolerance.rtol, tolerance.atol) if tolerance is not None else tolerances(reference)
     if varies is not None:  # a second run of the reference measures how much it varies by itself
         modules.append(modules[0])
     states = [[t.clone() for t in inputs] for _ in modules]
     lr_slots = [i for i, (kind, label) in enumerate(ref_slots) if kind is NodeKind.OTHER and label.startswith("lr:")]
+    adaptive = {label.rsplit(":", 1)[0] for kind, label in ref_slots
+                if kind is NodeKind.OPTIMIZER_STATE and label.endswith(":exp_avg_sq")}  # fmt: skip
     base_lrs = {i: inputs[i].clone() for i in lr_slots}
     # A pass may stop returning gradients (optimizer-in-backward frees each after its update):
     # compare those both return; the parameters and optimizer state carry the others' effect.
@@ -205,6 +257,9 @@ def compare_graphs(
     compared_grads = [label for label in grad_labels[0] if label in set(grad_labels[1])]
     report.gradients_not_returned = len(grad_labels[0]) - len(compared_grads)
     for iteration in range(iterations):
+        if tolerance is not None:  # rounding differences must not compound: restart from the reference's state
+            for mine, theirs in zip(states[1], states[0], strict=True):
+                mine.copy_(theirs)
         outputs = []
         generators: list[list[torch.Tensor]] = []
         for module, state in zip(modules, states, strict=True):
@@ -223,10 +278,12 @@ def compare_graphs(
                      if kind is not NodeKind.OTHER]  # fmt: skip
         names = ["cpu", str(device)][:len(generators[0])]
         compared += [("random generator", name, [g[j] for g in generators]) for j, name in enumerate(names)]
+        slack = tolerance.lr_factor * max((float(states[0][i].max()) for i in lr_slots), default=0.0) \
+            if tolerance is not None else 0.0  # fmt: skip
         for what, label, runs in compared:
             report.compared += 1
             a, b = runs[0], runs[1]
-            if _same(a, b, bitwise or what == "random generator", report.rtol, report.atol):
+            if _same(a, b, _within(what, bitwise, report.rtol, report.atol, slack if label in adaptive else 0.0)):
                 continue
             # The rewrite may differ from the original as much as the original differs from itself.
             if len(runs) == 3 and _max_diff(a, b) <= REFERENCE_SPREAD * _max_diff(a, runs[2]):
@@ -237,8 +294,11 @@ def compare_graphs(
     return report
 
 
-def check_graphs(reference: Graph, candidate: Graph, inputs: list[torch.Tensor],
-                 iterations: int = 3) -> EquivalenceReport:  # fmt: skip
-    """:func:`compare_graphs` with deterministic kernels: what ``--check`` and ``optimize(check=True)`` run."""
+def check_graphs(reference: Graph, candidate: Graph, inputs: list[torch.Tensor], iterations: int = 3,
+                 candidate_run: Callable[..., Any] | None = None,
+                 tolerance: Tolerance | None = None) -> EquivalenceReport:  # fmt: skip
+    """:func:`compare_graphs` with deterministic kernels: what ``--check`` and ``optimize(check=True)``
+    run (with a compiled step's ``run`` and ``tolerance``, :class:`mutwo.runtime.backends.CompiledStep`)."""
     with deterministic_algorithms():
-        return compare_graphs(reference, candidate, inputs, iterations=iterations)
+        return compare_graphs(reference, candidate, inputs, iterations=iterations, candidate_run=candidate_run,
+                              tolerance=tolerance)  # fmt: skip

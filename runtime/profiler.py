@@ -212,7 +212,7 @@ def _elapsed(start: Any, end: Any, cuda: bool) -> float:
     return start.elapsed_time(end) / 1e3 if cuda else end - start
 
 
-def measure_iterations(module: fx.GraphModule, inputs: list[torch.Tensor], *, runs: int = 10,
+def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *, runs: int = 10,
                        warmup: int = 3) -> IterationMeasurement:  # fmt: skip
     """Median time of whole iterations of ``module`` on clones of ``inputs``, and on CUDA the peak
     of the iteration's own memory: the allocator's peak minus what was allocated before that is not
@@ -245,4 +245,27 @@ def measure_iterations(module: fx.GraphModule, inputs: list[torch.Tensor], *, ru
                 times.append(seconds)
                 if run_peak is not None:
                     peak = run_peak if peak is None else max(peak, run_peak)
+    if peak is not None:  # a CUDA graph allocated the iteration's memory once, when it recorded it
+        peak = max(peak, device_bytes(state, device) + getattr(module, "recorded_peak_bytes", 0))
     return IterationMeasurement(statistics.median(times), peak, runs)
+
+
+def cpu_iteration_peak(run: Callable[..., Any], inputs: list[torch.Tensor]) -> int:
+    """Peak bytes one iteration of ``run`` allocates on the CPU beyond its inputs, from the
+    profiler's memory events (the CPU allocator keeps no peak statistics): how Inductor's buffer
+    lifetimes compare with the plan's without a GPU. Runs once to warm up, then once measured,
+    on clones of ``inputs``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = [t.clone() for t in inputs]
+    with torch.no_grad():
+        run(*[t.clone() for t in inputs])
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+            outputs = run(*state)
+            del outputs
+    events = [e for e in recorded.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak

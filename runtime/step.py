@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.to_fx import to_fx
+from mutwo.runtime.backends import CompiledStep, check_backend, compile_step
 from mutwo.runtime.capture import CapturedStep, StaleCaptureError, StepBinding
 from mutwo.runtime.guards import GuardCheck
 
@@ -34,10 +35,14 @@ class GraphStep:
 
     Calling it runs one whole iteration on a batch: parameters, buffers and optimizer state are
     updated in place, as ``optimizer.step()`` would; the learning rate is read from
-    ``optimizer.param_groups`` at every call, so schedulers work.
+    ``optimizer.param_groups`` at every call, so schedulers work. ``backend`` (see
+    :mod:`mutwo.runtime.backends`) runs the graph; a compiled one is built by :meth:`compile`, or
+    on the first call.
     """
 
-    def __init__(self, graph: Graph, captured: CapturedStep, binding: StepBinding) -> None:
+    def __init__(self, graph: Graph, captured: CapturedStep, binding: StepBinding, backend: str = "eager") -> None:
+        self.backend = check_backend(backend)
+        self.compiled: CompiledStep | None = None
         self.graph = graph
         self.captured = captured
         self.binding = binding
@@ -89,8 +94,15 @@ class GraphStep:
             self.stale = "the optimizer created its state in the previous run; capture the step again"
         return output
 
+    def compile(self, flat: list[torch.Tensor]) -> CompiledStep:
+        """The graph made runnable by the backend, for inputs like ``flat`` (compiled once)."""
+        if self.compiled is None:
+            self.compiled = compile_step(self.graph_module, flat, self.backend, self.graph)
+        return self.compiled
+
     def run_flat(self, flat: list[torch.Tensor]) -> StepOutput:
         """Run on explicit inputs (in slot order); the backward is in the graph, so no autograd."""
+        run = self.compile(flat).run
         with torch.no_grad():
-            loss, *grads = self.graph_module(*flat)
+            loss, *grads = run(*flat)
         return StepOutput(loss, dict(zip(self.gradient_labels, grads, strict=True)))

@@ -19,7 +19,8 @@ compare = importlib.util.module_from_spec(_SPEC)
 sys.modules["bench_compare"] = compare
 _SPEC.loader.exec_module(compare)
 
-ROWS = [{"variant": "eager", "peak_bytes": 1000}, {"variant": "checkpoint", "peak_bytes": 400}]
+ROWS = [{"variant": "eager", "peak_bytes": 1000}, {"variant": "checkpoint", "peak_bytes": 400},
+        {"variant": "compile-0.5", "peak_bytes": 700}]
 
 
 def test_budgets_name_measured_peaks_or_pass_through() -> None:
@@ -27,6 +28,18 @@ def test_budgets_name_measured_peaks_or_pass_through() -> None:
     assert compare.mutwo_budget("eager0.5", ROWS) == Budget(bytes=500)
     assert compare.mutwo_budget("0.7", ROWS) == "0.7"
     assert compare.mutwo_budget("min", ROWS) == "min"
+    assert compare.mutwo_budget("compile0.5", ROWS) == Budget(bytes=700)
+
+
+def test_backend_variants_name_their_backend_and_budget() -> None:
+    assert compare.mutwo_variant("mutwo-0.5") == ("0.5", "eager", False, False)
+    assert compare.mutwo_variant("mutwo+opt-none") == ("none", "eager", True, False)
+    assert compare.mutwo_variant("mutwo@inductor-compile0.5") == ("compile0.5", "inductor", False, False)
+    assert compare.mutwo_variant("mutwo@inductor-cudagraphs-none") == ("none", "inductor-cudagraphs", False, False)
+    assert compare.mutwo_variant("mutwo-swap-eager0.5") == ("eager0.5", "eager", False, True)
+    assert compare.mutwo_variant("mutwo-swap@inductor-0.5") == ("0.5", "inductor", False, True)
+    assert compare.mutwo_variant("compile-0.5") is None
+    assert compare.budget_spec("mutwo@inductor-cudagraphs-compile0.5") == "compile0.5"
 
 
 def test_a_budget_naming_an_unmeasured_variant_is_refused() -> None:

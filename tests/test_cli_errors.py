@@ -237,6 +237,10 @@ CONFIG_ERRORS = {
         "model: {source: pytorch, name: tiny.py:make}\n",
         ["unknown model source 'pytorch'", "use one of torchvision, transformers, python"],
     ),
+    "unknown-backend": (
+        "model: {source: python, name: tiny.py:make}\nbackend: inductr\n",
+        ["unknown backend 'inductr'", "use one of eager, inductor, cudagraphs, inductor-cudagraphs"],
+    ),
     "unknown-precision": (
         "model: {source: python, name: tiny.py:make}\nprecision: bf16\n",
         ["unknown precision 'bf16'", "use one of fp32, bf16-autocast, fp16-autocast"],
@@ -397,6 +401,31 @@ def test_cuda_requested_without_a_gpu(workdir: Path, capsys: pytest.CaptureFixtu
     line = expect_usage_error(capsys, workdir / "out", "--device", "cuda", good_config(workdir))
     assert "CUDA was requested but no GPU is visible" in line
     assert "use --device cpu or auto" in line
+
+
+def test_unknown_backend_choice(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--backend", "tensorrt", good_config(workdir))
+    assert "invalid choice: 'tensorrt'" in line and "'inductor'" in line
+
+
+@pytest.mark.parametrize("backend", ["cudagraphs", "inductor-cudagraphs"])
+def test_cuda_graphs_of_a_cpu_step(backend: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", backend, good_config(workdir))
+    assert f"--backend {backend} needs a CUDA device" in line and "use --backend eager or inductor" in line
+
+
+@pytest.mark.parametrize("pipeline", ["profile,swap", "profile,select-swap,insert-swap"])
+def test_a_swap_plan_for_a_compiled_backend(pipeline: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "inductor", "--budget", "0.9",
+                              "-p", pipeline, good_config(workdir))  # fmt: skip
+    assert "the inductor backend cannot run a plan that swaps to host memory" in line
+    assert "use --backend eager, or plan with select,rewrite instead of swap" in line
+
+
+def test_fit_with_a_compiled_backend(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "inductor", "--fit", "1GiB",
+                              good_config(workdir))  # fmt: skip
+    assert "--fit searches with the eager backend, not inductor" in line and "without --backend" in line
 
 
 def test_output_folder_under_a_regular_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from mutwo.ir.budget import Budget, BudgetError, parse_budget
+from mutwo.runtime.backends import BACKENDS
 
 #: The pipeline run when neither the config nor the command line names one.
 DEFAULT_PIPELINE = "profile,optimizer,select,rewrite"
@@ -43,6 +44,7 @@ TOP_KEYS = {
     "budget": Key((int, float, str), "a fraction like 0.5 or bytes like '6GiB'"),
     "passes": Key((str,), "a pipeline like 'stats,dce'"),
     "seed": Key((int,), "an integer"),
+    "backend": Key((str,), "one of " + ", ".join(BACKENDS)),
     "precision": Key((str,), "one of " + ", ".join(PRECISIONS)),
     "max_grad_norm": Key(_NUMBER, "a positive number (clip_grad_norm_ before the optimizer step)"),
     "grad_scaler": Key((bool,), "true or false (a torch.amp.GradScaler, for fp16-autocast)"),
@@ -103,6 +105,7 @@ class Config:
     budget: Budget | None = None
     passes: str = DEFAULT_PIPELINE
     seed: int = 0
+    backend: str = "eager"
     precision: str = "fp32"
     max_grad_norm: float | None = None
     grad_scaler: bool = False
@@ -184,13 +187,14 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         config.max_grad_norm = float(data["max_grad_norm"])
     apply_overrides(config, batch_size=data.get("batch_size"), device=data.get("device"),
                     budget=data.get("budget"), passes=data.get("passes"), seed=data.get("seed"),
-                    precision=data.get("precision"))  # fmt: skip
+                    backend=data.get("backend"), precision=data.get("precision"))  # fmt: skip
     return config
 
 
 def apply_overrides(config: Config, *, batch_size: int | None = None, device: str | None = None,
                     budget: float | str | None = None, passes: str | None = None,
-                    seed: int | None = None, precision: str | None = None) -> Config:  # fmt: skip
+                    seed: int | None = None, backend: str | None = None,
+                    precision: str | None = None) -> Config:  # fmt: skip
     """Apply values from the file or the command line, checking each."""
     if batch_size is not None:
         if batch_size <= 0:
@@ -209,6 +213,10 @@ def apply_overrides(config: Config, *, batch_size: int | None = None, device: st
         config.passes = passes
     if seed is not None:
         config.seed = seed
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+        config.backend = backend
     if precision is not None:
         if precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")

@@ -90,7 +90,8 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
     return {
         "iteration_ms": statistics.median(times),
         "iteration_ms_all": [round(t, 3) for t in times],
-        "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "peak_bytes": max(torch.cuda.max_memory_allocated(device), getattr(step, "recorded_peak_bytes", 0))
+        if cuda else None,
     }
 
 
@@ -98,7 +99,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       memory_limit: int | None = None, warmup: int = 3, iterations: int = 10,
                       precision: str | None = None,
                       log: Callable[[str], None] = lambda message: None,
-                      optimizer_passes: bool = False, swap: bool = False) -> dict[str, Any]:  # fmt: skip
+                      optimizer_passes: bool = False, swap: bool = False,
+                      backend: str = "eager") -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
@@ -106,9 +108,13 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     with that profile when there is one). ``optimizer_passes``: run optimizer-in-backward and
     foreach-buckets (the ``optimizer`` alias) after the profile, before select. ``swap``: plan
     with select-swap and insert-swap (keep, recompute or swap each activation) instead.
+    ``backend``: what runs the planned graph (compiled as part of planning; CUDA graphs get a
+    capturable optimizer with learning rates on the GPU,
+    :func:`mutwo.runtime.cuda_graphs.graphable_optimizer`).
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
+    from mutwo.runtime.backends import BackendError
 
     training = build_training(config_path, batch_size, device, precision)
     row: dict[str, Any] = {"batch_size": batch_size, "variant": variant, "precision": training.options.precision}
@@ -117,12 +123,15 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
             step = training.eager_step()
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
-            step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap)
+            step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap,
+                                 backend)  # fmt: skip
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
         message = str(failure).splitlines()[0]
         return {**row, "error": message, "error_kind": "unreachable" if "unreachable" in message else "pass failed"}
+    except BackendError as refused:  # a backend that cannot run this step: a result too
+        return {**row, "error": str(refused), "error_kind": "backend"}
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations))
     return row
@@ -200,19 +209,23 @@ def build_training(config_path: str | Path, batch_size: int, device: str | None 
 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
                   log: Callable[[str], None], optimizer_passes: bool = False,
-                  swap: bool = False) -> Callable[[], Any]:  # fmt: skip
+                  swap: bool = False, backend: str = "eager") -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.api import capture_graph, pass_context
+    from mutwo.runtime.cuda_graphs import graphable_optimizer
     from mutwo.runtime.profiler import Profile, fingerprint
     from mutwo.runtime.step import GraphStep
 
+    if backend.endswith("cudagraphs"):
+        graphable_optimizer(training.optimizer, training.device)
     started = time.perf_counter()
     lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
+    context.services["replay_random"] = backend == "eager"
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
@@ -256,8 +269,28 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         # What the clones replay, and how (a copy, with a generator state, from batch-norm statistics).
         row["cloned_ops"] = dict(Counter(f"{lowered.graph.node(n.origin).op_name} ({describe(n.target)})"
                                          for n in lowered.graph if n.origin is not None).most_common(12))  # fmt: skip
-    graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding)
-    return lambda: graph_step(training.batch)
+    graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding, backend)
+    compiled = graph_step.compile(graph_step.flat_inputs(training.batch))
+    row.update(compiled.describe(), simulated_backend="eager")
+    row["planning_seconds"] = round(row["planning_seconds"] + compiled.compile_seconds, 2)
+    return PlannedStep(graph_step, training.batch)
+
+
+@dataclass
+class PlannedStep:
+    """A planned step on its batch, called by :func:`measure_step`."""
+
+    step: Any  #: a mutwo.runtime.step.GraphStep
+    batch: Any
+
+    def __call__(self) -> Any:
+        return self.step(self.batch)
+
+    @property
+    def recorded_peak_bytes(self) -> int:
+        """The allocator's peak while a CUDA graph recorded the step (0 for other backends):
+        replays allocate nothing, so the peak of replays alone misses the iteration's memory."""
+        return getattr(self.step.compiled.run, "recorded_peak_absolute", 0)
 
 
 def _swap_plan_row(plan: Any) -> dict[str, Any]:

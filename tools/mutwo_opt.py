@@ -3,7 +3,8 @@
     mutwo-opt [-p/--passes LIST] [-o/--out DIR] [--device auto|cpu|cuda] [--batch-size N]
               [--budget B] [--check] [--list-passes] [--load-passes M] [--no-verify]
               [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot] [--time-passes]
-              [--bucket-cap-mb MB] [--fit MEMORY [--fit-margin SHARE]] CONFIG.yaml
+              [--bucket-cap-mb MB] [--fit MEMORY [--fit-margin SHARE]]
+              [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
 captures the data-parallel iteration on its shard of the batch, the gradients are averaged
@@ -41,6 +42,8 @@ from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
+from mutwo.runtime.backends import BACKENDS, BackendError, CompiledStep, CompileError, compile_graph, swap_refusal
+from mutwo.runtime.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.fit import FitError
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, help="override the config's batch size")
     parser.add_argument("--budget", help="memory budget: a fraction of the unoptimized peak (0.5) or bytes (6GiB)")
     parser.add_argument("--seed", type=int, help="override the config's seed")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="what runs the final graph (default: the config's, else eager); see docs/backends.md")
     parser.add_argument("--precision", help="override the config's precision: fp32, bf16-autocast, fp16-autocast")
     parser.add_argument("--check", action="store_true",
                         help="run the original and final graphs for 3 iterations and compare every number")
@@ -132,7 +137,7 @@ class MutwoOpt:
             config = load_config(self.args.config)
             apply_overrides(config, batch_size=self.args.batch_size, device=self.args.device,
                             budget=self.args.budget, passes=self.args.passes, seed=self.args.seed,
-                            precision=self.args.precision)  # fmt: skip
+                            backend=self.args.backend, precision=self.args.precision)  # fmt: skip
         except ConfigError as error:
             raise UsageError(str(error)) from None
         return config
@@ -238,19 +243,46 @@ class MutwoOpt:
                              "size and device")  # fmt: skip
         return artifact
 
-    def measure(self, original: Graph, final: Graph, inputs: list[Any], device: torch.device) -> dict[str, Any]:
-        """Measured peaks and iteration times of both graphs; on CUDA only (the simulator covers CPU)."""
+    def refuse_backend(self, config: Config, device: torch.device, manager: PassManager) -> None:
+        """Backend choices that cannot work here, refused before anything is captured."""
+        if config.backend != "eager" and any(p.name == "insert-swap" for p in manager.passes):
+            raise UsageError(swap_refusal(config.backend))
+        if config.backend.endswith("cudagraphs") and device.type != "cuda":
+            raise UsageError(f"--backend {config.backend} needs a CUDA device, this run is on {device}; use --backend "
+                             "eager or inductor")  # fmt: skip
+        if self.dp is not None and config.backend != "eager":
+            raise UsageError(f"--backend {config.backend} does not run data-parallel steps yet; use --backend eager")
+
+    def compile(self, config: Config, final: Graph, inputs: list[Any]) -> CompiledStep:
+        """The final graph made runnable by the config's backend (compiled here, timed as planning)."""
+        if config.backend != "eager":
+            self.log(f"compiling the final graph with {config.backend}")
+        try:
+            compiled = compile_graph(final, inputs, config.backend)
+        except CompileError as error:
+            raise Failure(str(error)) from None
+        except BackendError as error:
+            raise UsageError(str(error)) from None
+        if config.backend != "eager":
+            self.log(f"compiled in {compiled.compile_seconds:.1f} s"
+                     + (" (from Inductor's cache)" if compiled.cache_hit else ""))  # fmt: skip
+        return compiled
+
+    def measure(self, original: Graph, final: CompiledStep, inputs: list[Any], device: torch.device) -> dict[str, Any]:
+        """Measured peaks and iteration times of the captured graph and the final step (run by its
+        backend); on CUDA only (the simulator covers CPU)."""
         if device.type != "cuda":
             return {}
-        self.log("measuring whole iterations of the original and final graphs")
+        self.log("measuring whole iterations of the original graph and the final step")
         before = measure_iterations(to_fx(original), inputs)
-        after = before if final is original else measure_iterations(to_fx(final), inputs)
+        after = measure_iterations(final.run, inputs)
         return {"measured_peak_bytes_before": before.peak_bytes, "measured_peak_bytes_after": after.peak_bytes,
                 "iteration_seconds_before": before.seconds, "iteration_seconds_after": after.seconds}
 
-    def check(self, original: Graph, final: Graph, inputs: list[Any]) -> EquivalenceReport:
-        self.log("checking the final graph against the original for 3 iterations")
-        report = check_graphs(original, final, inputs)
+    def check(self, original: Graph, final: Graph, inputs: list[Any], compiled: CompiledStep) -> EquivalenceReport:
+        self.log(f"checking the final step ({compiled.backend}) against the original graph for 3 iterations")
+        report = check_graphs(original, final, inputs, candidate_run=compiled.checked_run,
+                              tolerance=compiled.tolerance)  # fmt: skip
         if self.dp is not None:
             report = distributed.equivalent_everywhere(report, self.dp)
         self.log(report.summary())
@@ -258,7 +290,8 @@ class MutwoOpt:
 
     def write_outputs(self, out: Path, config: Config, device: torch.device, original: Graph, final: Graph,
                       result: PipelineResult | None, report: EquivalenceReport | None, error: str | None,
-                      ctx: PassContext, measured: dict[str, Any]) -> None:  # fmt: skip
+                      ctx: PassContext, measured: dict[str, Any],
+                      compiled: CompiledStep | None) -> None:  # fmt: skip
         write_atomic(out / "input.ir.txt", print_graph(original))
         profile = ctx.artifacts.get("profile")
         workspace = profile.workspace() if profile is not None else None
@@ -315,6 +348,10 @@ class MutwoOpt:
             "equivalent": None if report is None else report.equivalent,
             "error": error,
             "data_parallel": self.describe_data_parallel(config),
+            # The simulator models the eager executor: one aten kernel per node, in the plan's order,
+            # which the compiled backends keep (docs/backends.md); their peak is the measured one.
+            "simulated_backend": "eager",
+            **(compiled.describe() if compiled is not None else {"backend": config.backend}),
         }
         # The folder is not emptied between runs: list what this run wrote.
         summary["files"] = sorted({p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
@@ -355,11 +392,20 @@ class MutwoOpt:
         if self.args.fit_margin is not None and self.args.fit is None:
             raise UsageError("--fit-margin applies to --fit; add --fit MEMORY (like --fit 16GiB)")
         if self.args.fit is not None:
+            if config.backend != "eager":  # the search measures eager runs: a compiled step's peak differs
+                raise UsageError(f"--fit searches with the eager backend, not {config.backend}; run --fit without "
+                                 "--backend, then the batch size it finds with --backend")  # fmt: skip
             try:
                 return run_fit(self, config, device, out)
             except FitError as error:
                 raise Failure(str(error)) from None
+        self.refuse_backend(config, device, manager)
         lowered = self.capture(config, device)
+        if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
+            try:
+                refuse_uncapturable(to_fx(lowered.graph), lowered.inputs, [p.label for p in lowered.graph.placeholders])
+            except BackendError as error:
+                raise UsageError(str(error)) from None
         self.gradient_buckets = lowered.binding.gradient_buckets
         graph, inputs = lowered.graph, lowered.inputs
         if self.lead:
@@ -367,6 +413,7 @@ class MutwoOpt:
         original = graph.copy()
         captured_version = graph.version
         ctx = pass_context(lowered, config.budget, out_dir=out if self.lead else None, log=self.log)
+        ctx.services["replay_random"] = config.backend == "eager"
         for option, filename, maker, cls, key in (("--profile-from", "profile.json", "profile", Profile, "profile"),
                                                   ("--plan-from", "plan.json", "select", Plan, "plan")):
             artifact = self.load_artifact(graph, option, filename, maker, cls)
@@ -384,15 +431,16 @@ class MutwoOpt:
                 distributed.require_same_graph(graph, self.dp, "optimized")
             except distributed.RanksDisagreeError as disagreement:
                 raise Failure(str(disagreement)) from None
+        compiled = self.compile(config, final, inputs) if error is None else None
         try:
-            report = self.check(original, graph, inputs) if self.args.check and error is None else None
-            measured = self.measure(original, final, inputs, device) if error is None else {}
+            report = self.check(original, graph, inputs, compiled) if self.args.check and compiled else None
+            measured = self.measure(original, compiled, inputs, device) if compiled else {}
         except RuntimeError as crash:  # a graph that cannot run: say so in one line, never a traceback
             first = (str(crash).strip().splitlines() or [type(crash).__name__])[0]
             raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "
                           "predicted other strides than the kernels produce: please report it)") from None
         if self.lead:
-            self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured)
+            self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured, compiled)
         if error is not None:
             raise Failure(error)
         if report is not None and not report.equivalent:

@@ -1,0 +1,194 @@
+"""Backends: what runs the final (planned) graph of an iteration.
+
+* ``eager``: the fx GraphModule itself, one aten kernel per node (bitwise what the plan says);
+* ``inductor``: the whole iteration (forward, backward, in-place optimizer update) compiled by
+  torch's Inductor, as ``torch.compile`` compiles a graph AOTAutograd hands it: ``compile_fx``
+  functionalizes the graph (in-place updates of parameters, buffers and optimizer state become
+  functional ops plus a ``copy_`` back into the input, which Inductor writes in place inside the
+  fused kernel), lowers it and generates fused kernels (C++ on CPU, Triton on CUDA);
+* ``cudagraphs``: the eager graph recorded once as a CUDA graph and replayed
+  (:mod:`mutwo.runtime.cuda_graphs`);
+* ``inductor-cudagraphs``: the Inductor-compiled step recorded and replayed the same way, as
+  ``torch.compile(mode="reduce-overhead")`` does.
+
+The plan's order survives compilation: the passes that would reorder the graph are off
+(:data:`INDUCTOR_OPTIONS`) and fusion stays within the plan's phases (:mod:`mutwo.runtime.fusion`);
+docs/backends.md has the evidence. Fusion changes rounding, so an Inductor step is checked within
+a stated tolerance; a CUDA graph of the eager graph runs the same kernels and is checked bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+import mutwo.runtime.host_scalars  # noqa: F401  (defines the mutwo::host_call ops rewritten here)
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import NodeKind
+from mutwo.ir.replay import rng_state
+from mutwo.ir.swap import SWAP_OPS
+from mutwo.ir.to_fx import to_fx
+from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
+from mutwo.runtime.equivalence import Tolerance
+from mutwo.runtime.fusion import mark_phases, phase_bounded_fusion, phases_arrived
+from mutwo.runtime.tracing import quiet_torch_errors
+
+#: Inputs the step updates in place and keeps at their address from call to call.
+STATE_KINDS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.OPTIMIZER_STATE})
+
+BACKENDS = ("eager", "inductor", "cudagraphs", "inductor-cudagraphs")
+
+#: Inductor settings for a planned graph, and why:
+#: - ``reorder_for_locality``: the post-grad pass moves each producer right before its first
+#:   consumer; a forward op read only in the backward would move into the backward and keep its
+#:   inputs (activations the plan frees) alive until then.
+#: - ``reorder_for_peak_memory``: the scheduler replaces the graph's order by the best of three
+#:   topological sorts under its own estimate, which does not know the plan; the plan's order is
+#:   the one whose peak mutwo simulated.
+#: - ``fallback_random``: random ops run aten's kernels on the default generator, so a compiled
+#:   step draws the same numbers as the eager one (dropout masks, and the generator states that
+#:   recompute replays restore).
+INDUCTOR_OPTIONS: dict[str, Any] = {
+    "reorder_for_locality": False,
+    "reorder_for_peak_memory": False,
+    "fallback_random": True,
+}
+
+
+class BackendError(ValueError):
+    """A backend cannot run this step; the message says why and what to do instead."""
+
+
+class CompileError(BackendError):
+    """Inductor failed on a step the backend accepted."""
+
+
+@dataclass
+class CompiledStep:
+    """A graph made runnable by a backend: call ``run(*flat_inputs)`` under ``torch.no_grad``."""
+
+    backend: str
+    run: Callable[..., Any]
+    compile_seconds: float = 0.0
+    #: whether torch's compile caches answered (None: no Inductor compile happened)
+    cache_hit: bool | None = None
+
+    @property
+    def checked_run(self) -> Callable[..., Any] | None:
+        """What ``--check`` runs instead of the final graph's fx module: None for eager."""
+        return None if self.backend == "eager" else self.run
+
+    @property
+    def tolerance(self) -> Tolerance | None:
+        """How ``--check`` compares it: within :class:`Tolerance` when Inductor compiled it (fused
+        kernels round differently), else like the eager graph (the same kernels run)."""
+        return Tolerance() if self.backend.startswith("inductor") else None
+
+    def describe(self) -> dict[str, Any]:
+        """What the run summary records about the backend."""
+        return {"backend": self.backend, "compile_seconds": round(self.compile_seconds, 3),
+                "compile_cache_hit": self.cache_hit}  # fmt: skip
+
+
+def check_backend(name: str) -> str:
+    """``name`` if it is a backend, else :class:`BackendError` naming the choices."""
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def swap_refusal(backend: str) -> str:
+    """Why ``backend`` cannot run a plan that swaps, and what to do instead."""
+    return (f"the {backend} backend cannot run a plan that swaps to host memory (mutwo::offload/prefetch/wait keep "
+            "host buffers and copy streams outside any compiled graph, and Inductor cannot functionalize them): use "
+            "--backend eager, or plan with select,rewrite instead of swap")
+
+
+def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend: str, graph: Graph) -> CompiledStep:
+    """Make ``module`` (``graph``, a whole iteration, lowered by ``to_fx``; inputs in slot order)
+    runnable by ``backend``.
+
+    ``inputs`` are example inputs: Inductor reads their shapes, strides and devices only, and a
+    CUDA graph is recorded on the first call, not here. Parameters, buffers and optimizer state
+    are updated in place at fixed addresses; the other inputs (batch, learning rates) are copied
+    into a CUDA graph's static inputs every call.
+    """
+    check_backend(backend)
+    slots = [(p.kind, p.label) for p in graph.placeholders]
+    if backend == "eager":
+        return CompiledStep(backend, module)
+    replays = [node.name for node in module.graph.nodes if node.target is rng_state]
+    if replays:
+        raise BackendError(f"the {backend} backend cannot run a plan that replays random ops from a saved generator "
+                           f"state ({len(replays)}, e.g. {replays[0]}): plan for it (optimize(..., backend=...) and "
+                           "mutwo-opt --backend tell select so) or use --backend eager")  # fmt: skip
+    if any(node.target in SWAP_OPS for node in module.graph.nodes):
+        raise BackendError(swap_refusal(backend))
+    started = time.perf_counter()
+    run: Callable[..., Any] = module
+    cache_hit = None
+    graphed = backend.endswith("cudagraphs")
+    if graphed:
+        refuse_uncapturable(module, inputs, [label for _, label in slots])
+    if backend.startswith("inductor"):
+        functionalizable_host_calls(module)
+        mark_phases(module, graph)
+        run, cache_hit = compile_inductor(module, inputs)
+    if graphed:
+        run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots])
+    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
+
+
+def functionalizable_host_calls(module: fx.GraphModule) -> None:
+    """Rewrite each ``mutwo::host_call_one_(x, ...)`` of a traced torch.optim step in ``module``
+    into ``mutwo::host_call_([x], ...)``, its uses reading ``x``: the same call, writing the same
+    tensor. AOTAutograd functionalizes a custom op that writes its inputs and returns nothing
+    (``auto_functionalized``), but refuses one whose output aliases an input (``-> Tensor(a!)``)."""
+    for node in list(module.graph.nodes):
+        if node.target is torch.ops.mutwo.host_call_one_.default:
+            written, *rest = node.args
+            with module.graph.inserting_before(node):
+                call = module.graph.call_function(torch.ops.mutwo.host_call_.default, ([written], *rest))
+            call.meta = dict(node.meta)
+            node.replace_all_uses_with(written)
+            module.graph.erase_node(node)
+    module.recompile()
+
+
+def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) -> CompiledStep:
+    """:func:`compile_step` for an IR graph."""
+    return compile_step(to_fx(graph), inputs, backend, graph)
+
+
+def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Callable[..., Any], bool]:
+    """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS`; and whether torch's compile
+    caches (AOTAutograd's and Inductor's FX graph cache, on disk under ``TORCHINDUCTOR_CACHE_DIR``)
+    supplied the compiled code: a second compile of the same graph, in any process, hits them."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def cache_hits() -> int:
+        return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+    hits = cache_hits()
+    # Fake inputs from a mode with a shape environment, as Dynamo hands them: without one the FX
+    # graph cache is bypassed ("No shape env"). Static shapes: the step is captured for one shape.
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
+    try:
+        with config.patch({**INDUCTOR_OPTIONS, "post_grad_custom_post_pass": phases_arrived()}), \
+                phase_bounded_fusion(), torch.no_grad(), quiet_torch_errors():
+            compiled = compile_fx(module, fakes)
+    except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
+                           "run it with --backend eager") from None  # fmt: skip
+    return compiled, cache_hits() > hits

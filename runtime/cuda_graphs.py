@@ -1,0 +1,134 @@
+"""Replaying a whole training iteration as one CUDA graph.
+
+The step is recorded once and replayed: one launch instead of thousands, no Python per kernel.
+What makes that correct for a training step:
+
+* parameters, buffers and optimizer state are the graph's own inputs, updated in place at fixed
+  addresses: the recording reads and writes the live tensors, so a replay steps the real model
+  (if one is replaced, e.g. by ``optimizer.load_state_dict``, the step is recorded again);
+* the batch and the learning rates live in static buffers the graph reads; every call copies
+  the new ones in before the replay;
+* recording does not run kernels; a warm-up iteration on copies of the state runs first, on a
+  side stream, so that cuBLAS/cuDNN initialisation and Inductor's autotuning happen outside the
+  capture and the real state is stepped only by replays;
+* random ops (dropout) draw from the default CUDA generator, which CUDA graphs support: each
+  replay advances its offset as the eager step would.
+
+What cannot be recorded is refused before anything runs (:func:`refuse_uncapturable`): a step
+on the CPU, inputs that live on the CPU (a learning rate given as a Python number, the step
+count of a non-capturable Adam: kernels read them on the host at launch, so a graph would freeze
+their values), and ops that read device values on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+#: Ops that read device values on the host: a CUDA graph would record the value read at capture.
+HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal")
+#: The ops of a traced torch.optim step that compute with host numbers at run time
+#: (``mutwo::host_call*``, ``mutwo::host_scalar``, ``mutwo::foreach_host_call*``).
+TRACED_HOST_OPS = ("mutwo.host_", "mutwo.foreach_host")
+
+
+def refuse_uncapturable(module: fx.GraphModule, inputs: Sequence[torch.Tensor], labels: Sequence[str]) -> None:
+    """Raise :class:`mutwo.runtime.backends.BackendError` (one line) unless ``module`` can be
+    recorded as a CUDA graph; ``labels[i]`` names input ``i`` in the message."""
+    from mutwo.runtime.backends import BackendError
+
+    devices = {t.device for t in inputs if t.device.type != "cpu"}
+    if not devices or any(d.type != "cuda" for d in devices):
+        raise BackendError("CUDA graphs need the model, optimizer state and batch on a CUDA device; this step runs "
+                           f"on {', '.join(sorted({str(t.device) for t in inputs}))}: use --backend eager or "
+                           "inductor")  # fmt: skip
+    on_host = [label for label, t in zip(labels, inputs, strict=True) if t.device.type == "cpu"]
+    if on_host:
+        raise BackendError(f"CUDA graphs cannot record a step that reads CPU tensors on the host ({len(on_host)}: "
+                           f"{', '.join(on_host[:3])}{', ...' if len(on_host) > 3 else ''}): their values would be "
+                           "frozen at recording; give the optimizer capturable=True and a learning rate as a CUDA "
+                           "tensor, e.g. lr=torch.tensor(1e-3, device='cuda')")  # fmt: skip
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = _op_name(node.target)
+        if name.startswith(HOST_READS + TRACED_HOST_OPS):
+            raise BackendError(f"CUDA graphs cannot record this step: node {node.name} ({name}) reads a tensor's "
+                               "value on the host; use --backend eager or inductor")  # fmt: skip
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+class CudaGraphRunner:
+    """``run`` (the step, called with its flat inputs) recorded as a CUDA graph on the first call
+    and replayed on every call after; ``kept[i]``: input ``i`` is state updated in place."""
+
+    def __init__(self, run: Callable[..., Any], kept: Sequence[bool]) -> None:
+        self.run = run
+        self.kept = list(kept)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: list[torch.Tensor] = []
+        self.outputs: Any = None
+        self.recordings = 0
+        #: the recorded iteration's peak above what was allocated before it (its transients, which
+        #: live in the graph's pool), and the allocator's absolute peak while recording: replays
+        #: allocate nothing, so measurements of replays alone miss it (recording resets the peak)
+        self.recorded_peak_bytes = 0
+        self.recorded_peak_absolute = 0
+
+    def __call__(self, *flat: torch.Tensor) -> Any:
+        if self.graph is None or any(kept and t.data_ptr() != s.data_ptr()
+                                     for kept, t, s in zip(self.kept, flat, self.static, strict=True)):  # fmt: skip
+            self.record(flat)
+        for kept, new, static in zip(self.kept, flat, self.static, strict=True):
+            if not kept:
+                static.copy_(new)
+        assert self.graph is not None
+        self.graph.replay()
+        # The loss is overwritten by the next replay: a copy keeps it for the caller (gradients
+        # are returned as the graph's own buffers; docs/backends.md says so).
+        loss, *rest = self.outputs
+        return (loss.clone(), *rest)
+
+    def record(self, flat: Sequence[torch.Tensor]) -> None:
+        """Warm up on copies of the state, then record one iteration on the live state."""
+        self.graph, self.outputs = None, None  # free the previous recording's pool first
+        self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
+        side = torch.cuda.Stream(self.static[0].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            generator = torch.cuda.get_rng_state()
+            self.run(*[t.clone() for t in self.static])  # lazy initialisation, autotuning
+            torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
+        # are the iteration's memory, and its peak is the only time the allocator sees them.
+        device = self.static[0].device
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        with torch.cuda.graph(graph), torch.no_grad():
+            self.outputs = self.run(*self.static)
+        self.recorded_peak_absolute = torch.cuda.max_memory_allocated(device)
+        self.recorded_peak_bytes = self.recorded_peak_absolute - before
+        self.graph = graph
+        self.recordings += 1
+
+
+def graphable_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Make a fresh ``optimizer`` one whose step a CUDA graph can record: ``capturable`` (Adam's
+    step counts on the device) and every learning rate a tensor on ``device`` (a scheduler then
+    updates it in place: ``group["lr"].fill_(...)``). The numbers are the same; only where they
+    live changes. State made before this (a CPU step count) stays where it is, and is refused."""
+    for group in optimizer.param_groups:
+        if "capturable" in group:
+            group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64, device=device)

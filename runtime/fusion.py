@@ -1,0 +1,112 @@
+"""Keeping Inductor's fusion from moving work across the forward/backward boundary.
+
+Inductor fuses nodes that read the same data (horizontal fusion) or feed one another (vertical),
+and a fused kernel runs where the earliest of its parts was. On a whole-iteration graph with
+recomputes this can undo a plan: measured on CPU (docs/backends.md), the layout copies a
+recomputed convolution reads were fused with the forward's copies of the same input, so the
+recompute ran in the forward and its output stayed alive until the backward; a forward ReLU was
+fused with the backward's ``threshold_backward`` of its recompute, with the same effect.
+Inductor's own guard (``Scheduler.are_long_distant_nodes``: no horizontal fusion of nodes more
+than 64 scheduler nodes apart) does not cover vertical fusion, nor near nodes.
+
+The rules here: a forward node never fuses with a backward or optimizer node, and a recompute
+clone never fuses with a node it neither feeds nor reads (horizontal fusion: two recompute blocks
+that read the same input would otherwise run together, the later one's output alive through the
+earlier one's peak). Each fx node carries its phase in ``meta["custom"]``, which AOTAutograd
+copies onto the aten nodes it traces from it
+(``torch.fx.proxy._COPY_META_FIELDS``), so Inductor's IR nodes know it through their origins.
+Fusion within the backward (a recompute into its consumers, an optimizer update into its
+gradient's kernel) is kept: that is where recomputes become nearly free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import fx
+
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Phase
+from mutwo.ir.to_fx import NODE_ID_META
+
+#: The keys under ``meta["custom"]`` holding a node's phase and whether it is a recompute clone.
+CUSTOM_PHASE = "mutwo_phase"
+CUSTOM_CLONE = "mutwo_clone"
+
+
+def mark_phases(module: fx.GraphModule, graph: Graph) -> None:
+    """Record the phase of each node of ``module`` (made from ``graph`` by ``to_fx``), and whether
+    it is a recompute clone, where AOTAutograd carries them to the nodes it traces."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and NODE_ID_META in node.meta:
+            ir_node = graph.node(node.meta[NODE_ID_META])
+            custom = node.meta.setdefault("custom", {})
+            custom[CUSTOM_PHASE] = ir_node.phase.value
+            custom[CUSTOM_CLONE] = ir_node.origin is not None
+
+
+def _marks(*nodes: Any) -> Iterator[dict[str, Any]]:
+    """The ``meta["custom"]`` of every fx node behind Inductor's scheduler ``nodes``."""
+    for scheduler_node in nodes:
+        for part in scheduler_node.get_nodes():
+            ir_node = getattr(part, "node", None)
+            for origin in ir_node.get_origins() if ir_node is not None else ():
+                yield origin.meta.get("custom", {})
+
+
+def _forward_and_later(*nodes: Any) -> bool:
+    phases = {mark[CUSTOM_PHASE] for mark in _marks(*nodes) if CUSTOM_PHASE in mark}
+    return Phase.FORWARD.value in phases and len(phases) > 1
+
+
+def _has_clone(node: Any) -> bool:
+    return any(mark.get(CUSTOM_CLONE) for mark in _marks(node))
+
+
+#: Names the fusion rule in Inductor's cache keys (through :class:`PhasesArrived`): change it
+#: when the rule changes, or the FX graph cache serves code fused under the old rule.
+RULE_VERSION = "mutwo-phase-bounded-fusion-2"
+
+
+def phases_arrived() -> Any:
+    """A post-grad pass for Inductor that fails the compile when no node of the graph Inductor
+    lowers carries a phase (a torch whose AOTAutograd does not copy ``meta["custom"]`` would make
+    the fusion rule silently do nothing); its ``uuid`` puts :data:`RULE_VERSION` in the cache key."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class PhasesArrived(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            if not any(CUSTOM_PHASE in node.meta.get("custom", {}) for node in graph.nodes):
+                raise RuntimeError("no node reached Inductor with its phase, so fusion cannot be kept within "
+                                   "phases on this torch version")  # fmt: skip
+
+        def uuid(self) -> str:
+            return RULE_VERSION
+
+    return PhasesArrived()
+
+
+@contextmanager
+def phase_bounded_fusion() -> Iterator[None]:
+    """Inductor's choices handler refusing fusions that mix forward and later nodes, while
+    compiling (use with ``post_grad_custom_post_pass=phases_arrived()``)."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    class PhaseBoundedChoices(InductorChoices):
+        @staticmethod
+        def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+            if _forward_and_later(node1, node2):
+                return False
+            return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+        @staticmethod
+        def can_fuse_horizontal(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+            if _has_clone(node1) or _has_clone(node2):
+                return False
+            return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
+
+    with V.set_choices_handler(PhaseBoundedChoices()):
+        yield
