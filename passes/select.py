@@ -46,6 +46,21 @@ class PlanData:
     def from_json(cls, data: dict[str, Any]) -> Any:
         return cls(**data)
 
+    def csv(self) -> str:
+        raise NotImplementedError
+
+    def table(self) -> str:
+        raise NotImplementedError
+
+    def publish(self, ctx: PassContext, artifact: str, stem: str, title: str) -> None:
+        """Hand the plan to later passes as ``ctx.artifacts[artifact]``, write ``<stem>.json`` and
+        ``<stem>.csv``, and log its table under ``title``."""
+        ctx.artifacts[artifact] = self
+        ctx.save_json(f"{stem}.json", self.to_json())
+        if ctx.out_dir is not None:
+            write_atomic(ctx.out_dir / f"{stem}.csv", self.csv())
+        ctx.log(f"{title}:\n" + self.table())
+
 
 @dataclass
 class Plan(PlanData):
@@ -246,11 +261,7 @@ class SelectPass(Pass):
         exact, chosen, blocks = best
         plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, blocks, profile)
         plan.refused = refused
-        ctx.artifacts["plan"] = plan
-        ctx.save_json("plan.json", plan.to_json())
-        if ctx.out_dir is not None:
-            write_atomic(ctx.out_dir / "plan.csv", plan.csv())
-        ctx.log("select:\n" + plan.table())
+        plan.publish(ctx, "plan", "plan", "select")
         if not plan.met:
             raise PassFailure(self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts))
         return plan

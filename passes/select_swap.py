@@ -15,7 +15,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
 from mutwo.ir.node import Node, Phase, StorageKey
-from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import NotRecomputable, Recompute
 from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, SwapSite, rewrite
@@ -185,11 +185,7 @@ class SelectSwapPass(Pass):
 
         search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best.simulation.peak_bytes)
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, profile, scale, transfer)
-        ctx.artifacts["swap-plan"] = plan
-        ctx.save_json("swap_plan.json", plan.to_json())
-        if ctx.out_dir is not None:
-            write_atomic(ctx.out_dir / "swap_plan.csv", plan.csv())
-        ctx.log("select-swap:\n" + plan.table())
+        plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
         if not plan.met:
             raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak "
                               f"select-swap reaches with {self.allow} is {plan.predicted_peak / MIB:.1f} MiB "

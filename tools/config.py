@@ -4,6 +4,7 @@ did-you-mean. See the README's config reference."""
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,9 +202,7 @@ def apply_overrides(config: Config, *, batch_size: int | None = None, device: st
             raise ConfigError(f"batch size must be a positive integer, got {batch_size}")
         config.batch_size = batch_size
     if device is not None:
-        if device not in DEVICES:
-            raise ConfigError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
-        config.device = device
+        config.device = _one_of("device", device, DEVICES)
     if budget is not None:
         try:
             config.budget = parse_budget(budget)
@@ -214,11 +213,14 @@ def apply_overrides(config: Config, *, batch_size: int | None = None, device: st
     if seed is not None:
         config.seed = seed
     if backend is not None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-        config.backend = backend
+        config.backend = _one_of("backend", backend, BACKENDS)
     if precision is not None:
-        if precision not in PRECISIONS:
-            raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
-        config.precision = precision
+        config.precision = _one_of("precision", precision, PRECISIONS)
     return config
+
+
+def _one_of(what: str, value: str, allowed: Iterable[str]) -> str:
+    """``value`` if it is one of ``allowed``, else a one-line :class:`ConfigError`."""
+    if value not in allowed:
+        raise ConfigError(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
+    return value
