@@ -153,6 +153,9 @@ def main() -> None:
         for item in args.models.split(","):
             name, batch, fraction = item.split(":")
             bench_model(bench, name, int(batch), float(fraction))
+        # Every rank done before any tears the group down: a rank that leaves while another's
+        # gloo work is in flight aborts ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
