@@ -252,8 +252,8 @@ def compare_graphs(
     base_lrs = {i: inputs[i].clone() for i in lr_slots}
     # A pass may stop returning gradients (optimizer-in-backward frees each after its update):
     # compare those both return; the parameters and optimizer state carry the others' effect.
-    grad_labels = [[n.label for n in graph.output.args[0][1:]] for graph in (reference, candidate, reference)]
-    grad_labels = grad_labels[:len(modules)]
+    graphs = (reference, candidate, reference)[:len(modules)]  # the graph each module runs
+    grad_labels = [[n.label for n in graph.output.args[0][1:]] for graph in graphs]
     compared_grads = [label for label in grad_labels[0] if label in set(grad_labels[1])]
     report.gradients_not_returned = len(grad_labels[0]) - len(compared_grads)
     for iteration in range(iterations):

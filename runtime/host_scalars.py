@@ -510,7 +510,7 @@ def _record_foreach_call(func: Callable[..., Any], args: tuple[Any, ...], kwargs
             return position_list([_scalar_tensor(value)] * positions, "scalar")
         if isinstance(value, torch.Tensor):
             return position_list([value] * positions, "one")
-        if value is None or isinstance(value, (bool, int, str)) or isinstance(value, float):
+        if value is None or isinstance(value, (bool, int, float, str)):
             return {"value": _number(value) if isinstance(value, float) else value}
         raise CaptureError(f"the optimizer passes {type(value).__name__} to {name} together with numbers computed "
                            "from tensors, which mutwo cannot record; please report it")  # fmt: skip
