@@ -67,12 +67,17 @@ def test_cuda_ops_neither_block_the_host_nor_the_compute_stream_and_reuse_pinned
     assert RUNTIME.in_flight == 0
 
 
-@pytest.mark.parametrize("make,kwargs", [(models.cnn, {"batch_size": 64}),
-                                         (models.bert, {"batch_size": 8, "seq_len": 64})],
+# Sizes where activations, not CUDA's kernel workspaces or foreach Adam's temporaries, make the
+# peak (the tiny BERT's lowest swap peak was 100% of the unoptimized one at batch 8 on the H100),
+# and budgets above the lowest peak with swap only (the CNN's is 85% on the H100 at any batch: at
+# its backward peak what is live is in use).
+@pytest.mark.parametrize("make,kwargs,budget", [(models.cnn, {"batch_size": 1024}, "0.9"),
+                                                (models.bert, {"batch_size": 64, "seq_len": 64}, "0.75")],
                          ids=["cnn", "bert"])  # fmt: skip
-def test_cuda_swap_plan_is_bitwise_and_measures_its_planned_peak(make: object, kwargs: dict[str, int]) -> None:
+def test_cuda_swap_plan_is_bitwise_and_measures_its_planned_peak(make: object, kwargs: dict[str, int],
+                                                                 budget: str) -> None:  # fmt: skip
     with deterministic_algorithms():
-        rewritten = swapping.rewrite(_on_cuda(make(**kwargs)), SWAP_ONLY, "0.75")  # type: ignore[operator]
+        rewritten = swapping.rewrite(_on_cuda(make(**kwargs)), SWAP_ONLY, budget)  # type: ignore[operator]
         plan = rewritten.ctx.artifacts["swap-plan"]
         assert plan.of(SWAP) and plan.met and swap_nodes(rewritten.graph)
         report = compare_graphs(rewritten.original, rewritten.graph, rewritten.inputs)

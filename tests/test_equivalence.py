@@ -73,6 +73,42 @@ def test_a_varying_reference_bounds_the_candidate_by_its_own_variation(
     assert not report.bitwise and report.equivalent is equivalent, report.summary()
 
 
+@pytest.mark.parametrize(("shift_in_lr", "equivalent"), [(1.5, True), (3.0, False)])
+def test_a_varying_reference_allows_adam_its_learning_rate_sized_answer_to_noise(
+        monkeypatch: pytest.MonkeyPatch, shift_in_lr: float, equivalent: bool) -> None:  # fmt: skip
+    """Adam moves a parameter whose gradient is rounding noise by up to the learning rate either way,
+    so when the original itself varies (bf16 BERT on the H100), an Adam-updated parameter may differ
+    by up to twice the learning rate, each iteration from the reference's state, and no more."""
+    workload = models.mlp()
+    model = workload.model.eval()
+    lr = 1e-3
+    lowered = capture_graph(model, torch.optim.Adam(model.parameters(), lr=lr), workload.batch, workload.loss_fn)
+    reference, candidate = lowered.graph, lowered.graph.copy()
+    parameters = [i for i, p in enumerate(candidate.placeholders) if p.kind.value == "parameter"]
+    counter = itertools.count(1)
+
+    def noisy(graph: Any) -> Any:
+        module = to_fx(graph)
+
+        def run(*state: torch.Tensor) -> Any:
+            loss, *rest = module(*state)
+            if graph is candidate:  # moved by a multiple of the (scheduled) learning rate
+                scheduled = float(state[next(i for i, p in enumerate(graph.placeholders) if p.label.startswith("lr:"))])
+                for i in parameters:
+                    state[i].add_(shift_in_lr * scheduled)
+            return (loss + 1e-7 * next(counter), *rest)  # the reference varies in the loss only
+
+        return run
+
+    monkeypatch.setattr(equivalence, "to_fx", noisy)
+    monkeypatch.setattr(equivalence, "device_of", lambda inputs: torch.device("meta"))
+    report = equivalence.compare_graphs(reference, candidate, lowered.inputs, bitwise=True)
+    assert report.reference_varies is not None and report.tolerance is not None
+    assert report.equivalent is equivalent, report.summary()
+    assert equivalent or all(m.what == "parameter" for m in report.mismatches), report.summary()
+    assert "2.0 x lr" in report.summary()
+
+
 def _mlp_with_sgd() -> tuple[Any, ...]:
     workload = models.mlp()
     model = workload.model.eval()  # no dropout: the graphs differ only by the injected noise
