@@ -31,6 +31,10 @@ The swap study of one model (the swap issue), in one command, for example:
 
     python bench/compare.py --out $OUT/swap_resnet152_b128.json --models resnet152:128 --variants swap-study
 
+``--trace`` (GPU only) then profiles 3 more iterations of each variant and records, stream by
+stream, where the time went (compute idle, compute overlapped with copies, copy rates, kernels
+slowed while copies run: :mod:`mutwo.tools.stream_trace`), with the Chrome traces beside the JSON.
+
     python bench/compare.py --out bench/results/compare_h100.json --models resnet152:128,bert:64
 
 A model is one of the names below or the path of a YAML config (``--models my.yaml:4``): a tiny
@@ -62,6 +66,7 @@ sys.path.insert(0, str(ROOT))
 from mutwo.ir.budget import Budget  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
+from mutwo.tools.stream_trace import trace_iterations  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
            "tiny": "examples/tiny_mlp.yaml"}  # fmt: skip
@@ -145,7 +150,7 @@ def config_path(name: str) -> Path:
 
 
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
-           precision: str | None = None) -> dict[str, Any]:  # fmt: skip
+           precision: str | None = None, trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     own = mutwo_variant(variant)
     if own is not None:
@@ -153,7 +158,7 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
-                                backend=own.backend)  # fmt: skip
+                                backend=own.backend, trace=trace)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
@@ -170,6 +175,8 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
     step()
     row["first_step_seconds"] = round(time.perf_counter() - start, 2)
     row.update(measure_after_planning(step, training.device, None, warmup=WARMUP, iterations=MEASURED))
+    if trace is not None and "error" not in row:
+        row["streams"] = trace_iterations(step, training.device, trace)
     return row
 
 
@@ -186,12 +193,19 @@ def main() -> None:
                         help="where a budget names a peak that was not measured (a CPU dry run: peaks are "
                         "measured on CUDA only), plan for B instead (0.5: half of mutwo's own peak); the row says so")
     parser.add_argument("--precision", choices=PRECISIONS, help="override the configs' precision (bf16-autocast...)")
+    parser.add_argument("--trace", action="store_true",
+                        help="after measuring each variant, profile 3 more iterations and add where the GPU time went, "
+                        "stream by stream, under 'streams' (Chrome traces beside --out; CUDA only)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
+    if args.trace and not torch.cuda.is_available():
+        parser.error("--trace profiles CUDA streams and needs a GPU; run without --trace on a CPU")
     if args.worker:
         name, batch, variant, budget = args.worker
-        row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision)
+        trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
+        row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
+                     trace)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
@@ -214,7 +228,8 @@ def main() -> None:
             try:
                 done = subprocess.run([sys.executable, __file__, "--worker", name, batch, variant, encoded,
                                        *(["--out", args.out] if args.out else []),
-                                       *(["--precision", args.precision] if args.precision else [])], cwd=ROOT,
+                                       *(["--precision", args.precision] if args.precision else []),
+                                       *(["--trace"] if args.trace else [])], cwd=ROOT,
                                       capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 row = json.loads(lines[-1]) if done.returncode == 0 and lines else {

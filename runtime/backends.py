@@ -53,17 +53,18 @@ BACKENDS = ("eager", "inductor", "cudagraphs", "inductor-cudagraphs")
 #: - ``fallback_random``: random ops run aten's kernels on the default generator, so a compiled
 #:   step draws the same numbers as the eager one (dropout masks, and the generator states that
 #:   recompute replays restore).
-#: - ``layout_optimization``: on a GPU Inductor would turn a convolutional network's tensors
-#:   channels-last, with copies the plan did not count; and cuDNN then picks other algorithms,
-#:   which with TF32 (on for convolutions by default) differ from eager's by about 1% (a test CNN's
-#:   first-layer gradient on the H100: 3.75e-4 apart where its values reach 0.0286; within 1e-3
-#:   with this off).
+#: On a GPU also (:data:`CUDA_INDUCTOR_OPTIONS`):
+#: - ``layout_optimization``: Inductor would turn a convolutional network's tensors channels-last,
+#:   and cuDNN then picks other algorithms, which with TF32 (on for convolutions by default)
+#:   differ from eager's by about 1% (a test CNN's first-layer gradient on the H100: 3.75e-4 apart
+#:   where its values reach 0.0286; within rtol 1e-3 with this off). On the CPU, where there is
+#:   no TF32, it stays on: it lowered a planned CNN's peak by 9% there.
 INDUCTOR_OPTIONS: dict[str, Any] = {
     "reorder_for_locality": False,
     "reorder_for_peak_memory": False,
     "fallback_random": True,
-    "layout_optimization": False,
 }
+CUDA_INDUCTOR_OPTIONS: dict[str, Any] = {"layout_optimization": False}
 
 
 class BackendError(ValueError):
@@ -189,8 +190,9 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
     # graph cache is bypassed ("No shape env"). Static shapes: the step is captured for one shape.
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
+    on_gpu = CUDA_INDUCTOR_OPTIONS if any(t.is_cuda for t in inputs) else {}
     try:
-        with config.patch({**INDUCTOR_OPTIONS, "post_grad_custom_post_pass": phases_arrived()}), \
+        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": phases_arrived()}), \
                 phase_bounded_fusion(), torch.no_grad(), quiet_torch_errors():
             compiled = compile_fx(module, fakes)
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback

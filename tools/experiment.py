@@ -100,7 +100,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       precision: str | None = None,
                       log: Callable[[str], None] = lambda message: None,
                       optimizer_passes: bool = False, swap: bool = False,
-                      backend: str = "eager") -> dict[str, Any]:  # fmt: skip
+                      backend: str = "eager", trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
@@ -110,7 +110,9 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     with select-swap and insert-swap (keep, recompute or swap each activation) instead.
     ``backend``: what runs the planned graph (compiled as part of planning; CUDA graphs get a
     capturable optimizer with learning rates on the GPU,
-    :func:`mutwo.runtime.cuda_graphs.graphable_optimizer`).
+    :func:`mutwo.runtime.cuda_graphs.graphable_optimizer`). ``trace``: after measuring, profile
+    3 more iterations on the GPU, write their Chrome trace there and add the per-stream summary
+    (:mod:`mutwo.tools.stream_trace`) under ``streams``.
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -134,6 +136,10 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         return {**row, "error": str(refused), "error_kind": "backend"}
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations))
+    if trace is not None and "error" not in row:
+        from mutwo.tools.stream_trace import trace_iterations
+
+        row["streams"] = trace_iterations(step, training.device, trace)
     return row
 
 
