@@ -72,6 +72,10 @@ class Measured:
     peak: int | None
     seconds: float | None
     error: str = ""
+    #: times the caching allocator emptied its cache and retried an allocation during the run: each
+    #: one synchronises the GPU, so near the limit a fragmented cache slows every iteration
+    allocator_retries: int | None = None
+    reserved_peak: int | None = None  #: the allocator's peak of reserved (allocated + cached) bytes
 
 
 #: Runs the rewritten iteration at a batch size, capped at the limit: ``measure(batch, lowered,
@@ -90,20 +94,35 @@ def measure_capped(batch: int, lowered: CapturedGraph, limit_bytes: int) -> Meas
     total = torch.cuda.get_device_properties(device).total_memory
     allowed = limit_bytes + device_bytes(lowered.inputs, device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), device)
+    torch.cuda.reset_peak_memory_stats(device)
+    retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+    def allocator() -> tuple[int, int, str]:
+        """Retries during the run, the reserved peak, and what the cache held beyond live tensors."""
+        stats = torch.cuda.memory_stats(device)
+        reserved, allocated = stats.get("reserved_bytes.all.peak", 0), stats.get("allocated_bytes.all.peak", 0)
+        held = (f"; the allocator had reserved {mib(reserved)} for a peak of {mib(allocated)} allocated"
+                if reserved > allocated else "")  # fmt: skip
+        return stats.get("num_alloc_retries", 0) - retries_before, reserved, held
+
     try:
         measured = measure_iterations(to_fx(lowered.graph), lowered.inputs, runs=1, warmup=1)
     except torch.OutOfMemoryError:
-        return Measured(None, None, "out of memory under the cap")
+        retries, reserved, held = allocator()
+        return Measured(None, None, f"out of memory under the cap{held}", retries, reserved)
     except RuntimeError as error:  # cuBLAS and cuDNN report a failed allocation in their own words
         first = (str(error).strip().splitlines() or [""])[0]
         if not any(sign in first for sign in ("out of memory", "ALLOC_FAILED")):
             raise
-        return Measured(None, None, f"out of memory under the cap ({first[:120]})")
+        retries, reserved, held = allocator()
+        return Measured(None, None, f"out of memory under the cap ({first[:120]}){held}", retries, reserved)
+    else:
+        retries, reserved, _ = allocator()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         gc.collect()
         torch.cuda.empty_cache()
-    return Measured(measured.peak_bytes, measured.seconds)
+    return Measured(measured.peak_bytes, measured.seconds, "", retries, reserved)
 
 
 def parse_limit(memory: str | int) -> int:

@@ -64,22 +64,29 @@ class Attempt:
     measured_seconds: float | None  #: per iteration
     error: str  #: why the run failed ("out of memory under the cap"), else ""
     fits: bool  #: it ran, and its peak is within the limit
+    allocator_retries: int | None = None  #: see :class:`mutwo.runtime.fit.Measured`
+    reserved_peak: int | None = None
 
     @classmethod
     def of(cls, point: FitPoint, measured: Any, limit: int) -> Attempt:
         """The run ``measured`` (a :class:`mutwo.runtime.fit.Measured`) of the plan ``point``."""
         fits = not measured.error and measured.peak is not None and measured.peak <= limit
         return cls(point.batch_size, point.budget, point.predicted_peak, measured.peak, measured.seconds,
-                   measured.error, fits)  # fmt: skip
+                   measured.error, fits, measured.allocator_retries, measured.reserved_peak)  # fmt: skip
 
     def describe(self) -> str:
         head = f"batch {self.batch_size} (planned for {mib(self.planned_budget)}, predicted {mib(self.predicted_peak)})"
+        # Each retry empties the allocator's cache and synchronises: near the limit a cache
+        # fragmented by large tensors makes every iteration pay for it.
+        retried = (f"; the allocator emptied its cache and retried {self.allocator_retries} times (a fragmented "
+                   "cache near the limit; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may avoid it)"
+                   if self.allocator_retries else "")  # fmt: skip
         if self.error:
-            return f"{head}: {self.error}"
+            return f"{head}: {self.error}{retried}"
         peak = self.measured_peak or 0
         where = "within the limit" if self.fits else "over the limit"
         milliseconds = (self.measured_seconds or 0) * 1e3
-        return f"{head}: measured {mib(peak)}, {where} ({milliseconds:.1f} ms/iteration)"
+        return f"{head}: measured {mib(peak)}, {where} ({milliseconds:.1f} ms/iteration){retried}"
 
 
 @dataclass

@@ -192,3 +192,20 @@ def test_a_plan_that_crashes_is_an_error_not_a_batch_that_does_not_fit(monkeypat
     monkeypatch.setattr(SelectPass, "_greedy_plan", crash)
     with pytest.raises(FitError, match=r"planning batch 64 failed: pass 'select' failed .*maximum recursion depth"):
         _mlp_fit("256KiB")
+
+
+def test_a_measured_run_says_when_the_allocator_thrashed() -> None:
+    """A run whose caching allocator emptied its cache and retried (each retry synchronises the GPU)
+    says so, with what may avoid it; an out-of-memory run keeps what the allocator held."""
+    from mutwo.runtime.fit_search import Attempt
+
+    point = FitPoint(72, True, 15 * 2**30, "161 activations recomputed", 15 * 2**30)
+    slow = Attempt.of(point, Measured(15 * 2**30, 4.2, "", allocator_retries=7, reserved_peak=16 * 2**30), 16 * 2**30)
+    assert slow.fits and slow.allocator_retries == 7
+    assert "retried 7 times" in slow.describe() and "expandable_segments:True" in slow.describe()
+    calm = Attempt.of(point, Measured(15 * 2**30, 0.9, "", allocator_retries=0), 16 * 2**30)
+    assert "retried" not in calm.describe() and "900.0 ms/iteration" in calm.describe()
+    failed = Attempt.of(point, Measured(None, None, "out of memory under the cap; the allocator had reserved ...",
+                                        allocator_retries=2), 16 * 2**30)  # fmt: skip
+    assert not failed.fits and failed.describe().endswith("expandable_segments:True may avoid it)")
+    assert "the allocator had reserved" in failed.describe()
