@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed by the open issues, one section per device call. Each section
+# runs in under 10 minutes (the device tool's limit per command) and writes its raw files under
+# $OUT. The sections are listed in order of value; the minutes are from the H100 runs of 2026-11-23.
+#
+#   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
+#
+# Sections:
+#   tests        the CUDA tests added since the last GPU run (stream trace, fit)             ~2 min
+#   opt-gpt2     issue 16: GPT-2 small b4/b8, eager vs checkpointing vs mutwo with and
+#                without the optimizer passes, in one run (adds mutwo-none, which separates
+#                the captured step's own cost from the passes')                                ~7 min
+#   opt-bert     issue 16: the same for BERT-base b32/b64                                       ~7 min
+#   fit-resnet   issue 16: --fit 16GiB on ResNet-152 to the end (the last run was cut)           ~7 min
+#   fit-alloc    issue 16: why the fitted batches ran 3.4-4.2 s/iteration: BERT's fit again with
+#                expandable segments (compare allocator_retries in both fit.json)             ~2 min
+#   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces              ~7 min
+#   swap-bert    issue 18: the same for BERT-base b64                                          ~7 min
+#   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
+set -u
+section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends"}
+: "${OUT:?set OUT to the folder the results go to}"
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
+
+case "$section" in
+  tests)
+    timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
+      tests/test_stream_trace.py tests/test_fit.py tests/test_cuda_swap.py tests/test_backends.py ;;
+  opt-gpt2)
+    timeout 580 python3 bench/compare.py --out "$OUT/opt_gpt2.json" --models gpt2:4,gpt2:8 --timeout 150 \
+      --variants "$OPT_VARIANTS" ;;
+  opt-bert)
+    timeout 580 python3 bench/compare.py --out "$OUT/opt_bert.json" --models bert:32,bert:64 --timeout 150 \
+      --variants "$OPT_VARIANTS" ;;
+  fit-resnet)
+    timeout 580 mutwo-opt examples/resnet152.yaml --fit 16GiB --batch-size 64 -o "$OUT/fit_resnet152" \
+      2> "$OUT/fit_resnet152.log"; tail -3 "$OUT/fit_resnet152.log" ;;
+  fit-alloc)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 mutwo-opt examples/bert.yaml --fit 16GiB \
+      --batch-size 8 -o "$OUT/fit_bert_expandable" 2> "$OUT/fit_bert_expandable.log"
+    tail -3 "$OUT/fit_bert_expandable.log"
+    timeout 240 mutwo-opt examples/bert.yaml --fit 16GiB --batch-size 8 -o "$OUT/fit_bert" 2> "$OUT/fit_bert.log"
+    tail -3 "$OUT/fit_bert.log" ;;
+  swap-resnet)
+    timeout 580 python3 bench/compare.py --out "$OUT/swap_resnet152_b128.json" --models resnet152:128 \
+      --variants swap-study --timeout 150 --trace ;;
+  swap-bert)
+    timeout 580 python3 bench/compare.py --out "$OUT/swap_bert_b64.json" --models bert:64 \
+      --variants swap-study --timeout 150 --trace ;;
+  backends)
+    timeout 580 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
+      --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;
+  *)
+    echo "h100_campaign.sh: unknown section '$section'; see the list at the top of this file" >&2
+    exit 2 ;;
+esac
