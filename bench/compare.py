@@ -150,7 +150,8 @@ def config_path(name: str) -> Path:
 
 
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
-           precision: str | None = None, trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
+           precision: str | None = None, trace: Path | None = None,
+           isolate_profile: bool = False) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     own = mutwo_variant(variant)
     if own is not None:
@@ -158,7 +159,7 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
-                                backend=own.backend, trace=trace)  # fmt: skip
+                                backend=own.backend, trace=trace, isolate_profile=isolate_profile)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
@@ -196,6 +197,9 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="after measuring each variant, profile 3 more iterations and add where the GPU time went, "
                         "stream by stream, under 'streams' (Chrome traces beside --out; CUDA only)")
+    parser.add_argument("--isolate-profile", action="store_true",
+                        help="mutwo variants profile with profile{isolate=true}: each node's GPU time without the "
+                        "host's launch time (compare the predicted and measured times with and without)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
@@ -205,7 +209,7 @@ def main() -> None:
         name, batch, variant, budget = args.worker
         trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
-                     trace)  # fmt: skip
+                     trace, args.isolate_profile)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
@@ -229,7 +233,8 @@ def main() -> None:
                 done = subprocess.run([sys.executable, __file__, "--worker", name, batch, variant, encoded,
                                        *(["--out", args.out] if args.out else []),
                                        *(["--precision", args.precision] if args.precision else []),
-                                       *(["--trace"] if args.trace else [])], cwd=ROOT,
+                                       *(["--trace"] if args.trace else []),
+                                       *(["--isolate-profile"] if args.isolate_profile else [])], cwd=ROOT,
                                       capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 row = json.loads(lines[-1]) if done.returncode == 0 and lines else {

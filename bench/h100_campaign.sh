@@ -17,8 +17,11 @@
 #   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces              ~7 min
 #   swap-bert    issue 18: the same for BERT-base b64                                          ~7 min
 #   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
+#   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
+#                times (profile{isolate=true}); does the predicted time come within 10%, and does
+#                the plan get faster at checkpointing's peak?                                 ~5 min
 set -u
-section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends"}
+section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
@@ -26,7 +29,7 @@ OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+o
 case "$section" in
   tests)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
-      tests/test_stream_trace.py tests/test_fit.py tests/test_cuda_swap.py tests/test_backends.py ;;
+      tests/test_stream_trace.py tests/test_fit.py tests/test_cuda.py tests/test_cuda_swap.py tests/test_backends.py ;;
   opt-gpt2)
     timeout 580 python3 bench/compare.py --out "$OUT/opt_gpt2.json" --models gpt2:4,gpt2:8 --timeout 150 \
       --variants "$OPT_VARIANTS" ;;
@@ -51,6 +54,11 @@ case "$section" in
   backends)
     timeout 580 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
       --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;
+  isolate)
+    timeout 280 python3 bench/compare.py --out "$OUT/isolate_off_gpt2_b8.json" --models gpt2:8 --timeout 120 \
+      --variants eager,checkpoint,mutwo-checkpoint
+    timeout 280 python3 bench/compare.py --out "$OUT/isolate_on_gpt2_b8.json" --models gpt2:8 --timeout 120 \
+      --reference "$OUT/isolate_off_gpt2_b8.json" --variants mutwo-checkpoint,mutwo-0.5 --isolate-profile ;;
   *)
     echo "h100_campaign.sh: unknown section '$section'; see the list at the top of this file" >&2
     exit 2 ;;

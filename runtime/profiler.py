@@ -107,11 +107,39 @@ def device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
     return sum(seen.values())
 
 
+#: How long the GPU spins before each op when the profile isolates ops' GPU time: longer than the
+#: host needs to launch a typical op through the profiling interpreter (20-45 µs for a view on the
+#: H100's host), so the op is queued before the GPU reaches its start event.
+ISOLATION_SPIN_SECONDS = 200e-6
+
+
+def spin_cycles(device: torch.device, seconds: float = ISOLATION_SPIN_SECONDS) -> int:
+    """GPU clock cycles of ``torch.cuda._sleep`` that last about ``seconds`` on ``device``."""
+    probe = 1_000_000
+    with torch.cuda.device(device):
+        torch.cuda._sleep(probe)  # warm up: the first launch pays for loading the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+    return max(1, int(probe * seconds / (start.elapsed_time(end) / 1e3)))
+
+
 class _TimingInterpreter(fx.Interpreter):
-    def __init__(self, module: fx.GraphModule, cuda: bool, graph: Graph) -> None:
+    """Runs the graph recording each node's time (CUDA events, or the wall clock on CPU) and memory.
+
+    With ``spin`` (CUDA), the GPU first spins that many cycles before each node's start event, so
+    that the host has queued the node's kernels before the GPU reaches it: the elapsed time is then
+    the GPU's work alone. Without it, a node whose kernels are shorter than the host's launch time
+    (a view, a small elementwise op) measures the host's time between the two events.
+    """
+
+    def __init__(self, module: fx.GraphModule, cuda: bool, graph: Graph, spin: int = 0) -> None:
         super().__init__(module, garbage_collect_values=True)
         self.cuda = cuda
         self.ir = graph
+        self.spin = spin
         self.records: list[tuple[int, Any, Any, int | None, int | None, int | None]] = []
         self.replays: list[tuple[int, Any, Any]] = []
 
@@ -130,6 +158,8 @@ class _TimingInterpreter(fx.Interpreter):
         if self.cuda:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            if self.spin:
+                torch.cuda._sleep(self.spin)
             start = self._mark()
             result = super().run_node(n)
             end = self._mark()
@@ -148,6 +178,8 @@ class _TimingInterpreter(fx.Interpreter):
         """Time the batch norm's replay from the statistics it just saved (after its own record,
         so its memory figures stay the node's own)."""
         operands = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:3]]
+        if self.spin:
+            torch.cuda._sleep(self.spin)
         start = self._mark()
         batch_norm_from_stats(*operands, result[stats[0]], result[stats[1]])
         end = self._mark()
@@ -162,19 +194,24 @@ def profile_graph(
     warmup: int = 1,
     iteration_runs: int = 5,
     progress: Callable[[str], None] | None = None,
+    isolate: bool = False,
 ) -> Profile:
-    """Measure every node of ``graph`` (median of ``runs`` after ``warmup``) and whole iterations."""
+    """Measure every node of ``graph`` (median of ``runs`` after ``warmup``) and whole iterations.
+
+    ``isolate`` (CUDA): time each node's GPU work without the host's launch time
+    (:class:`_TimingInterpreter`); it has no effect on CPU, where the wall clock is the op's time."""
     if runs < 1:
         raise ValueError("profile needs at least one measured run")
     module = to_fx(graph)
     device = device_of(inputs)
     cuda = device.type == "cuda"
+    spin = spin_cycles(device) if cuda and isolate else 0
     state = [t.clone() for t in inputs]
     samples: dict[int, list[float]] = {}
     replay_samples: dict[int, list[float]] = {}
     memory: dict[int, tuple[int, int, int]] = {}
     for run in range(warmup + runs):
-        interpreter = _TimingInterpreter(module, cuda, graph)
+        interpreter = _TimingInterpreter(module, cuda, graph, spin)
         with torch.no_grad():
             interpreter.run(*state)
         if cuda:
@@ -204,7 +241,8 @@ def profile_graph(
     # (launch gaps and the allocator show only there) and has a peak to measure.
     iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs and cuda else None
     return Profile(str(device), fingerprint(graph), nodes, runs, iteration,
-                   meta={"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None})
+                   meta={"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None,
+                         "isolated": bool(spin)})  # fmt: skip
 
 
 def _elapsed(start: Any, end: Any, cuda: bool) -> float:

@@ -14,6 +14,7 @@ import operator
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -611,6 +612,24 @@ def test_profile_pass_writes_its_tables(tmp_path: Path, captured_mlp: CapturedMl
     assert [int(r["bytes"]) for r in activation_rows] == sorted((int(r["bytes"]) for r in activation_rows),
                                                                 reverse=True)  # fmt: skip
     assert any(m.startswith(f"profile: {len(computed)} nodes") for m in messages), messages
+
+
+def test_profile_pass_asks_for_isolated_times_only_when_set(captured_mlp: CapturedMlp) -> None:
+    """``profile{isolate=true}`` reaches the profiler; without it the profiler is called as
+    (graph, runs, warmup), so a service of that shape keeps working. On CPU isolating changes
+    nothing: the profile says it was not isolated."""
+    graph, inputs = captured_mlp
+    calls: list[dict[str, Any]] = []
+
+    def profiler(g: Graph, runs: int, warmup: int, **options: Any) -> profiler_module.Profile:
+        calls.append(options)
+        return profiler_module.profile_graph(g, inputs, runs=runs, warmup=warmup, iteration_runs=1, **options)
+
+    ctx = PassContext()
+    ctx.services["profiler"] = profiler
+    assert ProfilePass(runs=1, warmup=0).run(graph, ctx).meta["isolated"] is False
+    isolated = ProfilePass.from_options({"isolate": "true", "runs": "1", "warmup": "0"}).run(graph, ctx)
+    assert calls == [{}, {"isolate": True}] and isolated.meta["isolated"] is False  # no GPU queue to isolate from
 
 
 def test_profile_pass_activation_times_are_hand_computable(tmp_path: Path) -> None:

@@ -100,7 +100,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       precision: str | None = None,
                       log: Callable[[str], None] = lambda message: None,
                       optimizer_passes: bool = False, swap: bool = False,
-                      backend: str = "eager", trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
+                      backend: str = "eager", trace: Path | None = None,
+                      isolate_profile: bool = False) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
@@ -112,7 +113,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     capturable optimizer with learning rates on the GPU,
     :func:`mutwo.runtime.cuda_graphs.graphable_optimizer`). ``trace``: after measuring, profile
     3 more iterations on the GPU, write their Chrome trace there and add the per-stream summary
-    (:mod:`mutwo.tools.stream_trace`) under ``streams``.
+    (:mod:`mutwo.tools.stream_trace`) under ``streams``. ``isolate_profile``: profile with
+    ``profile{isolate=true}`` (each node's GPU time without the host's launch time).
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -126,7 +128,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
             step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap,
-                                 backend)  # fmt: skip
+                                 backend, isolate_profile)  # fmt: skip
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -215,7 +217,8 @@ def build_training(config_path: str | Path, batch_size: int, device: str | None 
 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
                   log: Callable[[str], None], optimizer_passes: bool = False,
-                  swap: bool = False, backend: str = "eager") -> Callable[[], Any]:  # fmt: skip
+                  swap: bool = False, backend: str = "eager",
+                  isolate_profile: bool = False) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
@@ -235,11 +238,12 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
-    passes = ",".join(["profile", *planning])
+    passes = ",".join(["profile{isolate=true}" if isolate_profile else "profile", *planning])
     if budget is not None:
         if saved.exists():
             profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
-            if profile.fingerprint == fingerprint(lowered.graph):
+            same_kind = bool(profile.meta.get("isolated")) == (isolate_profile and training.device.type == "cuda")
+            if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
                 context.artifacts["profile"] = profile
                 passes = ",".join(planning)
                 timing = folder / "timing.json"  # written by the run that profiled
@@ -255,6 +259,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     row["planning_seconds"] = round(row["capture_seconds"] + row.get("profile_seconds", 0.0)
                                     + row["select_rewrite_seconds"], 2)  # fmt: skip
     profile = context.artifacts["profile"]
+    row["profile_isolated"] = bool(profile.meta.get("isolated"))
     row["simulated_peak_bytes"] = simulate(lowered.graph, workspace=profile.workspace()).peak_bytes
     row["nodes"] = len(lowered.graph)
     for name in ("optimizer-in-backward", "foreach-buckets"):  # whether each applied, or why not
