@@ -38,13 +38,13 @@ case "$section" in
       --variants "$OPT_VARIANTS" ;;
   fit-resnet)
     timeout 580 mutwo-opt examples/resnet152.yaml --fit 16GiB --batch-size 64 -o "$OUT/fit_resnet152" \
-      2> "$OUT/fit_resnet152.log"; tail -3 "$OUT/fit_resnet152.log" ;;
+      2> "$OUT/fit_resnet152.log"; status=$?; tail -3 "$OUT/fit_resnet152.log"; exit $status ;;
   fit-alloc)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 mutwo-opt examples/bert.yaml --fit 16GiB \
-      --batch-size 8 -o "$OUT/fit_bert_expandable" 2> "$OUT/fit_bert_expandable.log"
+      --batch-size 8 -o "$OUT/fit_bert_expandable" 2> "$OUT/fit_bert_expandable.log"; first=$?
     tail -3 "$OUT/fit_bert_expandable.log"
     timeout 240 mutwo-opt examples/bert.yaml --fit 16GiB --batch-size 8 -o "$OUT/fit_bert" 2> "$OUT/fit_bert.log"
-    tail -3 "$OUT/fit_bert.log" ;;
+    second=$?; tail -3 "$OUT/fit_bert.log"; exit $(( first || second )) ;;
   swap-resnet)
     timeout 580 python3 bench/compare.py --out "$OUT/swap_resnet152_b128.json" --models resnet152:128 \
       --variants swap-study --timeout 150 --trace ;;
@@ -56,7 +56,7 @@ case "$section" in
       --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;
   isolate)
     timeout 280 python3 bench/compare.py --out "$OUT/isolate_off_gpt2_b8.json" --models gpt2:8 --timeout 120 \
-      --variants eager,checkpoint,mutwo-checkpoint
+      --variants eager,checkpoint,mutwo-checkpoint,mutwo-0.5
     timeout 280 python3 bench/compare.py --out "$OUT/isolate_on_gpt2_b8.json" --models gpt2:8 --timeout 120 \
       --reference "$OUT/isolate_off_gpt2_b8.json" --variants mutwo-checkpoint,mutwo-0.5 --isolate-profile ;;
   *)

@@ -6,7 +6,8 @@ bit for bit. This probe finds where the difference starts: it runs the original 
 clones of the same state, in deterministic mode, and fingerprints every node's tensor outputs (the
 exact integer sum of their bit patterns: order-free, so the fingerprint itself is deterministic).
 The first node whose fingerprint differs while all of its inputs' match is a kernel that is not
-deterministic; later differences may only be inherited.
+deterministic; later differences may only be inherited. (An op that writes into a view marks the
+view as differing, not its base: a later reader of the base may then be listed as a cause too.)
 
     python bench/nondeterminism_probe.py examples/bert_bf16.yaml --batch-size 32 \\
         --out bench/results/bf16_h100/nondeterminism_bert.json
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,9 @@ from mutwo.runtime.equivalence import deterministic_algorithms
 from mutwo.tools.config import load_config
 from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device, training_options
 
+# Deterministic cuBLAS needs this before cuBLAS starts (mutwo-opt sets it at startup too).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -42,7 +47,8 @@ def fingerprint(value: Any) -> list[int]:
         if tensor.numel() == 0 or tensor.dtype == torch.bool:
             prints.append(int(tensor.sum()) if tensor.numel() else 0)
             continue
-        bits = tensor.detach().contiguous().view(_BITS[tensor.element_size()]).to(torch.int64)
+        real = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+        bits = real.detach().contiguous().view(_BITS[real.element_size()]).to(torch.int64)
         prints.append(int(bits.sum()))
     return prints
 

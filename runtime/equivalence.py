@@ -83,7 +83,7 @@ class Mismatch:
 class EquivalenceReport:
     iterations: int
     bitwise: bool
-    #: set when the candidate is a compiled step, compared within it (``bitwise`` is then False)
+    #: set when compared within a Tolerance: a compiled step, or an original that varies by itself
     tolerance: Tolerance | None = None
     mismatches: list[Mismatch] = field(default_factory=list)
     compared: int = 0  #: number of tensors compared over all iterations

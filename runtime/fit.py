@@ -97,27 +97,29 @@ def measure_capped(batch: int, lowered: CapturedGraph, limit_bytes: int) -> Meas
     torch.cuda.reset_peak_memory_stats(device)
     retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
-    def allocator() -> tuple[int, int, str]:
-        """Retries during the run, the reserved peak, and what the cache held beyond live tensors."""
+    def allocator(failed: bool) -> tuple[int, int, str]:
+        """Retries during the run, the reserved peak, and what the cache held beyond live tensors.
+        The allocation that fails counts one retry (the allocator empties its cache before giving
+        up): a failed run's own last retry is not thrashing."""
         stats = torch.cuda.memory_stats(device)
         reserved, allocated = stats.get("reserved_bytes.all.peak", 0), stats.get("allocated_bytes.all.peak", 0)
         held = (f"; the allocator had reserved {mib(reserved)} for a peak of {mib(allocated)} allocated"
-                if reserved > allocated else "")  # fmt: skip
-        return stats.get("num_alloc_retries", 0) - retries_before, reserved, held
+                if reserved > 1.05 * allocated else "")  # fmt: skip  (segments round up by a few percent)
+        return max(0, stats.get("num_alloc_retries", 0) - retries_before - failed), reserved, held
 
     try:
         measured = measure_iterations(to_fx(lowered.graph), lowered.inputs, runs=1, warmup=1)
     except torch.OutOfMemoryError:
-        retries, reserved, held = allocator()
+        retries, reserved, held = allocator(failed=True)
         return Measured(None, None, f"out of memory under the cap{held}", retries, reserved)
     except RuntimeError as error:  # cuBLAS and cuDNN report a failed allocation in their own words
         first = (str(error).strip().splitlines() or [""])[0]
         if not any(sign in first for sign in ("out of memory", "ALLOC_FAILED")):
             raise
-        retries, reserved, held = allocator()
+        retries, reserved, held = allocator(failed=True)
         return Measured(None, None, f"out of memory under the cap ({first[:120]}){held}", retries, reserved)
     else:
-        retries, reserved, _ = allocator()
+        retries, reserved, _ = allocator(failed=False)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         gc.collect()

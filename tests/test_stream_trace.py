@@ -40,6 +40,7 @@ def test_a_trace_is_summarised_per_stream_and_per_iteration() -> None:
     assert summary["compute_busy_ms"] == pytest.approx(0.027) and summary["compute_idle_ms"] == pytest.approx(0.018)
     assert summary["compute_busy_during_copies_ms"] == pytest.approx(0.012)
     assert summary["copy_busy_ms"] == pytest.approx(0.022)
+    assert summary["compute_idle_during_copies_ms"] == pytest.approx(0.010)  # 18-20 and 32-40
     assert summary["kernel_slowdown_during_copies"] == pytest.approx(1.2)  # relu never ran beside a copy
     copy_stream = summary["streams"]["13"]
     assert copy_stream["d2h_bytes"] == 1_000_000 and copy_stream["d2h_gb_per_s"] == pytest.approx(45.45, abs=0.01)

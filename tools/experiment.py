@@ -254,7 +254,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     seconds = {record.name: record.seconds for record in result.records}
     if "profile" in seconds:
         row["profile_seconds"] = round(seconds["profile"], 2)
-        write_atomic(folder / "timing.json", json.dumps({"profile_seconds": row["profile_seconds"]}))
+        if budget is None:  # timing.json goes with the profile.json only this run writes
+            write_atomic(folder / "timing.json", json.dumps({"profile_seconds": row["profile_seconds"]}))
     row["select_rewrite_seconds"] = round(sum(v for k, v in seconds.items() if k != "profile"), 2)
     row["planning_seconds"] = round(row["capture_seconds"] + row.get("profile_seconds", 0.0)
                                     + row["select_rewrite_seconds"], 2)  # fmt: skip

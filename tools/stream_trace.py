@@ -10,11 +10,15 @@ its GPU events to per-iteration numbers:
 
 - per stream: busy time (the union of its kernels' and copies' intervals), kernels, copies, bytes
   copied each way and their rate while busy;
-- the compute stream (the one with most kernel time): busy and idle time, and how much of its busy
-  time overlapped a copy on another stream;
-- ``kernel_slowdown_during_copies``: for each kernel name that ran both while a copy was in flight
-  and while none was, the ratio of its mean durations, averaged over names weighted by calls
-  (1.0: copies do not slow compute; above 1: contention).
+- the compute stream (the one with most kernel time): busy and idle time, how much of its busy
+  time overlapped a copy on another stream, and how much of its idle time did (waiting for a copy,
+  most likely; idle time with no copy running is the host launching late);
+- ``kernel_slowdown_during_copies``: for each kernel (name and launch configuration) that ran both
+  while a copy was in flight and while none was, the ratio of its mean durations, averaged over
+  kernels weighted by calls (1.0: copies do not slow compute; above 1: contention).
+
+The profiler's own host overhead (CPU activity is recorded too, to keep the trace readable) makes
+the host slower than in an unprofiled run, so idle time with no copy running is an upper bound.
 """
 
 from __future__ import annotations
@@ -120,6 +124,9 @@ def summarize(events: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
         "compute_busy_ms": round(length(compute_busy) * scale, 3),
         "compute_idle_ms": round((window - length(compute_busy)) * scale, 3),
         "compute_busy_during_copies_ms": round(length(intersection(compute_busy, copies)) * scale, 3),
+        # Idle while a copy ran: waiting for it, most likely; idle with no copy running: the host was late.
+        "compute_idle_during_copies_ms": round((length(copies) - length(intersection(compute_busy, copies))) * scale,
+                                               3),  # fmt: skip
         "copy_busy_ms": round(length(copies) * scale, 3),
         "kernel_slowdown_during_copies": _slowdown(per_stream[compute], copies),
         "streams": streams,
@@ -133,7 +140,10 @@ def _slowdown(kernels: list[dict[str, Any]], copies: list[Interval]) -> float | 
         if event["cat"] != "kernel":
             continue
         during = _overlaps((event["ts"], event["ts"] + event["dur"]), copies)
-        durations[event["name"]][0 if during else 1].append(event["dur"])
+        # One kernel name runs many shapes (GEMMs, convolutions); the launch configuration tells them apart.
+        args = event.get("args", {})
+        key = f"{event['name']} grid={args.get('grid')} block={args.get('block')}"
+        durations[key][0 if during else 1].append(event["dur"])
     weighted, calls = 0.0, 0
     for with_copies, without in durations.values():
         if with_copies and without and sum(without) > 0:
