@@ -40,6 +40,9 @@ class SwapPlan(PlanData):
     entries: list[dict[str, Any]]
     kept: int  #: candidate activations kept on the device
     met: bool
+    #: the plan not kept when ``keep_faster`` compared swap+recompute with recompute only: its
+    #: ``allow``, predicted seconds and peak, whether it met the budget, what it swapped and recomputed
+    alternative: dict[str, Any] | None = None
 
     def of(self, action: str) -> list[dict[str, Any]]:
         return [e for e in self.entries if e["action"] == action]
@@ -128,6 +131,8 @@ class SelectSwapPass(Pass):
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
     allow: str = option("swap,recompute", "what it may choose for an activation: swap, recompute, or both")
     bandwidth: float | None = option(None, "host-device GB/s (both directions, no latency) instead of measuring it")
+    keep_faster: bool = option(True, "with swap and recompute allowed, also plan recompute only and keep whichever "
+                                     "plan is predicted faster at the budget (the plan records the other)")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.budget is not None:
@@ -141,16 +146,70 @@ class SelectSwapPass(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> SwapPlan:
         begin = start(graph, ctx, self.budget, "select-swap: no budget and no device limit (CPU): nothing needs to "
                       "leave memory")  # fmt: skip
-        profile, liveness, workspace, base = begin.profile, begin.liveness, begin.workspace, begin.base
+        profile, liveness, base = begin.profile, begin.liveness, begin.base
         budget, budget_bytes = begin.budget, begin.budget_bytes
         transfer = self._transfer(ctx, base.device)
         seconds, scale = calibrated_seconds(profile)
-        candidates, sites = self._candidates(graph, liveness, profile, scale, transfer, base.device)
+        allowed = {a.strip() for a in self.allow.split(",") if a.strip()}
+        candidates, sites = self._candidates(graph, liveness, profile, scale, transfer, base.device, allowed)
         ctx.log(f"select-swap: {len(candidates)} candidates ({sum(c.swappable for c in candidates)} swappable, "
                 f"{sum(c.recomputable for c in candidates)} recomputable); unoptimized peak "
                 f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
                 f"{transfer.d2h_bytes_per_second / 1e9:.1f} GB/s out, {transfer.h2d_bytes_per_second / 1e9:.1f} GB/s "
                 "in")  # fmt: skip
+        best = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, candidates, sites)
+        alternative = None
+        if self.keep_faster and allowed == set(ACTIONS):
+            # μ-TWO's scheduler prices one activation at a time; the whole recompute-only plan, on
+            # the same time model, may still be faster (at the same budget, never slower is the goal).
+            only, only_sites = self._candidates(graph, liveness, profile, scale, transfer, base.device, {RECOMPUTE})
+            other = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, only,
+                                 only_sites)  # fmt: skip
+            if self._better(other, best, budget_bytes, budget.minimum):
+                ctx.log(f"select-swap: recompute only is predicted faster at this budget "
+                        f"({other.timeline.seconds * 1e3:.1f} ms against {best.timeline.seconds * 1e3:.1f} ms with "
+                        "swaps): keeping it (select-swap{keep_faster=false} keeps the swaps)")  # fmt: skip
+                alternative = self._summary("swap,recompute", best, budget_bytes)
+                best, candidates, sites = other, only, only_sites
+            else:
+                alternative = self._summary("recompute", other, budget_bytes)
+        plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, profile, scale, transfer)
+        plan.alternative = alternative
+        plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
+        if not plan.met:
+            raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak "
+                              f"select-swap reaches with {self.allow} is {plan.predicted_peak / MIB:.1f} MiB "
+                              f"({100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized "
+                              f"{base.peak_bytes / MIB:.1f} MiB), at %{plan.predicted_peak_node} in the "
+                              f"{plan.predicted_peak_phase} phase")  # fmt: skip
+        return plan
+
+    @staticmethod
+    def _better(other: Evaluation, best: Evaluation, budget_bytes: int, minimum: bool) -> bool:
+        """Whether ``other`` is the better plan: at ``min`` the lower peak (then the faster);
+        otherwise one that meets the budget over one that does not, then the faster."""
+        if minimum:
+            return (other.simulation.peak_bytes, other.timeline.seconds) < \
+                (best.simulation.peak_bytes, best.timeline.seconds)  # fmt: skip
+        meets = [e.simulation.peak_bytes <= budget_bytes for e in (other, best)]
+        if meets[0] != meets[1]:
+            return meets[0]
+        return other.timeline.seconds < best.timeline.seconds
+
+    @staticmethod
+    def _summary(allow: str, evaluation: Evaluation, budget_bytes: int) -> dict[str, Any]:
+        """What the plan not kept would have done: the record of the choice."""
+        return {"allow": allow, "predicted_seconds": evaluation.timeline.seconds,
+                "predicted_peak": evaluation.simulation.peak_bytes,
+                "met": evaluation.simulation.peak_bytes <= budget_bytes,
+                "swapped": sum(c.action == SWAP for c in evaluation.chosen),
+                "recomputed": sum(c.action == RECOMPUTE for c in evaluation.chosen)}  # fmt: skip
+
+    def _greedy(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], seconds: Callable[[Node], float],
+                transfer: TransferModel, base: MemorySimulation, budget_bytes: int, candidates: list[SwapCandidate],
+                sites: dict[StorageKey, SwapSite]) -> Evaluation:  # fmt: skip
+        """The scheduler's search over ``candidates`` down to ``budget_bytes``: the lowest-peak
+        evaluation it reached."""
         durations = [seconds(n) for n in graph]
         forward = sum(d for d, n in zip(durations, graph, strict=True) if n.phase is Phase.FORWARD)
         timeline = Timeline(durations, transfer.overlap, ceiling=forward)
@@ -184,15 +243,7 @@ class SelectSwapPass(Pass):
             return grew
 
         search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best.simulation.peak_bytes)
-        plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, profile, scale, transfer)
-        plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
-        if not plan.met:
-            raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak "
-                              f"select-swap reaches with {self.allow} is {plan.predicted_peak / MIB:.1f} MiB "
-                              f"({100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized "
-                              f"{base.peak_bytes / MIB:.1f} MiB), at %{plan.predicted_peak_node} in the "
-                              f"{plan.predicted_peak_phase} phase")  # fmt: skip
-        return plan
+        return best
 
     def _transfer(self, ctx: PassContext, device: str) -> TransferModel:
         if self.bandwidth is not None:
@@ -210,8 +261,8 @@ class SelectSwapPass(Pass):
         return model
 
     def _candidates(self, graph: Graph, liveness: Liveness, profile: Any, scale: float, transfer: TransferModel,
-                    device: str) -> tuple[list[SwapCandidate], dict[StorageKey, SwapSite]]:  # fmt: skip
-        allowed = {a.strip() for a in self.allow.split(",")}
+                    device: str, allowed: set[str],
+                    ) -> tuple[list[SwapCandidate], dict[StorageKey, SwapSite]]:  # fmt: skip
         recompute, swaps = Recompute(graph, liveness), SwapAnalysis(graph, liveness)
         elapsed = elapsed_seconds(graph, lambda node_id: scale * profile.seconds(node_id))
         min_swap_bytes = transfer.latency_seconds * min(transfer.d2h_bytes_per_second, transfer.h2d_bytes_per_second)

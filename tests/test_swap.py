@@ -10,9 +10,12 @@ graph bitwise over 3 iterations; the verifier refuses graphs that break the swap
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -285,3 +288,43 @@ def test_optimize_takes_the_swap_pipeline_and_trains_like_the_captured_step() ->
     assert step.last is not None and isinstance(step.last.plan, SwapPlan) and step.last.plan.of(SWAP)
     losses = [float(step(workload.batch)) for _ in range(3)]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+def test_recompute_only_is_kept_when_it_is_predicted_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With swap and recompute allowed, select-swap also plans recompute only and keeps whichever plan
+    its time model predicts faster (the issue: swapping must never be slower than recompute alone at
+    the same budget); the plan records the other one, and keep_faster=false keeps the swaps."""
+    from mutwo.passes import select_swap
+
+    greedy = select_swap.SelectSwapPass._greedy
+
+    def recompute_only_faster(self: object, *args: object) -> select_swap.Evaluation:
+        evaluation = greedy(self, *args)  # type: ignore[arg-type]
+        if not any(c.swappable for c in args[7]):  # type: ignore[attr-defined]  # the recompute-only plan
+            evaluation.timeline = dataclasses.replace(evaluation.timeline, seconds=evaluation.timeline.seconds / 100)
+        return evaluation
+
+    monkeypatch.setattr(select_swap.SelectSwapPass, "_greedy", recompute_only_faster)
+    both = "profile{runs=1,warmup=0},select-swap{bandwidth=100},insert-swap"
+    kept = swapping.rewrite(models.cnn(batch_size=32), both, "0.75")
+    plan: SwapPlan = kept.ctx.artifacts["swap-plan"]
+    assert plan.met and plan.of(RECOMPUTE) and not plan.of(SWAP) and not swap_nodes(kept.graph)
+    assert plan.alternative is not None and plan.alternative["allow"] == "swap,recompute"
+    assert plan.alternative["predicted_seconds"] > plan.predicted_seconds
+    keep_swaps = both.replace("bandwidth=100", "bandwidth=100,keep_faster=false")
+    swaps = swapping.rewrite(models.cnn(batch_size=32), keep_swaps, "0.75")
+    assert swaps.ctx.artifacts["swap-plan"].alternative is None
+
+
+def test_the_better_plan_meets_the_budget_first_then_is_faster() -> None:
+    from mutwo.passes.select_swap import SelectSwapPass
+
+    def plan(peak: int, seconds: float) -> Any:
+        return SimpleNamespace(simulation=SimpleNamespace(peak_bytes=peak), timeline=SimpleNamespace(seconds=seconds))
+
+    better = SelectSwapPass._better
+    assert better(plan(90, 2.0), plan(110, 1.0), 100, minimum=False)  # only it meets the budget
+    assert not better(plan(110, 1.0), plan(90, 2.0), 100, minimum=False)
+    assert better(plan(95, 1.0), plan(90, 2.0), 100, minimum=False)  # both meet: the faster
+    assert not better(plan(95, 2.0), plan(90, 2.0), 100, minimum=False)  # a tie keeps the swap plan
+    assert better(plan(80, 3.0), plan(90, 1.0), 100, minimum=True)  # at min: the lower peak

@@ -317,6 +317,7 @@ def _swap_plan_row(plan: Any) -> dict[str, Any]:
         "predicted_stall_ms": round(plan.stall_seconds * 1e3, 3), "time_scale": round(plan.time_scale, 4),
         "transfer": plan.transfer, "recomputed_ops": dict(Counter(e["op"] for e in recomputed).most_common(8)),
         "swapped_ops": dict(Counter(e["op"] for e in swapped).most_common(8)),
+        "alternative_plan": plan.alternative,  # the plan select-swap did not keep (keep_faster), or None
     }  # fmt: skip
 
 
