@@ -13,8 +13,9 @@
 
 The plan's order survives compilation: the passes that would reorder the graph are off
 (:data:`INDUCTOR_OPTIONS`), fusion stays within the plan's phases and the C++ backend generates one
-kernel per fused node (:mod:`mutwo.runtime.fusion`); docs/backends.md has the evidence. Fusion changes rounding, so an Inductor step is checked within
-a stated tolerance; a CUDA graph of the eager graph runs the same kernels and is checked bitwise.
+kernel per fused node (:mod:`mutwo.runtime.fusion`); docs/backends.md has the evidence. Fusion
+changes rounding, so an Inductor step is checked within a stated tolerance; a CUDA graph of the
+eager graph runs the same kernels and is checked bitwise.
 """
 
 from __future__ import annotations
