@@ -12,9 +12,10 @@
   ``torch.compile(mode="reduce-overhead")`` does.
 
 The plan's order survives compilation: the passes that would reorder the graph are off
-(:data:`INDUCTOR_OPTIONS`) and fusion stays within the plan's phases (:mod:`mutwo.runtime.fusion`);
-docs/backends.md has the evidence. Fusion changes rounding, so an Inductor step is checked within
-a stated tolerance; a CUDA graph of the eager graph runs the same kernels and is checked bitwise.
+(:data:`INDUCTOR_OPTIONS`), fusion stays within the plan's phases and the C++ backend generates one
+kernel per fused node (:mod:`mutwo.runtime.fusion`); docs/backends.md has the evidence. Fusion
+changes rounding, so an Inductor step is checked within a stated tolerance; a CUDA graph of the
+eager graph runs the same kernels and is checked bitwise.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.equivalence import Tolerance
-from mutwo.runtime.fusion import mark_phases, phase_bounded_fusion, phases_arrived
+from mutwo.runtime.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
 from mutwo.runtime.tracing import quiet_torch_errors
 
 #: Inputs the step updates in place and keeps at their address from call to call.
@@ -193,7 +194,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
     on_gpu = CUDA_INDUCTOR_OPTIONS if any(t.is_cuda for t in inputs) else {}
     try:
         with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": phases_arrived()}), \
-                phase_bounded_fusion(), torch.no_grad(), quiet_torch_errors():
+                phase_bounded_fusion(), kernel_per_node(), torch.no_grad(), quiet_torch_errors():
             compiled = compile_fx(module, fakes)
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -1,4 +1,5 @@
-"""Keeping Inductor's fusion from moving work across the forward/backward boundary.
+"""Keeping Inductor's fusion from moving work across the forward/backward boundary, and its C++
+backend from stretching buffer lifetimes across kernels.
 
 Inductor fuses nodes that read the same data (horizontal fusion) or feed one another (vertical),
 and a fused kernel runs where the earliest of its parts was. On a whole-iteration graph with
@@ -17,6 +18,15 @@ copies onto the aten nodes it traces from it
 (``torch.fx.proxy._COPY_META_FIELDS``), so Inductor's IR nodes know it through their origins.
 Fusion within the backward (a recompute into its consumers, an optimizer update into its
 gradient's kernel) is kept: that is where recomputes become nearly free.
+
+On the CPU one more thing undoes a plan: Inductor's C++ backend (``CppScheduling``) does not emit
+one function per fused node but appends every fused node to a kernel group, one C++ function
+called once, until an extern kernel (a convolution, a matmul) or 500 arguments end the group. The
+wrapper allocates every buffer the group writes before that call and frees the buffers it last
+reads after it, so buffers the plan frees between two of its nodes live through the whole group
+(measured in docs/backends.md: a gradient dead after ``threshold_backward`` still alive when the
+batch norm's input gradient and a channels-last copy of the batch are allocated, +9% peak).
+:func:`kernel_per_node` ends the group after each fused node, as the Triton backend does anyway.
 """
 
 from __future__ import annotations
@@ -65,9 +75,10 @@ def _has_clone(node: Any) -> bool:
     return any(mark.get(CUSTOM_CLONE) for mark in _marks(node))
 
 
-#: Names the fusion rule in Inductor's cache keys (through :class:`PhasesArrived`): change it
-#: when the rule changes, or the FX graph cache serves code fused under the old rule.
-RULE_VERSION = "mutwo-phase-bounded-fusion-2"
+#: Names the fusion rule and the kernel grouping in Inductor's cache keys (through
+#: :class:`PhasesArrived`): change it when either changes, or the FX graph cache serves code
+#: generated under the old one.
+RULE_VERSION = "mutwo-phase-bounded-fusion-3-kernel-per-node"
 
 
 def phases_arrived() -> Any:
@@ -110,3 +121,18 @@ def phase_bounded_fusion() -> Iterator[None]:
 
     with V.set_choices_handler(PhaseBoundedChoices()):
         yield
+
+
+@contextmanager
+def kernel_per_node() -> Iterator[None]:
+    """Inductor's C++ backend ending its kernel group after each fused node, while compiling: each
+    node's buffers are allocated right before its kernel and freed right after its last reader,
+    in the plan's order (the scheduler asks ``ready_to_flush`` after every node it generates)."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    grouping = CppScheduling.ready_to_flush
+    CppScheduling.ready_to_flush = lambda self: True  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CppScheduling.ready_to_flush = grouping  # type: ignore[method-assign]
