@@ -66,7 +66,6 @@ sys.path.insert(0, str(ROOT))
 from mutwo.ir.budget import Budget  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
-from mutwo.tools.stream_trace import trace_iterations  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
            "tiny": "examples/tiny_mlp.yaml"}  # fmt: skip
@@ -175,9 +174,7 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
     start = time.perf_counter()
     step()
     row["first_step_seconds"] = round(time.perf_counter() - start, 2)
-    row.update(measure_after_planning(step, training.device, None, warmup=WARMUP, iterations=MEASURED))
-    if trace is not None and "error" not in row:
-        row["streams"] = trace_iterations(step, training.device, trace)
+    row.update(measure_after_planning(step, training.device, None, warmup=WARMUP, iterations=MEASURED, trace=trace))
     return row
 
 

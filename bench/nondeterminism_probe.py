@@ -55,34 +55,24 @@ def fingerprint(value: Any) -> list[int]:
 
 class Fingerprinter(torch.fx.Interpreter):
     """Runs a graph module and records every node's output fingerprint and, for an op that writes
-    into its arguments (``add_``, ``_foreach_addcmul_``), theirs after it ran (values are freed as usual)."""
+    into its operands (``add_``, ``_foreach_addcmul_``, a training batch norm's running statistics:
+    the IR's :attr:`mutwo.ir.node.Node.mutated_operands`), theirs after it ran (values are freed as usual)."""
 
-    def __init__(self, module: torch.fx.GraphModule) -> None:
+    def __init__(self, module: torch.fx.GraphModule, graph: Graph) -> None:
         super().__init__(module)
+        self.ir = graph
+        self.by_name = {node.name: node for node in module.graph.nodes}  # to_fx keeps the IR's names
         self.prints: dict[str, list[int]] = {}
         self.writes: dict[str, dict[str, list[int]]] = {}
 
     def run_node(self, node: torch.fx.Node) -> Any:
         result = super().run_node(node)
         self.prints[node.name] = fingerprint(result)
-        written = _written_arguments(node)
-        if written:
-            self.writes[node.name] = {arg.name: fingerprint(self.env[arg]) for arg in written}
+        if node.op == "call_function":
+            written = [self.by_name[operand.name] for operand in self.ir.node(node.meta[NODE_ID_META]).mutated_operands]
+            if written:
+                self.writes[node.name] = {arg.name: fingerprint(self.env[arg]) for arg in written}
         return result
-
-
-def _written_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes whose values ``node``'s op writes into, per its schema."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return []
-    written: list[torch.fx.Node] = []
-    for index, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-        written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
-    return written
 
 
 def probe(graph: Graph, inputs: list[Any], seed: int = 0) -> list[dict[str, Any]]:
@@ -94,7 +84,7 @@ def probe(graph: Graph, inputs: list[Any], seed: int = 0) -> list[dict[str, Any]
     for _ in range(2):
         state = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
         torch.manual_seed(seed)
-        interpreter = Fingerprinter(module)
+        interpreter = Fingerprinter(module, graph)
         with torch.no_grad():
             interpreter.run(*state)
         runs.append(interpreter)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -157,12 +157,16 @@ class SelectSwapPass(Pass):
                 f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
                 f"{transfer.d2h_bytes_per_second / 1e9:.1f} GB/s out, {transfer.h2d_bytes_per_second / 1e9:.1f} GB/s "
                 "in")  # fmt: skip
+        # μ-TWO's scheduler prices one activation at a time; the whole recompute-only plan, on the
+        # same time model, may still be faster (at the same budget, never slower is the goal). Its
+        # candidates are fresh copies made before the scheduler updates the ones it prices.
+        compare = self.keep_faster and allowed == set(ACTIONS)
+        only = [replace(c, swappable=False, sources=set(c.sources)) for c in candidates if c.recomputable] \
+            if compare else []  # fmt: skip
         best = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, candidates, sites)
         alternative = None
-        if self.keep_faster and allowed == set(ACTIONS):
-            # μ-TWO's scheduler prices one activation at a time; the whole recompute-only plan, on
-            # the same time model, may still be faster (at the same budget, never slower is the goal).
-            only, only_sites = self._candidates(graph, liveness, profile, scale, transfer, base.device, {RECOMPUTE})
+        if compare:
+            only_sites: dict[StorageKey, SwapSite] = {}
             other = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, only,
                                  only_sites)  # fmt: skip
             if self._better(other, best, budget_bytes, budget.minimum):

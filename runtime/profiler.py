@@ -151,6 +151,12 @@ class _TimingInterpreter(fx.Interpreter):
         event.record()
         return event
 
+    def _start(self) -> Any:
+        """The start of a timed op: after the spin, when isolating, so the op is queued before it."""
+        if self.spin:
+            torch.cuda._sleep(self.spin)
+        return self._mark()
+
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):
             return super().run_node(n)
@@ -158,9 +164,7 @@ class _TimingInterpreter(fx.Interpreter):
         if self.cuda:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            if self.spin:
-                torch.cuda._sleep(self.spin)
-            start = self._mark()
+            start = self._start()
             result = super().run_node(n)
             end = self._mark()
             self.records.append((node_id, start, end, before, torch.cuda.memory_allocated(),
@@ -178,9 +182,7 @@ class _TimingInterpreter(fx.Interpreter):
         """Time the batch norm's replay from the statistics it just saved (after its own record,
         so its memory figures stay the node's own)."""
         operands = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[:3]]
-        if self.spin:
-            torch.cuda._sleep(self.spin)
-        start = self._mark()
+        start = self._start()
         batch_norm_from_stats(*operands, result[stats[0]], result[stats[1]])
         end = self._mark()
         self.replays.append((node_id, start, end))

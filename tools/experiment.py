@@ -137,17 +137,15 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     except BackendError as refused:  # a backend that cannot run this step: a result too
         return {**row, "error": str(refused), "error_kind": "backend"}
     log(f"measuring batch {batch_size}, {variant}")
-    row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations))
-    if trace is not None and "error" not in row:
-        from mutwo.tools.stream_trace import trace_iterations
-
-        row["streams"] = trace_iterations(step, training.device, trace)
+    row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations,
+                                      trace=trace))  # fmt: skip
     return row
 
 
 def measure_after_planning(step: Callable[[], Any], device: torch.device, memory_limit: int | None, *,
-                           warmup: int, iterations: int) -> dict[str, Any]:  # fmt: skip
-    """Free what planning left in the allocator's cache, cap memory if asked, and measure."""
+                           warmup: int, iterations: int, trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Free what planning left in the allocator's cache, cap memory if asked, and measure; with
+    ``trace``, then profile 3 more iterations per stream (:mod:`mutwo.tools.stream_trace`)."""
     row: dict[str, Any] = {}
     gc.collect()
     if device.type == "cuda":
@@ -158,6 +156,10 @@ def measure_after_planning(step: Callable[[], Any], device: torch.device, memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), index)
             row["memory_limit_bytes"] = memory_limit
     row.update(measure_step(step, device, warmup=warmup, iterations=iterations))
+    if trace is not None and "error" not in row:
+        from mutwo.tools.stream_trace import trace_iterations
+
+        row["streams"] = trace_iterations(step, device, trace)
     return row
 
 

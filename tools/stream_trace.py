@@ -23,6 +23,7 @@ the host slower than in an unprofiled run, so idle time with no copy running is 
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import os
@@ -69,18 +70,6 @@ def intersection(a: list[Interval], b: list[Interval]) -> list[Interval]:
         else:
             j += 1
     return result
-
-
-def _overlaps(interval: Interval, union: list[Interval]) -> bool:
-    """Whether ``interval`` meets the sorted disjoint ``union`` (binary search)."""
-    low, high = 0, len(union)
-    while low < high:
-        middle = (low + high) // 2
-        if union[middle][1] <= interval[0]:
-            low = middle + 1
-        else:
-            high = middle
-    return low < len(union) and union[low][0] < interval[1]
 
 
 def _direction(event: dict[str, Any]) -> str:
@@ -136,10 +125,12 @@ def summarize(events: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
 def _slowdown(kernels: list[dict[str, Any]], copies: list[Interval]) -> float | None:
     """Mean duration of each kernel name while copies ran over while none did, weighted by calls."""
     durations: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    ends = [end for _, end in copies]
     for event in kernels:
         if event["cat"] != "kernel":
             continue
-        during = _overlaps((event["ts"], event["ts"] + event["dur"]), copies)
+        first = bisect.bisect_right(ends, event["ts"])  # the first copy still running when the kernel starts
+        during = first < len(copies) and copies[first][0] < event["ts"] + event["dur"]
         # One kernel name runs many shapes (GEMMs, convolutions); the launch configuration tells them apart.
         args = event.get("args", {})
         key = f"{event['name']} grid={args.get('grid')} block={args.get('block')}"
