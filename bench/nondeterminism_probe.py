@@ -26,10 +26,13 @@ import torch
 import torch.fx
 
 from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.to_fx import NODE_ID_META, to_fx
 from mutwo.runtime.api import capture_graph
 from mutwo.runtime.equivalence import deterministic_algorithms
-from mutwo.tools.config import load_config
+from mutwo.runtime.optim import UnsupportedOptimizerError
+from mutwo.runtime.tracing import CaptureError
+from mutwo.tools.config import ConfigError, load_config
 from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device, training_options
 
 # Deterministic cuBLAS needs this before cuBLAS starts (mutwo-opt sets it at startup too).
@@ -115,15 +118,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args()
-    config = load_config(args.config)
-    if args.batch_size is not None:
-        config = dataclasses.replace(config, batch_size=args.batch_size)
-    device = target_device(config)
-    workload = build_workload(config)
-    model = workload.model.to(device)
-    batch = to_device(workload.batch, device)
-    lowered = capture_graph(model, build_optimizer(config, model), batch, workload.loss_fn,
-                            training_options(config, device))  # fmt: skip
+    try:  # bad input is one line and exit code 2, as in mutwo-opt
+        config = load_config(args.config)
+        if args.batch_size is not None:
+            config = dataclasses.replace(config, batch_size=args.batch_size)
+        device = target_device(config)
+        workload = build_workload(config)
+        model = workload.model.to(device)
+        batch = to_device(workload.batch, device)
+        lowered = capture_graph(model, build_optimizer(config, model), batch, workload.loss_fn,
+                                training_options(config, device))  # fmt: skip
+    except (ConfigError, CaptureError, UnsupportedOptimizerError) as error:
+        parser.error(str(error))
     with deterministic_algorithms():
         rows = probe(lowered.graph, [*lowered.inputs])
     causes = [row for row in rows if row["first_cause"]]
@@ -132,7 +138,7 @@ def main() -> None:
               "nodes": len(lowered.graph), "differing": len(rows), "first_causes": causes,
               "differing_nodes": rows[:200]}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_atomic(args.out, json.dumps(result, indent=1))
     print(f"{len(rows)} of {len(lowered.graph)} nodes differ between two runs; first causes:")
     for row in causes:
         print(f"  {row['node']}: {row['target']} ({row['phase']}, {row['kind']}) {row['shapes']} {row['dtypes']}")

@@ -45,3 +45,14 @@ def test_the_first_varying_op_is_the_cause_and_its_users_inherit(monkeypatch: py
     # SGD's in-place parameter update writes the difference into the parameters: seen, and inherited
     updates = [row for row in rows if row["writes_differ"]]
     assert updates and all(row["phase"] == "optimizer" and not row["first_cause"] for row in updates), rows
+
+
+def test_a_bad_config_is_one_line_and_exit_code_2(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "probe.json"
+    monkeypatch.setattr("sys.argv", ["nondeterminism_probe.py", str(tmp_path / "missing.yaml"), "--out", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        nondeterminism_probe.main()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and "does not exist; pass the path of a YAML file" in error
+    assert not out.exists()
