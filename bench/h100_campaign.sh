@@ -11,6 +11,8 @@
 #                without the optimizer passes, in one run (adds mutwo-none, which separates
 #                the captured step's own cost from the passes')                                ~7 min
 #   opt-bert     issue 16: the same for BERT-base b32/b64                                       ~7 min
+#   opt          issue 16: opt-gpt2 and opt-bert as one run, one JSON (over 10 minutes: start it
+#                in the background, see below)                                                ~14 min
 #   fit-resnet   issue 16: --fit 16GiB on ResNet-152 to the end (the last run was cut)           ~7 min
 #   fit-alloc    issue 16: why the fitted batches ran 3.4-4.2 s/iteration: BERT's fit again with
 #                expandable segments (compare allocator_retries in both fit.json)             ~2 min
@@ -20,19 +22,45 @@
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
 #                the plan get faster at checkpointing's peak?                                 ~5 min
+#
+# A section longer than one command's 10 minutes runs in the background, in a session of its own
+# (setsid), and the calls that follow wait for it; the machine stays while calls follow each other
+# within its idle time (30 s), so issue each wait as soon as the last one returns:
+#   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
+#   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
 section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
 
+BG=/tmp/mutwo-campaign
 case "$section" in
+  start)
+    shift; mkdir -p "$BG"; rm -f "$BG/done"
+    script=$(realpath "$0")
+    # One background job runs the named sections in turn; each writes into $BG and logs to $BG/NAME.out.
+    setsid nohup bash -c 'for s in "$@"; do OUT='"$BG"' bash '"$script"' "$s" > '"$BG"'/"$s".out 2>&1; \
+      echo "$s exit $?" >> '"$BG"'/sections; done; touch '"$BG"'/done' _ "$@" < /dev/null > /dev/null 2>&1 &
+    echo "started in the background: $*" ;;
+  wait)
+    secs=${2:-560}; waited=0
+    while [ ! -e "$BG/done" ] && [ "$waited" -lt "$secs" ]; do sleep 5; waited=$((waited + 5)); done
+    # $OUT takes 8 files: the results, the sections' output as one file, the fits' logs and reports.
+    cp "$BG"/*.json "$BG"/*.log "$OUT"/ 2>/dev/null
+    for f in "$BG"/*.out; do echo "== $f"; cat "$f"; done > "$OUT/campaign.out" 2>/dev/null
+    for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
+    cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
+    [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
   tests)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
       tests/test_stream_trace.py tests/test_fit.py tests/test_cuda.py tests/test_cuda_swap.py tests/test_backends.py ;;
   opt-gpt2)
     timeout 580 python3 bench/compare.py --out "$OUT/opt_gpt2.json" --models gpt2:4,gpt2:8 --timeout 150 \
       --variants "$OPT_VARIANTS" ;;
+  opt)
+    timeout 1500 python3 bench/compare.py --out "$OUT/opt_gpt2_bert.json" --models gpt2:4,gpt2:8,bert:32,bert:64 \
+      --timeout 150 --variants "$OPT_VARIANTS" ;;
   opt-bert)
     timeout 580 python3 bench/compare.py --out "$OUT/opt_bert.json" --models bert:32,bert:64 --timeout 150 \
       --variants "$OPT_VARIANTS" ;;
