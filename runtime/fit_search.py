@@ -85,8 +85,14 @@ class Attempt:
             return f"{head}: {self.error}{retried}"
         peak = self.measured_peak or 0
         where = "within the limit" if self.fits else "over the limit"
-        milliseconds = (self.measured_seconds or 0) * 1e3
-        return f"{head}: measured {mib(peak)}, {where} ({milliseconds:.1f} ms/iteration){retried}"
+        return f"{head}: measured {mib(peak)}, {where} ({pace(self.measured_seconds, self.batch_size)}){retried}"
+
+
+def pace(seconds: float | None, batch_size: int) -> str:
+    """Time per iteration and per sample: the larger batch is often not the faster training (each
+    recomputed activation costs time), and per sample is what compares across batch sizes."""
+    milliseconds = (seconds or 0.0) * 1e3
+    return f"{milliseconds:.1f} ms/iteration, {milliseconds / batch_size:.2f} ms/sample"
 
 
 @dataclass

@@ -204,7 +204,7 @@ def test_a_measured_run_says_when_the_allocator_thrashed() -> None:
     assert slow.fits and slow.allocator_retries == 7
     assert "retried 7 times" in slow.describe() and "expandable_segments:True" in slow.describe()
     calm = Attempt.of(point, Measured(15 * 2**30, 0.9, "", allocator_retries=0), 16 * 2**30)
-    assert "retried" not in calm.describe() and "900.0 ms/iteration" in calm.describe()
+    assert "retried" not in calm.describe() and "(900.0 ms/iteration, 12.50 ms/sample)" in calm.describe()
     failed = Attempt.of(point, Measured(None, None, "out of memory under the cap; the allocator had reserved ...",
                                         allocator_retries=2), 16 * 2**30)  # fmt: skip
     assert not failed.fits and failed.describe().endswith("expandable_segments:True may avoid it)")

@@ -11,7 +11,7 @@ import torch
 
 from mutwo.ir.pass_base import write_atomic
 from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, fit, parse_limit
-from mutwo.runtime.fit_search import mib
+from mutwo.runtime.fit_search import mib, pace
 from mutwo.tools.cli import EXIT_OK, UsageError
 from mutwo.tools.config import Config
 
@@ -59,8 +59,7 @@ def summary(result: FitResult, limit_text: str, out: Path) -> str:
     best = result.best
     assert best is not None
     if result.measured_peak is not None:
-        seconds = result.measured_seconds or 0.0
-        measured = f", measured {mib(result.measured_peak)} ({seconds * 1e3:.1f} ms per iteration)"
+        measured = f", measured {mib(result.measured_peak)} ({pace(result.measured_seconds, best.batch_size)})"
     else:
         measured = " (CPU: nothing measured)"
     return (f"largest batch that fits in {limit_text}: {best.batch_size} (planned {len(result.tried)} times, "
