@@ -247,5 +247,10 @@ class Planner:
             plan = context.artifacts.get("plan")  # none when select failed on its estimate alone
             return FitPoint(batch, False, plan.predicted_peak if plan else 0, str(failure), budget), context
         plan = context.artifacts["plan"]
-        note = f"{len(plan.entries)} activations recomputed"
+        # The plan's own estimate of what recomputation costs, relative to the step without it: the
+        # price of a larger batch (per-op times scaled from the profiled batch, so a rough one).
+        slower = (plan.base_seconds + plan.added_seconds) / plan.base_seconds if plan.base_seconds > 0 else None
+        cost = f", predicted {slower:.2f}× the time without it" if slower is not None else ""
+        count = len(plan.entries)
+        note = f"{count} activation{'' if count == 1 else 's'} recomputed{cost}"
         return FitPoint(batch, True, plan.predicted_peak, note, budget), context

@@ -69,6 +69,10 @@ def test_fit_on_cpu_writes_the_batch_plan_and_peaks(tmp_path: Path, capsys: pyte
     assert larger and not any(p["fits"] for p in larger), "a larger batch was tried and did not fit"
     assert fit["measured_peak"] is None and fit["attempts"] == [] and "scaled linearly" in fit["assumptions"]
     assert fit["finished"] and not fit["failure"]
+    plan = fit["plan"]  # each plan says what its recomputation costs: the price of the larger batch
+    assert plan["added_seconds"] > 0 and plan["base_seconds"] > 0
+    slower = 1 + plan["added_seconds"] / plan["base_seconds"]
+    assert fit["best"]["note"].endswith(f"recomputed, predicted {slower:.2f}× the time without it")
     assert f"largest batch that fits in 2MiB: {best}" in capsys.readouterr().out
 
 
