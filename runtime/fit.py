@@ -49,9 +49,8 @@ from mutwo.runtime.fit_search import (
 )
 from mutwo.runtime.profiler import device_bytes, measure_iterations, profile_graph
 
-__all__ = ["ASSUMPTIONS", "Attempt", "FitError", "FitPoint", "FitResult", "Fitted", "Measure", "Measured", "fit",
-           "fit_batch",
-           "measure_capped", "parse_limit", "search"]  # fmt: skip
+__all__ = ["ASSUMPTIONS", "Attempt", "FitError", "FitPoint", "FitResult", "Fitted", "Measure", "Measured",
+           "check_max_slowdown", "fit", "fit_batch", "measure_capped", "parse_limit", "search"]  # fmt: skip
 
 #: The share of the limit kept free of the plan, for what the simulator does not see (docs/fit.md).
 DEFAULT_MARGIN = 0.1
@@ -137,6 +136,14 @@ def parse_limit(memory: str | int) -> int:
         raise FitError(f"memory limit: {error}") from None
 
 
+def check_max_slowdown(max_slowdown: float | None) -> float | None:
+    """The bound on a plan's predicted slowdown: at least 1 (the step without recomputation), or None."""
+    if max_slowdown is not None and not max_slowdown >= 1:
+        raise FitError(f"max slowdown {max_slowdown} is below 1, the time of the step without recomputation: "
+                       "give a factor like 1.3 (at most 30% slower)")  # fmt: skip
+    return max_slowdown
+
+
 def check_margin(margin: float) -> float:
     """The safety margin, a share of the limit in [0, 1)."""
     if not 0 <= margin < 1:
@@ -154,15 +161,18 @@ class Fitted:
 
 
 def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int, *,
-        margin: float = DEFAULT_MARGIN, measure: Measure | None = None, max_runs: int = MAX_RUNS,
-        log: Callable[[str], None] = lambda message: None,
+        margin: float = DEFAULT_MARGIN, max_slowdown: float | None = None, measure: Measure | None = None,
+        max_runs: int = MAX_RUNS, log: Callable[[str], None] = lambda message: None,
         progress: Callable[[FitResult], None] = lambda result: None) -> Fitted:  # fmt: skip
     """Profile the iteration at ``start`` once, search (``capture_at(batch)`` captures it at a
     batch size), rewrite the batch found and, with ``measure`` (given, or by default on a GPU),
     run it capped at the limit, stepping back after a failed run (see the module docstring).
     ``result.best`` is None when no batch measured within the limit; ``result.failure`` says why.
-    ``progress`` sees the result so far after every search and every measured run."""
+    ``progress`` sees the result so far after every search and every measured run. With
+    ``max_slowdown``, a batch fits only if its plan also predicts at most that many times the time
+    of the step without recomputation (a rough bound: per-op times are scaled from ``start``)."""
     budget = int(limit_bytes * (1 - check_margin(margin)))
+    check_max_slowdown(max_slowdown)
     began = time.perf_counter()
 
     def note(message: str) -> None:
@@ -177,10 +187,10 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
     except torch.OutOfMemoryError:
         raise FitError(f"profiling batch size {start} ran out of memory (it runs unoptimized): start the search "
                        "from a smaller batch size") from None
-    planner = Planner(capture_at, profile, base.graph, start, note)
+    planner = Planner(capture_at, profile, base.graph, start, note, max_slowdown)
     planner.graphs[start] = base.graph  # profiling read it, changed nothing: no second capture
     del base
-    result = FitResult(limit_bytes, start, margin, budget)
+    result = FitResult(limit_bytes, start, margin, budget, max_slowdown)
     kept: Plan | None = None  # the plan of ``fitting`` (no tensors: a later run must not pay for them)
     fitting: Attempt | None = None  # the largest batch measured within the limit
     failed: Attempt | None = None  # the smallest batch whose measured run failed
@@ -246,19 +256,22 @@ def _nothing_fits(result: FitResult, last: Search) -> str:
 
 def fit_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, make_batch: Callable[[int], object],
               loss_fn: LossFn, memory: str | int, *, start: int = 1, margin: float = DEFAULT_MARGIN,
-              measure: Measure | None = None, verbose: bool = False) -> FitResult:  # fmt: skip
+              max_slowdown: float | None = None, measure: Measure | None = None,
+              verbose: bool = False) -> FitResult:  # fmt: skip
     """The largest batch size whose optimized iteration fits in ``memory`` (``"16GiB"`` or bytes).
 
     ``make_batch(n)`` returns a batch of ``n`` samples on the training device. The iteration is
     profiled once at ``start`` and planned (optimizer passes and recomputation) at the batch sizes
     the search tries, against ``memory`` less ``margin`` of it; see the module docstring. On a GPU
     (or with ``measure``) the batch found is measured capped at ``memory``, stepping back after a
-    failed run; :class:`FitError` when no batch fits.
+    failed run; :class:`FitError` when no batch fits. ``max_slowdown`` (like 1.3) also bounds the
+    plan's predicted time against the step without recomputation: the largest batch is often not
+    the fastest training, since each recomputed activation costs time.
     """
     log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
     limit = parse_limit(memory)
     fitted = fit(lambda n: capture_graph(model, optimizer, make_batch(n), loss_fn), start, limit, margin=margin,
-                 measure=measure, log=log)  # fmt: skip
+                 max_slowdown=max_slowdown, measure=measure, log=log)  # fmt: skip
     if fitted.result.failure:
         raise FitError(fitted.result.failure)
     return fitted.result

@@ -112,6 +112,8 @@ class FitResult:
     profiled_batch: int
     margin: float  #: the share of the limit the first plans keep free
     planning_budget: int  #: the first planning budget: the limit less the margin
+    #: the bound on a plan's predicted time against the step without recomputation (None: no bound)
+    max_slowdown: float | None = None
     tried: list[FitPoint] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
     best: FitPoint | None = None  #: the batch found (on a GPU: the largest measured within the limit)
@@ -201,12 +203,15 @@ class Planner:
     search are not verified after each pass (the plan of the batch found is, and rewritten)."""
 
     def __init__(self, capture_at: Callable[[int], CapturedGraph], profile: Profile, profiled: Graph,
-                 profiled_batch: int, log: Callable[[str], None]) -> None:  # fmt: skip
+                 profiled_batch: int, log: Callable[[str], None],
+                 max_slowdown: float | None = None) -> None:  # fmt: skip
         self.capture_at = capture_at
         self.profile = profile
         self.profiled = profiled
         self.profiled_batch = profiled_batch
         self.log = log
+        #: a plan predicted slower than this many times the step without recomputation does not fit
+        self.max_slowdown = max_slowdown
         self.graphs: dict[int, Graph] = {}
 
     def predict(self, batch: int, budget: int) -> FitPoint:
@@ -253,4 +258,7 @@ class Planner:
         cost = f", predicted {slower:.2f}× the time without it" if slower is not None else ""
         count = len(plan.entries)
         note = f"{count} activation{'' if count == 1 else 's'} recomputed{cost}"
+        if self.max_slowdown is not None and slower is not None and slower > self.max_slowdown:
+            return FitPoint(batch, False, plan.predicted_peak, f"{note}, over the bound of {self.max_slowdown:.2f}×",
+                            budget), context  # fmt: skip
         return FitPoint(batch, True, plan.predicted_peak, note, budget), context

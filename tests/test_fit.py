@@ -94,6 +94,8 @@ def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path:
     (["--fit", "2MiB", "--fit-margin", "1.5"], "--fit-margin: margin 1.5 is not a share of the limit"),
     (["--fit", "2MiB", "--fit-margin", "-0.1"], "--fit-margin: margin -0.1 is not a share of the limit"),
     (["--fit-margin", "0.2"], "--fit-margin applies to --fit"),
+    (["--fit", "2MiB", "--fit-max-slowdown", "0.9"], "--fit-max-slowdown: max slowdown 0.9 is below 1"),
+    (["--fit-max-slowdown", "1.2"], "--fit-max-slowdown applies to --fit"),
 ])  # fmt: skip
 def test_fit_usage_errors(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([EXAMPLE, *argv, "-o", str(tmp_path / "out"), "-q"]) == 2
@@ -102,7 +104,8 @@ def test_fit_usage_errors(argv: list[str], message: str, tmp_path: Path, capsys:
     assert not (tmp_path / "out").exists(), "nothing is written"
 
 
-def _mlp_fit(memory: str, measure: Measure | None = None, margin: float = 0.1) -> FitResult:
+def _mlp_fit(memory: str, measure: Measure | None = None, margin: float = 0.1,
+             max_slowdown: float | None = None) -> FitResult:  # fmt: skip
     workload = models.mlp()
     optimizer = models.OPTIMIZERS["adam"](workload.model.parameters())
 
@@ -110,7 +113,7 @@ def _mlp_fit(memory: str, measure: Measure | None = None, margin: float = 0.1) -
         return torch.randn(n, 16), torch.randint(0, 5, (n,))
 
     return mutwo.fit_batch(workload.model, optimizer, make_batch, workload.loss_fn, memory, start=64, margin=margin,
-                           measure=measure)  # fmt: skip
+                           max_slowdown=max_slowdown, measure=measure)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +129,17 @@ def test_fit_batch_from_the_api(predicted: FitResult) -> None:
     assert any(not p.fits and p.batch_size > result.best.batch_size for p in result.tried)
     with pytest.raises(FitError, match="is not a memory size"):
         _mlp_fit("0.5")
+
+
+def test_fit_bounds_the_predicted_slowdown(predicted: FitResult) -> None:
+    """With no slowdown allowed, the batch found is the largest whose plan recomputes nothing: smaller
+    than the largest that fits, and the larger ones that fit in memory say they are over the bound."""
+    assert predicted.best is not None and not predicted.best.note.startswith("0 activations")
+    bounded = _mlp_fit("256KiB", max_slowdown=1.0)
+    assert bounded.best is not None and bounded.max_slowdown == 1.0
+    assert bounded.best.note.startswith("0 activations recomputed, predicted 1.00×")
+    assert bounded.best.batch_size < predicted.best.batch_size
+    assert any("over the bound of 1.00×" in p.note and p.batch_size > bounded.best.batch_size for p in bounded.tried)
 
 
 class FakeGpu:

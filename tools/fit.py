@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from mutwo.ir.pass_base import write_atomic
-from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, fit, parse_limit
+from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, check_max_slowdown, fit, parse_limit
 from mutwo.runtime.fit_search import mib, pace
 from mutwo.tools.cli import EXIT_OK, UsageError
 from mutwo.tools.config import Config
 
 
-def fit_options(cli: Any) -> tuple[int, float]:
-    """The limit and margin the command line asks for; a usage error before anything runs."""
+def fit_options(cli: Any) -> tuple[int, float, float | None]:
+    """The limit, margin and slowdown bound the command line asks for; a usage error before anything runs."""
     try:
         limit = parse_limit(cli.args.fit)
     except FitError as error:
@@ -26,16 +26,20 @@ def fit_options(cli: Any) -> tuple[int, float]:
         raise UsageError("--fit chooses the batch size for a memory limit, which is the budget; drop --budget")
     margin = DEFAULT_MARGIN if cli.args.fit_margin is None else cli.args.fit_margin
     try:
-        return limit, check_margin(margin)
+        check_margin(margin)
     except FitError as error:
         raise UsageError(f"--fit-margin: {error}") from None
+    try:
+        return limit, margin, check_max_slowdown(cli.args.fit_max_slowdown)
+    except FitError as error:
+        raise UsageError(f"--fit-max-slowdown: {error}") from None
 
 
 def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
     """Search from the config's batch size, print every measured run, the batch, the plan and the
     peaks, write fit.json (as the search goes, and also when no batch fits: the record of what was
     tried; ``finished`` says whether the search ended)."""
-    limit, margin = fit_options(cli)
+    limit, margin, max_slowdown = fit_options(cli)
 
     def record(result: FitResult, plan: dict[str, Any] | None = None, finished: bool = False) -> None:
         # Rewritten as the search goes: a run stopped from outside leaves what it had tried.
@@ -43,7 +47,8 @@ def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
                                                   indent=2) + "\n")  # fmt: skip
 
     fitted = fit(lambda batch: cli.capture(dataclasses.replace(config, batch_size=batch), device),
-                 config.batch_size, limit, margin=margin, log=cli.log, progress=record)  # fmt: skip
+                 config.batch_size, limit, margin=margin, max_slowdown=max_slowdown, log=cli.log,
+                 progress=record)  # fmt: skip
     result = fitted.result
     record(result, fitted.plan.to_json() if fitted.plan is not None else None, finished=True)
     for attempt in result.attempts:

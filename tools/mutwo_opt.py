@@ -3,7 +3,7 @@
     mutwo-opt [-p/--passes LIST] [-o/--out DIR] [--device auto|cpu|cuda] [--batch-size N]
               [--budget B] [--check] [--list-passes] [--load-passes M] [--no-verify]
               [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot] [--time-passes]
-              [--bucket-cap-mb MB] [--fit MEMORY [--fit-margin SHARE]]
+              [--bucket-cap-mb MB] [--fit MEMORY [--fit-margin SHARE] [--fit-max-slowdown FACTOR]]
               [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fit-margin", type=float, metavar="SHARE",
                         help="with --fit: the share of MEMORY the plans keep free for what the simulator does not "
                         "see (default 0.1)")
+    parser.add_argument("--fit-max-slowdown", type=float, metavar="FACTOR",
+                        help="with --fit: only batches whose plan predicts at most FACTOR times the time of the step "
+                        "without recomputation (like 1.3); the largest batch is often not the fastest training")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -390,8 +393,10 @@ class MutwoOpt:
         device = self.join_data_parallel(self.resolve_device(config))
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
-        if self.args.fit_margin is not None and self.args.fit is None:
-            raise UsageError("--fit-margin applies to --fit; add --fit MEMORY (like --fit 16GiB)")
+        fit_only = (("--fit-margin", self.args.fit_margin), ("--fit-max-slowdown", self.args.fit_max_slowdown))
+        for option, value in fit_only:
+            if value is not None and self.args.fit is None:
+                raise UsageError(f"{option} applies to --fit; add --fit MEMORY (like --fit 16GiB)")
         if self.args.fit is not None:
             if config.backend != "eager":  # the search measures eager runs: a compiled step's peak differs
                 raise UsageError(f"--fit searches with the eager backend, not {config.backend}; run --fit without "
