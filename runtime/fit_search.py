@@ -51,6 +51,7 @@ class FitPoint:
     note: str = ""  #: why it does not fit, or what the plan does
     budget: int = 0  #: the planning budget, bytes
     seconds: float = 0.0  #: what capturing (the first time) and planning it took
+    too_slow: bool = False  #: it fits in memory, but its plan is predicted slower than the bound allows
 
 
 @dataclass
@@ -224,7 +225,8 @@ class Planner:
         point.seconds = time.perf_counter() - began
         summary = point.note.splitlines()[0] if point.note else ""
         peak = f"predicted peak {mib(point.predicted_peak)}" if point.predicted_peak else "not simulated"
-        self.log(f"batch {batch}: {'fits' if point.fits else 'does not fit'} in {mib(budget)}, {peak} ({summary}; "
+        verdict = "fits" if point.fits else "fits, but too slow," if point.too_slow else "does not fit"
+        self.log(f"batch {batch}: {verdict} in {mib(budget)}, {peak} ({summary}; "
                  f"{point.seconds:.1f} s)")  # fmt: skip
         return point
 
@@ -260,5 +262,5 @@ class Planner:
         note = f"{count} activation{'' if count == 1 else 's'} recomputed{cost}"
         if self.max_slowdown is not None and slower is not None and slower > self.max_slowdown:
             return FitPoint(batch, False, plan.predicted_peak, f"{note}, over the bound of {self.max_slowdown:.2f}×",
-                            budget), context  # fmt: skip
+                            budget, too_slow=True), context  # fmt: skip
         return FitPoint(batch, True, plan.predicted_peak, note, budget), context
