@@ -35,6 +35,23 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8
 OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
 
 BG=/tmp/mutwo-campaign
+
+# The swap study of one model (issue 18): eager, checkpointing, mutwo-none (profiles once), then
+# recompute-only and swap+recompute mutwo at half of eager's peak and at checkpointing's, each
+# traced per stream. $OUT takes 8 files, 2 folders down: the JSON, the Chrome traces of the 4
+# mutwo plans, and mutwo-none's profile (profile.json, nodes.csv: the time model's evidence); the
+# traces of eager, checkpointing and mutwo-none stay on the machine (their summaries are in the JSON).
+swap_study() {
+  local model=$1 stem=$2
+  timeout 580 python3 bench/compare.py --out "$OUT/$stem.json" --models "$model" --variants swap-study \
+    --timeout 150 --trace; local status=$?
+  local scratch="$OUT/$stem" name=${model%%:*} batch=${model##*:}
+  mkdir -p "$scratch/left/behind"
+  mv "$scratch"/*_eager.trace.json.gz "$scratch"/*_checkpoint.trace.json.gz "$scratch"/*_mutwo-none.trace.json.gz \
+    "$scratch/left/behind/" 2>/dev/null
+  cp "$scratch/$name/b$batch/profile.json" "$scratch/$name/b$batch/nodes.csv" "$scratch/" 2>/dev/null
+  ls -la "$scratch"; return $status
+}
 case "$section" in
   start)
     shift; mkdir -p "$BG"; rm -f "$BG/done"
@@ -74,11 +91,9 @@ case "$section" in
     timeout 240 mutwo-opt examples/bert.yaml --fit 16GiB --batch-size 8 -o "$OUT/fit_bert" 2> "$OUT/fit_bert.log"
     second=$?; tail -3 "$OUT/fit_bert.log"; exit $(( first || second )) ;;
   swap-resnet)
-    timeout 580 python3 bench/compare.py --out "$OUT/swap_resnet152_b128.json" --models resnet152:128 \
-      --variants swap-study --timeout 150 --trace ;;
+    swap_study resnet152:128 swap_resnet152_b128 ;;
   swap-bert)
-    timeout 580 python3 bench/compare.py --out "$OUT/swap_bert_b64.json" --models bert:64 \
-      --variants swap-study --timeout 150 --trace ;;
+    swap_study bert:64 swap_bert_b64 ;;
   backends)
     timeout 580 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
       --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;
