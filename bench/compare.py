@@ -31,6 +31,13 @@ The swap study of one model (the swap issue), in one command, for example:
 
     python bench/compare.py --out $OUT/swap_resnet152_b128.json --models resnet152:128 --variants swap-study
 
+On a CPU the same study is a dry run of the planning and of one iteration of every planned graph
+(peaks are measured on CUDA only, so budgets naming them plan for a stand-in instead; ResNet-152
+b2 takes about 6 minutes, BERT-base s512 b2 about 7, on two busy cores):
+
+    python bench/compare.py --out /tmp/dry.json --models resnet152:2 --variants swap-study \
+        --stand-in-budget 0.9 --warmup 0 --iterations 1
+
 ``--trace`` (GPU only) then profiles 3 more iterations of each variant and records, stream by
 stream, where the time went (compute idle, compute overlapped with copies, copy rates, kernels
 slowed while copies run: :mod:`mutwo.tools.stream_trace`), with the Chrome traces beside the JSON.

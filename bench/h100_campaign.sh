@@ -16,8 +16,10 @@
 #   fit-resnet   issue 16: --fit 16GiB on ResNet-152 to the end (the last run was cut)           ~7 min
 #   fit-alloc    issue 16: why the fitted batches ran 3.4-4.2 s/iteration: BERT's fit again with
 #                expandable segments (compare allocator_retries in both fit.json)             ~2 min
-#   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces              ~7 min
-#   swap-bert    issue 18: the same for BERT-base b64                                          ~7 min
+#   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces: 7 variants,
+#                each a fresh process (~10 s start, ~12 s capture per mutwo variant, 12 s profile
+#                once, 2-4 s select-swap, 13 + 3 traced iterations)                          ~6 min
+#   swap-bert    issue 18: the same for BERT-base b64 (0.55-0.7 s iterations)                   ~6 min
 #   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
