@@ -31,6 +31,13 @@ The swap study of one model (the swap issue), in one command, for example:
 
     python bench/compare.py --out $OUT/swap_resnet152_b128.json --models resnet152:128 --variants swap-study
 
+On a CPU the same study is a dry run of the planning and of one iteration of every planned graph
+(peaks are measured on CUDA only, so budgets naming them plan for a stand-in instead; ResNet-152
+b2 takes about 6 minutes, BERT-base s512 b2 about 7, on two busy cores):
+
+    python bench/compare.py --out /tmp/dry.json --models resnet152:2 --variants swap-study \
+        --stand-in-budget 0.9 --warmup 0 --iterations 1
+
 ``--trace`` (GPU only) then profiles 3 more iterations of each variant and records, stream by
 stream, where the time went (compute idle, compute overlapped with copies, copy rates, kernels
 slowed while copies run: :mod:`mutwo.tools.stream_trace`), with the Chrome traces beside the JSON.
@@ -149,14 +156,14 @@ def config_path(name: str) -> Path:
 
 
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
-           precision: str | None = None, trace: Path | None = None,
-           isolate_profile: bool = False) -> dict[str, Any]:  # fmt: skip
+           precision: str | None = None, trace: Path | None = None, isolate_profile: bool = False,
+           warmup: int = WARMUP, iterations: int = MEASURED) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     own = mutwo_variant(variant)
     if own is not None:
         spec: Any = json.loads(budget) if budget else own.spec
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
-        row = run_configuration(config, batch_size, plan_for, out, warmup=WARMUP, iterations=MEASURED,
+        row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile)  # fmt: skip
         if isinstance(spec, dict):
@@ -174,7 +181,7 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
     start = time.perf_counter()
     step()
     row["first_step_seconds"] = round(time.perf_counter() - start, 2)
-    row.update(measure_after_planning(step, training.device, None, warmup=WARMUP, iterations=MEASURED, trace=trace))
+    row.update(measure_after_planning(step, training.device, None, warmup=warmup, iterations=iterations, trace=trace))
     return row
 
 
@@ -197,16 +204,21 @@ def main() -> None:
     parser.add_argument("--isolate-profile", action="store_true",
                         help="mutwo variants profile with profile{isolate=true}: each node's GPU time without the "
                         "host's launch time (compare the predicted and measured times with and without)")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help=f"warm-up iterations per variant (default {WARMUP})")
+    parser.add_argument("--iterations", type=int, default=MEASURED,
+                        help=f"measured iterations per variant (default {MEASURED}; 1 makes a CPU dry run short)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
+    if args.warmup < 0 or args.iterations < 1:
+        parser.error("--warmup must be at least 0 and --iterations at least 1")
     if args.trace and not torch.cuda.is_available():
         parser.error("--trace profiles CUDA streams and needs a GPU; run without --trace on a CPU")
     if args.worker:
         name, batch, variant, budget = args.worker
         trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
-                     trace, args.isolate_profile)  # fmt: skip
+                     trace, args.isolate_profile, args.warmup, args.iterations)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
@@ -231,7 +243,8 @@ def main() -> None:
                                        *(["--out", args.out] if args.out else []),
                                        *(["--precision", args.precision] if args.precision else []),
                                        *(["--trace"] if args.trace else []),
-                                       *(["--isolate-profile"] if args.isolate_profile else [])], cwd=ROOT,
+                                       *(["--isolate-profile"] if args.isolate_profile else []),
+                                       "--warmup", str(args.warmup), "--iterations", str(args.iterations)], cwd=ROOT,
                                       capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
                 row = json.loads(lines[-1]) if done.returncode == 0 and lines else {

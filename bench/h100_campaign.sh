@@ -16,8 +16,10 @@
 #   fit-resnet   issue 16: --fit 16GiB on ResNet-152 to the end (the last run was cut)           ~7 min
 #   fit-alloc    issue 16: why the fitted batches ran 3.4-4.2 s/iteration: BERT's fit again with
 #                expandable segments (compare allocator_retries in both fit.json)             ~2 min
-#   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces              ~7 min
-#   swap-bert    issue 18: the same for BERT-base b64                                          ~7 min
+#   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces: 7 variants,
+#                each a fresh process (~10 s start, ~12 s capture per mutwo variant, 12 s profile
+#                once, 2-4 s select-swap, 13 + 3 traced iterations)                          ~6 min
+#   swap-bert    issue 18: the same for BERT-base b64 (0.55-0.7 s iterations)                   ~6 min
 #   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
@@ -35,6 +37,23 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8
 OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
 
 BG=/tmp/mutwo-campaign
+
+# The swap study of one model (issue 18): eager, checkpointing, mutwo-none (profiles once), then
+# recompute-only and swap+recompute mutwo at half of eager's peak and at checkpointing's, each
+# traced per stream. $OUT takes 8 files, 2 folders down: the JSON, the Chrome traces of the 4
+# mutwo plans, and mutwo-none's profile (profile.json, nodes.csv: the time model's evidence); the
+# traces of eager, checkpointing and mutwo-none stay on the machine (their summaries are in the JSON).
+swap_study() {
+  local model=$1 stem=$2
+  timeout 580 python3 bench/compare.py --out "$OUT/$stem.json" --models "$model" --variants swap-study \
+    --timeout 150 --trace; local status=$?
+  local scratch="$OUT/$stem" name=${model%%:*} batch=${model##*:}
+  mkdir -p "$scratch/left/behind"
+  mv "$scratch"/*_eager.trace.json.gz "$scratch"/*_checkpoint.trace.json.gz "$scratch"/*_mutwo-none.trace.json.gz \
+    "$scratch/left/behind/" 2>/dev/null
+  cp "$scratch/$name/b$batch/profile.json" "$scratch/$name/b$batch/nodes.csv" "$scratch/" 2>/dev/null
+  ls -la "$scratch"; return $status
+}
 case "$section" in
   start)
     shift; mkdir -p "$BG"; rm -f "$BG/done"
@@ -74,11 +93,9 @@ case "$section" in
     timeout 240 mutwo-opt examples/bert.yaml --fit 16GiB --batch-size 8 -o "$OUT/fit_bert" 2> "$OUT/fit_bert.log"
     second=$?; tail -3 "$OUT/fit_bert.log"; exit $(( first || second )) ;;
   swap-resnet)
-    timeout 580 python3 bench/compare.py --out "$OUT/swap_resnet152_b128.json" --models resnet152:128 \
-      --variants swap-study --timeout 150 --trace ;;
+    swap_study resnet152:128 swap_resnet152_b128 ;;
   swap-bert)
-    timeout 580 python3 bench/compare.py --out "$OUT/swap_bert_b64.json" --models bert:64 \
-      --variants swap-study --timeout 150 --trace ;;
+    swap_study bert:64 swap_bert_b64 ;;
   backends)
     timeout 580 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
       --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;

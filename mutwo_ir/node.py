@@ -96,7 +96,7 @@ class Node:
 
     __slots__ = (
         "id", "name", "op", "target", "_args", "_kwargs", "kind", "phase", "tensors",
-        "is_tuple", "label", "origin", "users", "graph",
+        "is_tuple", "label", "origin", "users", "graph", "_operands",
     )  # fmt: skip
 
     def __init__(
@@ -127,6 +127,9 @@ class Node:
         self.origin = origin  #: for recompute clones, the id of the node they were copied from
         self.users: dict[Node, None] = {}  # ordered set
         self.graph: Any = None
+        #: ``operands`` of the args and kwargs objects it was computed from: selection walks them
+        #: hundreds of thousands of times, and flattening them each time dominated its run time
+        self._operands: tuple[tuple[Any, ...], dict[str, Any], tuple[Node, ...]] | None = None
 
     # -- operands --------------------------------------------------------------------------
     @property
@@ -150,10 +153,14 @@ class Node:
     @property
     def operands(self) -> list[Node]:
         """The distinct nodes this node reads, in order of first appearance."""
+        cached = self._operands
+        if cached is not None and cached[0] is self._args and cached[1] is self._kwargs:
+            return list(cached[2])
         seen: dict[Node, None] = {}
         for leaf in pytree.tree_leaves((self._args, self._kwargs)):
             if isinstance(leaf, Node):
                 seen[leaf] = None
+        self._operands = (self._args, self._kwargs, tuple(seen))
         return list(seen)
 
     # -- facts -----------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from typing import Any
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import Node
-from mutwo.ir.replay import batch_norm_from_stats
 from mutwo.ir.swap import swap_nodes
 
 
@@ -158,22 +157,3 @@ def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: Transf
                 "copy_out": schedule.copy_out[k], "copy_in": schedule.copy_in[k], "stall": schedule.stalls[k]}
                for k, (offload, prefetch, wait) in enumerate(swaps)]  # fmt: skip
     return GraphTimeline(start, end, records, clock[-1] + shift[-1], stalled)
-
-
-def calibrated_seconds(profile: Any) -> tuple[Callable[[Node], float], float]:
-    """Seconds per node from a profile (a clone takes its origin's, a batch norm replayed from its
-    statistics the measured replay), scaled so that the profiled nodes add up to the measured
-    whole iteration where there is one: launch gaps and overlaps between ops are spread over the
-    nodes. Returns the function and the scale."""
-    total = sum(p.seconds for p in profile.nodes.values())
-    iteration = profile.iteration.seconds if profile.iteration is not None else None
-    scale = iteration / total if iteration and total > 0 else 1.0
-
-    def seconds(node: Node) -> float:
-        if node.origin is None:
-            return scale * profile.seconds(node.id)
-        if node.target is batch_norm_from_stats:
-            return scale * profile.replay_seconds(node.origin)
-        return scale * profile.seconds(node.origin)
-
-    return seconds, scale

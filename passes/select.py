@@ -20,6 +20,7 @@ from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_ato
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks
 from mutwo.ir.replay import rng_refusal, rng_state_bytes
+from mutwo.ir.time_model import TimeModel
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.mu_two import Candidate, GreedyResult, greedy, search
 
@@ -355,7 +356,10 @@ class SelectPass(Pass):
                 "ratio": candidate.ratio, "inactive_ranks": candidate.first_backward_use - candidate.inactive_start,
                 "sources": sorted(k.creator for k in candidate.sources),
             })  # fmt: skip
-        added = sum(replay_seconds(profile, n, block) for block in blocks for n in block.nodes)
+        # The prediction on the simulators' time model (views free, the measured iteration shared
+        # by the nodes with kernels); the choices above still rank candidates by raw profiled times.
+        time_model = TimeModel.of(graph, profile)
+        added = sum(time_model.block_seconds(block) for block in blocks)
         iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
                     exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum,

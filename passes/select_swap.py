@@ -19,10 +19,11 @@ from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import NotRecomputable, Recompute
 from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, SwapSite, rewrite
-from mutwo.ir.timeline import GraphTimeline, TransferModel, calibrated_seconds, graph_timeline
+from mutwo.ir.time_model import TimeModel
+from mutwo.ir.timeline import GraphTimeline, TransferModel, graph_timeline
 from mutwo.passes.mu_two import GreedyResult, search
 from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule
-from mutwo.passes.select import PlanData, replay_seconds, start
+from mutwo.passes.select import PlanData, start
 
 MIB = 2**20
 ACTIONS = ("swap", "recompute")
@@ -35,7 +36,7 @@ class SwapPlan(PlanData):
     predicted_seconds: float
     recompute_seconds: float  #: what the recompute clones add
     stall_seconds: float  #: what the copies the compute cannot hide add
-    time_scale: float  #: measured iteration / summed node times, applied to every node
+    time_scale: float  #: measured iteration / summed times of the nodes that do device work (TimeModel)
     transfer: dict[str, Any]
     entries: list[dict[str, Any]]
     kept: int  #: candidate activations kept on the device
@@ -149,9 +150,9 @@ class SelectSwapPass(Pass):
         profile, liveness, base = begin.profile, begin.liveness, begin.base
         budget, budget_bytes = begin.budget, begin.budget_bytes
         transfer = self._transfer(ctx, base.device)
-        seconds, scale = calibrated_seconds(profile)
+        seconds = TimeModel.of(graph, profile)
         allowed = {a.strip() for a in self.allow.split(",") if a.strip()}
-        candidates, sites = self._candidates(graph, liveness, profile, scale, transfer, base.device, allowed)
+        candidates, sites = self._candidates(graph, liveness, seconds, transfer, base.device, allowed)
         ctx.log(f"select-swap: {len(candidates)} candidates ({sum(c.swappable for c in candidates)} swappable, "
                 f"{sum(c.recomputable for c in candidates)} recomputable); unoptimized peak "
                 f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
@@ -177,7 +178,7 @@ class SelectSwapPass(Pass):
                 best, candidates, sites = other, only, only_sites
             else:
                 alternative = self._summary("recompute", other, budget_bytes)
-        plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, profile, scale, transfer)
+        plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)
         plan.alternative = alternative
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
         if not plan.met:
@@ -264,11 +265,11 @@ class SelectSwapPass(Pass):
             ctx.save_json("transfer.json", model.to_json())
         return model
 
-    def _candidates(self, graph: Graph, liveness: Liveness, profile: Any, scale: float, transfer: TransferModel,
+    def _candidates(self, graph: Graph, liveness: Liveness, seconds: TimeModel, transfer: TransferModel,
                     device: str, allowed: set[str],
                     ) -> tuple[list[SwapCandidate], dict[StorageKey, SwapSite]]:  # fmt: skip
         recompute, swaps = Recompute(graph, liveness), SwapAnalysis(graph, liveness)
-        elapsed = elapsed_seconds(graph, lambda node_id: scale * profile.seconds(node_id))
+        elapsed = elapsed_seconds(graph, seconds.node_seconds)
         min_swap_bytes = transfer.latency_seconds * min(transfer.d2h_bytes_per_second, transfer.h2d_bytes_per_second)
         candidates: list[SwapCandidate] = []
         sites: dict[StorageKey, SwapSite] = {}
@@ -295,8 +296,7 @@ class SelectSwapPass(Pass):
                 key=record.key, memory=allocation_size(record.bytes, device),
                 sources=set() if block is None else {t.storage for s in block.sources for t in graph.node(s).tensors
                                                      if t is not None},
-                recompute_time=float("inf") if block is None else
-                scale * sum(replay_seconds(profile, n, block) for n in block.nodes),
+                recompute_time=float("inf") if block is None else seconds.block_seconds(block),
                 inactive_start=record.last_forward_use if record.last_forward_use is not None else record.created,
                 first_backward_use=record.first_backward_use,
                 last_backward_use=record.last_backward_use or record.first_backward_use,
@@ -306,8 +306,8 @@ class SelectSwapPass(Pass):
         return candidates, sites
 
     def _plan(self, graph: Graph, budget: Budget, budget_bytes: int, base: MemorySimulation,
-              best: Evaluation, candidates: list[SwapCandidate], sites: dict[StorageKey, SwapSite], profile: Any,
-              scale: float, transfer: TransferModel) -> SwapPlan:  # fmt: skip
+              best: Evaluation, candidates: list[SwapCandidate], sites: dict[StorageKey, SwapSite],
+              seconds: TimeModel, transfer: TransferModel) -> SwapPlan:  # fmt: skip
         nodes = graph.nodes
         stalls = {s["tag"]: s["stall"] for s in best.timeline.swaps}
         entries = []
@@ -330,12 +330,12 @@ class SelectSwapPass(Pass):
                              total_seconds=candidate.total_recompute_time,
                              sources=sorted(k.creator for k in candidate.sources))  # fmt: skip
             entries.append(entry)
-        seconds, _ = calibrated_seconds(profile)
         clones = {clone for copies in best.rewrite.clones.values() for clone in copies}
         added = sum(seconds(best.graph.node(clone)) for clone in clones)
+        profile = seconds.profile
         iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
         exact = best.simulation
         return SwapPlan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes,
                         exact.peak_node, exact.peak_phase, iteration, best.timeline.seconds, added,
-                        best.timeline.stall, scale, transfer.to_json(), entries, len(candidates) - len(entries),
+                        best.timeline.stall, seconds.scale, transfer.to_json(), entries, len(candidates) - len(entries),
                         exact.peak_bytes <= budget_bytes or budget.minimum)  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -91,3 +92,26 @@ def test_variant_names_give_their_budget_and_the_swap_study_compares_both_plans_
         assert study.index(reference) < study.index(f"mutwo-swap-{spec}")
     planned = [i for i, v in enumerate(study) if compare.budget_spec(v) not in (None, "none")]
     assert study.index("mutwo-none") < min(planned)  # it profiles once, the planned variants reuse the profile
+
+
+def test_bad_iteration_counts_are_usage_errors(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:4", "--variants", "eager", "--iterations", "0"])
+    with pytest.raises(SystemExit) as exited:
+        compare.main()
+    assert exited.value.code == 2 and "--iterations at least 1" in capsys.readouterr().err
+
+
+def test_a_cpu_dry_run_of_the_swap_study_plans_and_runs_every_variant_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """What the GPU campaign runs, at a stand-in budget and one measured iteration per variant."""
+    out = tmp_path / "study.json"
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:512", "--out", str(out), "--stand-in-budget",
+                                      "0.9", "--warmup", "0", "--iterations", "1", "--variants",
+                                      "eager,mutwo-none,mutwo-eager0.5,mutwo-swap-eager0.5"])  # fmt: skip
+    compare.main()
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
+    assert all("error" not in r and len(r["iteration_ms_all"]) == 1 for r in rows.values()), rows
+    swap = rows["mutwo-swap-eager0.5"]
+    assert swap["stand_in_budget"] == "0.9" and "swapped_tensors" in swap and swap["alternative_plan"] is not None
+    assert swap["profile_seconds"] == rows["mutwo-none"]["profile_seconds"]  # the profile was reused

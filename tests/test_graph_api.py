@@ -426,3 +426,15 @@ def test_stable_ids_survive_mutation_copy_and_printing() -> None:
     assert [node.id for node in copy] == ids
     assert print_graph(copy) == text
     assert all(format_node(copy.node(i)) == format_node(graph.node(i)) for i in ids)
+
+
+def test_operands_follow_every_change_of_the_arguments() -> None:
+    """``operands`` is cached per args/kwargs object: new arguments, however set, are seen."""
+    graph, n = build_small_graph()
+    assert n.gh.operands == [n.ge, n.r]
+    n.gh.set_operands((n.ge, n.h, 0.0), {})
+    assert n.gh.operands == [n.ge, n.h]
+    n.gh._args = (n.h, n.h, 0.0)  # bypassing set_operands, as test_verifier does to break a graph
+    assert n.gh.operands == [n.h]
+    copied = graph.copy().node(n.gh.id)
+    assert [o.id for o in copied.operands] == [n.h.id] and copied.operands[0] is not n.h

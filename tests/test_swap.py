@@ -26,6 +26,7 @@ from mutwo.ir.memory import simulate
 from mutwo.ir.node import Phase
 from mutwo.ir.recompute import NotRecomputable, Recompute
 from mutwo.ir.swap import HOST, OFFLOAD, WAIT, NotSwappable, Placement, SwapAnalysis, rewrite, swap_nodes
+from mutwo.ir.time_model import TimeModel
 from mutwo.ir.timeline import Transfer, TransferModel, graph_timeline, schedule_transfers
 from mutwo.ir.verifier import VerificationError, verify
 from mutwo.passes.mu_two import GreedyResult
@@ -229,8 +230,7 @@ def test_the_plan_predicts_the_rewritten_graph_time() -> None:
     plan: SwapPlan = rewritten.ctx.artifacts["swap-plan"]
     profile = rewritten.ctx.artifacts["profile"]
     model = TransferModel.from_json(plan.transfer)
-    timeline = graph_timeline(rewritten.graph, lambda n: profile.seconds(n.id if n.origin is None else n.origin),
-                              model)  # fmt: skip
+    timeline = graph_timeline(rewritten.graph, TimeModel.of(rewritten.original, profile), model)
     assert timeline.seconds == pytest.approx(plan.predicted_seconds)
     assert timeline.stall == pytest.approx(plan.stall_seconds)
     # On CPU copies run on the compute thread: every swapped byte is paid for twice.

@@ -37,7 +37,8 @@ from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure,
 from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
 from mutwo.ir.swap import swap_nodes
-from mutwo.ir.timeline import calibrated_seconds, graph_timeline
+from mutwo.ir.time_model import TimeModel
+from mutwo.ir.timeline import graph_timeline
 from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.runtime import distributed
@@ -309,8 +310,7 @@ class MutwoOpt:
             reports.append("memory_timeline_input.png")
         swaps = swap_nodes(final)
         if swaps and profile is not None and "transfer" in ctx.artifacts:
-            seconds, _ = calibrated_seconds(profile)
-            timeline = graph_timeline(final, seconds, ctx.artifacts["transfer"])
+            timeline = graph_timeline(final, TimeModel.of(original, profile), ctx.artifacts["transfer"])
             swap_timeline(out / "swap_timeline.png", final, timeline, after, f"{title}: compute and copies")
             reports.append("swap_timeline.png")
         # Recomputed: activations of the input whose backward readers now read a clone instead
