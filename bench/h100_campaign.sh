@@ -19,6 +19,17 @@
 #   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces              ~7 min
 #   swap-bert    issue 18: the same for BERT-base b64                                          ~7 min
 #   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
+#   inductor     issue 17's main rows: ResNet-152 b128 and BERT-base b64, eager, checkpointing,
+#                torch.compile budget 0.5, mutwo inductor at compile-0.5's measured peak and at
+#                checkpointing's, in one run (over 10 minutes: start it in the background).
+#                Estimate, not measured: torch.compile budget 0.5 took 167 s (ResNet) and 58 s (BERT)
+#                to compile on the H100 (2026-11-22); each mutwo inductor row compiles the whole
+#                iteration as one graph (ResNet-152: 10,000 nodes; 561 s on this 2-core CPU with
+#                C++ kernels, docs/backends.md), assumed 2-6 min on the H100's host for ResNet and
+#                1-3 min for BERT; capture + profile ~20 s a row              ~15-25 min
+#   inductor-ref the mutwo inductor rows only, planned at the peaks eager, checkpointing and
+#                compile-0.5 measured on 2026-11-22 (same H100, same torch; JSON in bench/results):
+#                when device time is short, at the price of comparing across two runs   ~10-18 min
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
 #                the plan get faster at checkpointing's peak?                                 ~5 min
@@ -29,10 +40,11 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, isolate"}
+section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
+INDUCTOR_VARIANTS=eager,checkpoint,compile-0.5,mutwo@inductor-compile0.5,mutwo@inductor-checkpoint
 
 BG=/tmp/mutwo-campaign
 case "$section" in
@@ -82,6 +94,15 @@ case "$section" in
   backends)
     timeout 580 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
       --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;
+  inductor)
+    timeout 2400 python3 bench/compare.py --out "$OUT/inductor_resnet152_bert.json" --models resnet152:128,bert:64 \
+      --timeout 600 --variants "$INDUCTOR_VARIANTS" ;;
+  inductor-ref)
+    timeout 2000 python3 bench/compare.py --out "$OUT/inductor_ref_resnet152_bert.json" \
+      --models resnet152:128,bert:64 --timeout 600 --variants mutwo@inductor-compile0.5,mutwo@inductor-checkpoint \
+      --reference bench/results/compare_h100_resnet152_b128_run1.json \
+      --reference bench/results/compare_h100_compile_resnet152_b128.json \
+      --reference bench/results/compare13_bert_b64.json --reference bench/results/compare_h100_compile_bert_b64_0.5.json ;;
   isolate)
     timeout 280 python3 bench/compare.py --out "$OUT/isolate_off_gpt2_b8.json" --models gpt2:8 --timeout 120 \
       --variants eager,checkpoint,mutwo-checkpoint,mutwo-0.5
