@@ -21,6 +21,20 @@
 #                once, 2-4 s select-swap, 13 + 3 traced iterations)                          ~6 min
 #   swap-bert    issue 18: the same for BERT-base b64 (0.55-0.7 s iterations)                   ~6 min
 #   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
+#   inductor     issue 17's main rows: ResNet-152 b128 and BERT-base b64, eager, checkpointing,
+#                torch.compile budget 0.5, mutwo inductor at compile-0.5's measured peak and at
+#                checkpointing's, in one run (over 10 minutes: start it in the background). Not measured
+#                yet, so estimated: torch.compile budget 0.5 took 167 s (ResNet) and 58 s (BERT) to
+#                compile on the H100 (2026-11-22); a mutwo inductor row compiles the whole iteration as
+#                one graph (docs/backends.md, "The real models on the CPU": 561 s for ResNet-152
+#                against torch.compile's 171 s, and 187 s for BERT, on this 2-core CPU), assumed 3-9
+#                min (ResNet) and 1.5-3 min (BERT) on the H100's host; capture + profile ~20 s a row.
+#                Run inductor-resnet first when less than ~35 min of device time is left  ~20-35 min
+#   inductor-resnet  the same for ResNet-152 b128 alone (the ≤ 0.78× eager target)       ~12-25 min
+#   inductor-bert    the same for BERT-base b64 alone                                    ~8-10 min
+#   inductor-ref the mutwo inductor rows only, planned at the peaks eager, checkpointing and
+#                compile-0.5 measured on 2026-11-22 (same H100, same torch; JSON in bench/results):
+#                when device time is short, at the price of comparing across two runs   ~11-25 min
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
 #                the plan get faster at checkpointing's peak?                                 ~5 min
@@ -31,10 +45,17 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, isolate"}
+section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
+
+# Issue 17's rows for MODELS in one compare run, written to $OUT/inductor_NAME.json; a row may take
+# 15 minutes (a whole-iteration compile of ResNet-152 may take 9), the run 40.
+inductor_rows() {
+  timeout 2400 python3 bench/compare.py --out "$OUT/inductor_$1.json" --models "$2" --timeout 900 \
+    --variants eager,checkpoint,compile-0.5,mutwo@inductor-compile0.5,mutwo@inductor-checkpoint
+}
 
 BG=/tmp/mutwo-campaign
 
@@ -99,6 +120,15 @@ case "$section" in
   backends)
     timeout 580 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
       --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;
+  inductor) inductor_rows resnet152_bert resnet152:128,bert:64 ;;
+  inductor-resnet) inductor_rows resnet152 resnet152:128 ;;
+  inductor-bert) inductor_rows bert bert:64 ;;
+  inductor-ref)
+    timeout 2000 python3 bench/compare.py --out "$OUT/inductor_ref_resnet152_bert.json" \
+      --models resnet152:128,bert:64 --timeout 900 --variants mutwo@inductor-compile0.5,mutwo@inductor-checkpoint \
+      --reference bench/results/compare_h100_resnet152_b128_run1.json \
+      --reference bench/results/compare_h100_compile_resnet152_b128.json \
+      --reference bench/results/compare13_bert_b64.json --reference bench/results/compare_h100_compile_bert_b64_0.5.json ;;
   isolate)
     timeout 280 python3 bench/compare.py --out "$OUT/isolate_off_gpt2_b8.json" --models gpt2:8 --timeout 120 \
       --variants eager,checkpoint,mutwo-checkpoint,mutwo-0.5
