@@ -1,21 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed by the open issues, one section per device call. Each section
-# runs in under 10 minutes (the device tool's limit per command) and writes its raw files under
-# $OUT. The sections are listed in order of value; the minutes are from the H100 runs of 2026-11-23.
+# The GPU measurements of the issues, one section per measurement; each writes its raw files under
+# $OUT. The sections still owed come first, in order of value; those of issue 16 ran on 2026-11-23
+# (bench/results/issue16_h100/) and are kept to reproduce docs/benchmarks.md.
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Sections:
-#   tests        the CUDA tests added since the last GPU run (stream trace, fit)             ~2 min
-#   opt-gpt2     issue 16: GPT-2 small b4/b8, eager vs checkpointing vs mutwo with and
-#                without the optimizer passes, in one run (adds mutwo-none, which separates
-#                the captured step's own cost from the passes')                                ~7 min
-#   opt-bert     issue 16: the same for BERT-base b32/b64                                       ~7 min
-#   opt          issue 16: opt-gpt2 and opt-bert as one run, one JSON (over 10 minutes: start it
-#                in the background, see below)                                                ~14 min
-#   fit-resnet   issue 16: --fit 16GiB on ResNet-152 to the end (the last run was cut)           ~7 min
-#   fit-alloc    issue 16: why the fitted batches ran 3.4-4.2 s/iteration: BERT's fit again with
-#                expandable segments (compare allocator_retries in both fit.json)             ~2 min
+# Still owed (issues 17 and 18):
 #   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces: 7 variants,
 #                each a fresh process (~10 s start, ~12 s capture per mutwo variant, 12 s profile
 #                once, 2-4 s select-swap, 13 + 3 traced iterations)                          ~6 min
@@ -38,6 +28,17 @@
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
 #                the plan get faster at checkpointing's peak?                                 ~5 min
+# Done (issue 16, 2026-11-23; one background job: start tests opt fit-resnet fit-alloc, ~28 min):
+#   tests        the CUDA tests added since the last GPU run (stream trace, fit)             ~2 min
+#   opt-gpt2     issue 16: GPT-2 small b4/b8, eager vs checkpointing vs mutwo with and
+#                without the optimizer passes, in one run (adds mutwo-none, which separates
+#                the captured step's own cost from the passes')                                ~7 min
+#   opt-bert     issue 16: the same for BERT-base b32/b64                                       ~7 min
+#   opt          issue 16: opt-gpt2 and opt-bert as one run, one JSON (over 10 minutes: start it
+#                in the background, see below)                                                ~14 min
+#   fit-resnet   issue 16: --fit 16GiB on ResNet-152 to the end (the last run was cut)           ~7 min
+#   fit-alloc    issue 16: why the fitted batches ran 3.4-4.2 s/iteration: BERT's fit again with
+#                expandable segments (compare allocator_retries in both fit.json)             ~2 min
 #
 # A section longer than one command's 10 minutes runs in the background, in a session of its own
 # (setsid), and the calls that follow wait for it; the machine stays while calls follow each other
