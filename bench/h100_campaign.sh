@@ -10,6 +10,8 @@
 #                each a fresh process (~10 s start, ~12 s capture per mutwo variant, 12 s profile
 #                once, 2-4 s select-swap, 13 + 3 traced iterations)                          ~6 min
 #   swap-bert    issue 18: the same for BERT-base b64 (0.55-0.7 s iterations)                   ~6 min
+#                Run each swap section as a call of its own, in the foreground (not with start):
+#                its JSON, traces and profile fill the 8 files one call brings back.
 #   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
 #   inductor     issue 17's main rows: ResNet-152 b128 and BERT-base b64, eager, checkpointing,
 #                torch.compile budget 0.5, mutwo inductor at compile-0.5's measured peak and at
