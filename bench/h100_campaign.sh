@@ -32,12 +32,9 @@
 #                the plan get faster at checkpointing's peak?                                 ~5 min
 # Done (issue 16, 2026-11-23; one background job: start tests opt fit-resnet fit-alloc, ~28 min):
 #   tests        the CUDA tests added since the last GPU run (stream trace, fit)             ~2 min
-#   opt-gpt2     issue 16: GPT-2 small b4/b8, eager vs checkpointing vs mutwo with and
-#                without the optimizer passes, in one run (adds mutwo-none, which separates
-#                the captured step's own cost from the passes')                                ~7 min
-#   opt-bert     issue 16: the same for BERT-base b32/b64                                       ~7 min
-#   opt          issue 16: opt-gpt2 and opt-bert as one run, one JSON (over 10 minutes: start it
-#                in the background, see below)                                                ~14 min
+#   opt          issue 16: GPT-2 small b4/b8 and BERT-base b32/b64, eager vs checkpointing vs
+#                mutwo without passes, activations only, and with the optimizer passes, in one
+#                run, one JSON (over 10 minutes: start it in the background, see below)      ~14 min
 #   fit-resnet   issue 16: --fit 16GiB on ResNet-152 to the end (the last run was cut)           ~7 min
 #   fit-alloc    issue 16: why the fitted batches ran 3.4-4.2 s/iteration: BERT's fit again with
 #                expandable segments (compare allocator_retries in both fit.json)             ~2 min
@@ -48,10 +45,9 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, opt-gpt2, opt-bert, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-ref, isolate"}
+section=${1:?"name a section: tests, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
-OPT_VARIANTS=eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint
 
 # Issue 17's rows for MODELS in one compare run, written to $OUT/inductor_NAME.json; a row may take
 # 15 minutes (a whole-iteration compile of ResNet-152 may take 9), the run 40.
@@ -98,15 +94,9 @@ case "$section" in
   tests)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
       tests/test_stream_trace.py tests/test_fit.py tests/test_cuda.py tests/test_cuda_swap.py tests/test_backends.py ;;
-  opt-gpt2)
-    timeout 580 python3 bench/compare.py --out "$OUT/opt_gpt2.json" --models gpt2:4,gpt2:8 --timeout 150 \
-      --variants "$OPT_VARIANTS" ;;
   opt)
     timeout 1500 python3 bench/compare.py --out "$OUT/opt_gpt2_bert.json" --models gpt2:4,gpt2:8,bert:32,bert:64 \
-      --timeout 150 --variants "$OPT_VARIANTS" ;;
-  opt-bert)
-    timeout 580 python3 bench/compare.py --out "$OUT/opt_bert.json" --models bert:32,bert:64 --timeout 150 \
-      --variants "$OPT_VARIANTS" ;;
+      --timeout 150 --variants eager,checkpoint,mutwo-none,mutwo-checkpoint,mutwo+opt-none,mutwo+opt-checkpoint ;;
   fit-resnet)
     timeout 580 mutwo-opt examples/resnet152.yaml --fit 16GiB --batch-size 64 -o "$OUT/fit_resnet152" \
       2> "$OUT/fit_resnet152.log"; status=$?; tail -3 "$OUT/fit_resnet152.log"; exit $status ;;

@@ -360,7 +360,7 @@ class SelectPass(Pass):
         # by the nodes with kernels); the choices above still rank candidates by raw profiled times.
         time_model = TimeModel.of(graph, profile)
         added = sum(time_model.block_seconds(block) for block in blocks)
-        iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
+        iteration = profile.iteration_seconds()
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
                     exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum,
                     dict(exact.breakdown))

@@ -332,8 +332,7 @@ class SelectSwapPass(Pass):
             entries.append(entry)
         clones = {clone for copies in best.rewrite.clones.values() for clone in copies}
         added = sum(seconds(best.graph.node(clone)) for clone in clones)
-        profile = seconds.profile
-        iteration = profile.iteration.seconds if profile.iteration else sum(p.seconds for p in profile.nodes.values())
+        iteration = seconds.profile.iteration_seconds()
         exact = best.simulation
         return SwapPlan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes,
                         exact.peak_node, exact.peak_phase, iteration, best.timeline.seconds, added,

@@ -71,6 +71,10 @@ class Profile:
             return 0.0
         return profile.replay_seconds if profile.replay_seconds is not None else profile.seconds
 
+    def iteration_seconds(self) -> float:
+        """The whole iteration: measured where it was (CUDA), else the nodes' times summed."""
+        return self.iteration.seconds if self.iteration else sum(p.seconds for p in self.nodes.values())
+
     def workspace(self) -> dict[int, int]:
         return {node_id: p.workspace for node_id, p in self.nodes.items() if p.workspace}
 
