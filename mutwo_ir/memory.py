@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import KIND_PRECEDENCE, Liveness, compute_liveness
 from mutwo.ir.node import NodeKind
@@ -112,3 +114,26 @@ def _breakdown(liveness: Liveness, sizes: Mapping[object, int], rank: int) -> di
         if record.persistent or record.created <= rank <= record.last_use:
             totals[record.kind.value] += sizes[key]
     return totals
+
+
+class Headroom:
+    """A memory curve and a limit it must stay within: what extending lives on it may still add.
+
+    ``curve[i]`` is the bytes live at rank ``i``; holding ``nbytes`` over ranks ``[start, end)``
+    adds them there, and is refused when any of those ranks would then exceed ``limit``.
+    """
+
+    def __init__(self, curve: torch.Tensor, limit: int) -> None:
+        self.curve = curve.clone()
+        self.limit = limit
+
+    def take(self, nbytes: int, start: int, end: int) -> bool:
+        """Hold ``nbytes`` over ``[start, end)`` if the curve stays within the limit; whether it did."""
+        if end > start and int(self.curve[start:end].max()) + nbytes > self.limit:
+            return False
+        self.curve[start:end] += nbytes
+        return True
+
+    def give(self, nbytes: int, start: int, end: int) -> None:
+        """Release what :meth:`take` held."""
+        self.curve[start:end] -= nbytes

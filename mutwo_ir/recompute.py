@@ -20,12 +20,19 @@ The rewrite realises a set of chosen activation storages (a plan):
 
 Blocks are planned in the order of their insertion points, so whether a clone is live when a
 later block needs it is known when that block is planned.
+
+*Shared* blocks (:meth:`Recompute.share`) do what a checkpointing segment does: a block that
+clones, on its way, a chosen storage whose own block would come later regenerates that storage
+for good (it joins the block, whose clone of it then lives until its last backward use), so its
+chain is replayed once instead of once per dependent block. Each join keeps the clone live over
+the stretch between the two insertion points; a join is made only where the caller's
+:class:`~mutwo.ir.memory.Headroom` says the memory curve stays within its limit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,6 +41,7 @@ import torch
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, StorageLiveness
+from mutwo.ir.memory import Headroom, allocation_size
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.replay import (
     batch_norm_from_stats,
@@ -109,13 +117,15 @@ class Block:
     from_stats: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: in-place ops whose clones write in place too: everything they write is the block's own clone
     in_place: list[int] = field(default_factory=list)
+    #: other chosen storages the block regenerates for good (a shared block: see the module docstring)
+    also: list[StorageKey] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"storage": str(self.storage), "insert_before": self.insert_before, "nodes": self.nodes,
                 "redirect": self.redirect, "sources": self.sources,
                 "from_clones": {str(k): v for k, v in self.from_clones.items()},
                 "from_stats": {str(k): list(v) for k, v in self.from_stats.items()},
-                "in_place": self.in_place}  # fmt: skip
+                "in_place": self.in_place, "also": [str(k) for k in self.also]}  # fmt: skip
 
 
 class Recompute:
@@ -161,15 +171,21 @@ class Recompute:
         return point, targets
 
     def plan_block(self, storage: StorageKey, chosen: set[StorageKey],
-                   live_clones: dict[int, tuple[int, int, StorageKey]]) -> Block:  # fmt: skip
+                   live_clones: dict[int, tuple[int, int, StorageKey]],
+                   also: Iterable[StorageKey] = ()) -> Block:  # fmt: skip
         """The block for ``storage`` when the storages in ``chosen`` are recomputed too.
 
         ``live_clones`` maps original node ids cloned by earlier blocks to (first rank, last rank,
-        storage) of the clone's life, in original ranks.
+        storage) of the clone's life, in original ranks. ``also``: chosen storages read by the
+        backward after ``storage`` first is, which the block regenerates and redirects too.
         """
+        also = list(also)
         point, targets = self.backward_targets(storage)
+        for other in also:
+            targets += [t for t in self.backward_targets(other)[1] if t not in targets]
         at = self.rank[point.id]
-        chosen = chosen | {storage}  # its own forward value is gone by then
+        group = {storage, *also}
+        chosen = chosen | group  # their own forward values are gone by then
         to_clone: dict[int, None] = {}
         sources: dict[int, None] = {}
         from_clones: dict[int, int] = {}
@@ -234,15 +250,16 @@ class Recompute:
         for target in targets:
             clone(target)
         for source in sources:
-            if source not in from_clones and any(t is not None and t.storage == storage
-                                                 for t in self.graph.node(source).tensors):  # fmt: skip
+            own = next((t.storage for t in self.graph.node(source).tensors if t is not None and t.storage in group),
+                       None)  # fmt: skip
+            if source not in from_clones and own is not None:
                 # Its producer cannot be replayed (a random op with its own generator): the block would read
                 # the very storage it is meant to free, which then stays live and saves nothing.
-                raise NotRecomputable(f"{storage} would be read from its own producer "
+                raise NotRecomputable(f"{own} would be read from its own producer "
                                       f"{self.graph.node(source)!r}, which cannot be replayed")  # fmt: skip
         ordered = sorted(to_clone, key=self.rank.__getitem__)
         return Block(storage, point.id, ordered, [t.id for t in targets], sorted(sources, key=self.rank.__getitem__),
-                     from_clones, from_stats, in_place)  # fmt: skip
+                     from_clones, from_stats, in_place, also)  # fmt: skip
 
     def _kept_stats(self, node: Node, chosen: set[StorageKey]) -> tuple[Node, Node] | None:
         """The saved mean and inverse std of a training batch norm, when the backward keeps both
@@ -282,25 +299,81 @@ class Recompute:
             raise NotRecomputable(f"{operand!r} is overwritten in place before a node of the lineage reads it")
 
     def plan(self, chosen: Iterable[StorageKey], *, dropped: Iterable[StorageKey] = (),
-             live_clones: dict[int, tuple[int, int, StorageKey]] | None = None) -> list[Block]:  # fmt: skip
+             live_clones: dict[int, tuple[int, int, StorageKey]] | None = None,
+             shared: Mapping[StorageKey, StorageKey] | None = None) -> list[Block]:  # fmt: skip
         """Blocks for every chosen storage, in the order of their insertion points.
 
         ``dropped``: other storages that are gone from the device in the backward pass (swapped
-        out); ``live_clones``: copies of them that are live in a window, as :meth:`plan_block` takes.
+        out); ``live_clones``: copies of them that are live in a window, as :meth:`plan_block` takes;
+        ``shared``: chosen storages regenerated by the block of another (its key), as
+        :meth:`share` finds them.
         """
         chosen = set(chosen)
         gone = chosen | set(dropped)
-        order = sorted(chosen, key=lambda k: (self.liveness.storages[k].first_backward_use, k))
+        shared = dict(shared or {})
+        members: dict[StorageKey, list[StorageKey]] = {}
+        for key in self._backward_order(chosen):
+            if key in shared:
+                members.setdefault(shared[key], []).append(key)
         live_clones = dict(live_clones or {})
         blocks = []
-        for key in order:
-            block = self.plan_block(key, gone, live_clones)
-            record = self.liveness.storages[key]
-            for holder in block.redirect:
-                live_clones[holder] = (record.first_backward_use, record.last_backward_use or record.first_backward_use,
-                                       key)  # fmt: skip
+        for key in self._backward_order(chosen):
+            if key in shared:
+                continue
+            block = self.plan_block(key, gone, live_clones, members.get(key, ()))
+            self._mark_live(block, live_clones)
             blocks.append(block)
         return blocks
+
+    def share(self, chosen: Iterable[StorageKey], headroom: Headroom) -> dict[StorageKey, StorageKey]:
+        """Which chosen storages to regenerate in an earlier block that clones them anyway: storage ->
+        the key of that block (see the module docstring), for :meth:`plan`'s ``shared``.
+
+        Blocks are visited in the order of their insertion points; each one takes the later chosen
+        storages its lineage clones, nearest first, while ``headroom`` can hold each clone from
+        the block's insertion point to that storage's first backward use.
+        """
+        chosen = set(chosen)
+        order = self._backward_order(chosen)
+        shared: dict[StorageKey, StorageKey] = {}
+        live_clones: dict[int, tuple[int, int, StorageKey]] = {}
+        for index, key in enumerate(order):
+            if key in shared:
+                continue
+            block = self.plan_block(key, chosen, live_clones)
+            start = self.rank[block.insert_before]
+            cloned = set(block.nodes)
+            held = []
+            for other in order[index + 1:]:
+                record = self.liveness.storages[other]
+                span = (allocation_size(record.bytes, record.device), start, record.first_backward_use)
+                if other not in shared and other.creator in cloned and headroom.take(*span):
+                    held.append((other, span))
+            if held:
+                try:
+                    block = self.plan_block(key, chosen, live_clones, [other for other, _ in held])
+                except NotRecomputable:
+                    for _, span in held:
+                        headroom.give(*span)
+                else:
+                    shared.update((other, key) for other, _ in held)
+            self._mark_live(block, live_clones)
+        return shared
+
+    def _backward_order(self, chosen: set[StorageKey]) -> list[StorageKey]:
+        return sorted(chosen, key=lambda k: (self.liveness.storages[k].first_backward_use, k))
+
+    def _mark_live(self, block: Block, live_clones: dict[int, tuple[int, int, StorageKey]]) -> None:
+        """Record the clones of the holders ``block`` redirects: later blocks read them while they live
+        (from the block's insertion point to the last backward use of their storage)."""
+        start = self.rank[block.insert_before]
+        redirected = set(block.redirect)
+        for key in (block.storage, *block.also):
+            record = self.liveness.storages[key]
+            end = record.last_backward_use or record.first_backward_use
+            for holder in record.holders:
+                if holder in redirected:
+                    live_clones[holder] = (start, end, key)
 
 
 def insert_blocks(graph: Graph, blocks: list[Block], live: dict[int, Node] | None = None) -> dict[int, list[int]]:

@@ -19,7 +19,8 @@ class ExtractPass(Pass):
     Each block runs from the activation's sources (placeholders, kept activations, nodes that
     cannot be replayed, clones of earlier blocks still live) to it, and is placed right before
     its first backward use. Blocks are planned in backward order, so a block reads a clone made
-    by an earlier one when that clone is live. Writes recompute_blocks.json.
+    by an earlier one when that clone is live; a block the plan shares regenerates the activations
+    it names for good (select's ``share``). Writes recompute_blocks.json.
     """
 
     name = "extract"
@@ -32,7 +33,7 @@ class ExtractPass(Pass):
             raise PassFailure("the plan was made for a different graph; run select on this graph again")
         keys = [StorageKey(creator, output) for creator, output in plan.keys()]
         try:
-            blocks = Recompute(graph, liveness_of(graph, ctx)).plan(keys)
+            blocks = Recompute(graph, liveness_of(graph, ctx)).plan(keys, shared=plan.shared())
         except NotRecomputable as error:
             raise PassFailure(f"the plan cannot be realised: {error}") from None
         ctx.artifacts["recompute-blocks"] = blocks
