@@ -153,7 +153,8 @@ def replay_seconds(profile: Any, node_id: int, block: Block) -> float:
 
 
 def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict[int, int],
-              shared: dict[StorageKey, StorageKey] | None = None) -> tuple[MemorySimulation, torch.Tensor, list[Block]]:  # fmt: skip
+              shared: dict[StorageKey, StorageKey] | None = None) -> tuple[
+        MemorySimulation, torch.Tensor, list[Block]]:  # fmt: skip
     """Exact simulation of ``graph`` rewritten for ``keys`` (the rewrite applied to a copy), its
     curve projected onto the original ranks (a clone counts at the rank it is inserted before),
     and the blocks of the rewrite; ``shared`` as :meth:`Recompute.plan` takes it."""
@@ -294,11 +295,11 @@ class SelectPass(Pass):
         exact, projected, chosen, blocks = best
         shared: dict[StorageKey, StorageKey] = {}
         if self.share and chosen:
-            unshared = blocks
+            unshared = sum(len(b.nodes) for b in blocks)
             exact, blocks, shared = share_plan(graph, liveness, [c.key for c in chosen], workspace,
                                                (exact, projected, blocks))  # fmt: skip
             ctx.log(f"select: shared blocks regenerate {len(shared)} of {len(chosen)} activations for good: "
-                    f"{sum(len(b.nodes) for b in blocks)} clones instead of {sum(len(b.nodes) for b in unshared)}")  # fmt: skip
+                    f"{sum(len(b.nodes) for b in blocks)} clones instead of {unshared}")  # fmt: skip
         plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, blocks, profile, shared)
         plan.refused = refused
         plan.publish(ctx, "plan", "plan", "select")
