@@ -295,11 +295,10 @@ class SelectPass(Pass):
         exact, projected, chosen, blocks = best
         shared: dict[StorageKey, StorageKey] = {}
         if self.share and chosen:
-            unshared = sum(len(b.nodes) for b in blocks)
+            unshared = (exact, blocks)
             exact, blocks, shared = share_plan(graph, liveness, [c.key for c in chosen], workspace,
                                                (exact, projected, blocks))  # fmt: skip
-            ctx.log(f"select: shared blocks regenerate {len(shared)} of {len(chosen)} activations for good: "
-                    f"{sum(len(b.nodes) for b in blocks)} clones instead of {unshared}")  # fmt: skip
+            ctx.log(self._sharing(graph, profile, len(chosen), shared, (exact, blocks), unshared))
         plan = self._plan(graph, budget, budget_bytes, base, exact, chosen, blocks, profile, shared)
         plan.refused = refused
         plan.publish(ctx, "plan", "plan", "select")
@@ -333,6 +332,19 @@ class SelectPass(Pass):
 
         search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best[0].peak_bytes, self.lowest)
         return best, state.chosen[0].key if state.chosen else None
+
+    @staticmethod
+    def _sharing(graph: Graph, profile: Any, chosen: int, shared: dict[StorageKey, StorageKey],
+                 plan: tuple[MemorySimulation, list[Block]],
+                 unshared: tuple[MemorySimulation, list[Block]]) -> str:  # fmt: skip
+        """What sharing blocks changed, in one line: clones, predicted recompute time and peak."""
+        time_model = TimeModel.of(graph, profile)
+        (exact, blocks), (plain, plain_blocks) = plan, unshared
+        return (f"select: shared blocks regenerate {len(shared)} of {chosen} activations for good: "
+                f"{sum(len(b.nodes) for b in blocks)} clones instead of {sum(len(b.nodes) for b in plain_blocks)}, "
+                f"+{sum(map(time_model.block_seconds, blocks)) * 1e3:.1f} ms instead of "
+                f"+{sum(map(time_model.block_seconds, plain_blocks)) * 1e3:.1f} ms, predicted peak "
+                f"{exact.peak_bytes / MIB:.1f} MiB (unshared {plain.peak_bytes / MIB:.1f} MiB)")
 
     def _fail_fast(self, base: MemorySimulation, budget: Budget, budget_bytes: int,
                    candidates: list[Candidate]) -> None:  # fmt: skip
