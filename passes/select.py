@@ -247,7 +247,7 @@ class SelectPass(Pass):
     is taken, sources, times and counts are updated as in the paper, and the peak is re-simulated
     incrementally. The final plan is checked by simulating the rewritten graph exactly; that
     simulation is the predicted peak.
-    Shared blocks (``share``, on by default): a block that clones a chosen activation on its way
+    Shared blocks (``share``, off by default): a block that clones a chosen activation on its way
     regenerates it for good where the exact curve has room below the plan's peak, so later blocks
     read it instead of replaying its chain again (as a checkpointed segment serves all its
     backward uses from one replay); taken only when the exact simulation confirms the peak.
@@ -266,9 +266,10 @@ class SelectPass(Pass):
     lowest: bool = option(True, "when the budget is out of reach, go on to the lowest reachable peak, which the "
                                 "failure reports (false: fail at once, even before simulating exactly when the "
                                 "greedy's estimate cannot reach the budget, as --fit's search does)")
-    share: bool = option(True, "regenerate a chosen activation once, in the first block that clones it anyway, and "
-                               "keep it for its own backward uses while the exact curve stays at or below the "
-                               "plan's peak (false: every block replays its whole chain, as before)")
+    share: bool = option(False, "regenerate a chosen activation once, in the first block that clones it anyway, and "
+                                "keep it for its own backward uses while the exact curve stays at or below the "
+                                "plan's peak; plans are compared by that peak (false: every block replays its whole "
+                                "chain)")
 
     def __post_init__(self) -> None:
         # A bad budget is a usage error when the pipeline is built, before anything is captured.
