@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the issues, one section per measurement; each writes its raw files under
-
-
+# $OUT. The sections still owed come first, in order of value; those done (issues 16, 18, one row
+# of 17, all 2026-11-23, bench/results/issue1*_h100/) are kept to reproduce docs/benchmarks.md.
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
