@@ -1,35 +1,36 @@
 #!/usr/bin/env bash
 # The GPU measurements of the issues, one section per measurement; each writes its raw files under
-# $OUT. The sections still owed come first, in order of value; those of issue 16 ran on 2026-11-23
-# (bench/results/issue16_h100/) and are kept to reproduce docs/benchmarks.md.
+# $OUT. The sections still owed come first, in order of value; those done (issues 16, 18, one row
+# of 17, all 2026-11-23, bench/results/issue1*_h100/) are kept to reproduce docs/benchmarks.md.
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Still owed (issues 17 and 18):
-#   swap-resnet  issue 18: the swap study of ResNet-152 b128 with per-stream traces: 7 variants,
-#                each a fresh process (~10 s start, ~12 s capture per mutwo variant, 12 s profile
-#                once, 2-4 s select-swap, 13 + 3 traced iterations)                          ~6 min
-#   swap-bert    issue 18: the same for BERT-base b64 (0.55-0.7 s iterations)                   ~6 min
-#                Run each swap section as a call of its own, in the foreground (not with start):
-#                its JSON, traces and profile fill the 8 files one call brings back.
-#   backends     issue 17: cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32 ~8 min
+# Still owed (issue 17):
 #   inductor     issue 17's main rows: ResNet-152 b128 and BERT-base b64, eager, checkpointing,
 #                torch.compile budget 0.5, mutwo inductor at compile-0.5's measured peak and at
-#                checkpointing's, in one run (over 10 minutes: start it in the background). Not measured
-#                yet, so estimated: torch.compile budget 0.5 took 167 s (ResNet) and 58 s (BERT) to
-#                compile on the H100 (2026-11-22); a mutwo inductor row compiles the whole iteration as
-#                one graph (docs/backends.md, "The real models on the CPU": 561 s for ResNet-152
-#                against torch.compile's 171 s, and 187 s for BERT, on this 2-core CPU), assumed 3-9
-#                min (ResNet) and 1.5-3 min (BERT) on the H100's host; capture + profile ~20 s a row.
-#                Run inductor-resnet first when less than ~35 min of device time is left  ~20-35 min
-#   inductor-resnet  the same for ResNet-152 b128 alone (the ≤ 0.78× eager target)       ~12-25 min
+#                checkpointing's, in one run (over 10 minutes: start it in the background). Measured
+#                so far: torch.compile budget 0.5 took 167 s (ResNet) and 58 s (BERT) to compile on
+#                the H100 (2026-11-22); mutwo's whole ResNet-152 iteration without a plan took 414 s
+#                (b32, 2026-11-23, cold cache), so a ResNet-152 row takes ~7-9 min, a BERT row
+#                ~2-4 min (estimated from the CPU ratio, docs/backends.md)               ~30-35 min
+#   inductor-resnet  the same for ResNet-152 b128 alone (the <= 0.78x eager target): start it
+#                first in a session of its own                                         ~20-25 min
 #   inductor-bert    the same for BERT-base b64 alone                                    ~8-10 min
 #   inductor-ref the mutwo inductor rows only, planned at the peaks eager, checkpointing and
 #                compile-0.5 measured on 2026-11-22 (same H100, same torch; JSON in bench/results):
-#                when device time is short, at the price of comparing across two runs   ~11-25 min
+#                when device time is short, at the price of comparing across two runs   ~15-20 min
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
 #                the plan get faster at checkpointing's peak?                                 ~5 min
+# Done (issue 18 and issue 17's b32 row, 2026-11-23, results in bench/results/issue18_h100 and
+# issue17_h100; docs/benchmarks.md "Swap and recompute" and "Compiled backends"):
+#   swap-resnet  the swap study of ResNet-152 b128 with per-stream traces (7 variants)        219 s
+#   swap-bert    the same for BERT-base b64                                                   310 s
+#                Run each swap section as a call of its own, in the foreground (not with start):
+#                its JSON, traces and profile fill the 8 files one call brings back.
+#   backends     cudagraphs and inductor-cudagraphs without recompute, ResNet-152 b32: 380 s, and
+#                its inductor row timed out at 280 s while compiling (414 s): its row timeout is
+#                now 560 s (over 10 minutes: start it in the background)               ~10-12 min
 # Done (issue 16, 2026-11-23; one background job: start tests opt fit-resnet fit-alloc, ~28 min):
 #   tests        the CUDA tests added since the last GPU run (stream trace, fit)             ~2 min
 #   opt          issue 16: GPT-2 small b4/b8 and BERT-base b32/b64, eager vs checkpointing vs
@@ -111,8 +112,8 @@ case "$section" in
   swap-bert)
     swap_study bert:64 swap_bert_b64 ;;
   backends)
-    timeout 580 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
-      --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 280 ;;
+    timeout 900 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
+      --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 560 ;;
   inductor) inductor_rows resnet152_bert resnet152:128,bert:64 ;;
   inductor-resnet) inductor_rows resnet152 resnet152:128 ;;
   inductor-bert) inductor_rows bert bert:64 ;;

@@ -156,14 +156,6 @@ def resolve_budget(option_value: str | None, ctx: PassContext, peak: int, unlimi
     return Budget(bytes=int(capacity))
 
 
-def replay_seconds(profile: Any, node_id: int, block: Block) -> float:
-    """What cloning ``node_id`` in ``block`` costs: the measured replay of a batch norm that the
-    block replays from its saved statistics, else the node's own measured time."""
-    if node_id in block.from_stats:
-        return profile.replay_seconds(node_id)
-    return profile.seconds(node_id)
-
-
 def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict[int, int],
               shared: dict[StorageKey, StorageKey] | None = None) -> tuple[
         MemorySimulation, torch.Tensor, list[Block]]:  # fmt: skip
@@ -381,7 +373,11 @@ class SelectPass(Pass):
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
                     device: str, replay_random: bool = True) -> list[Candidate]:  # fmt: skip
-        elapsed = elapsed_seconds(graph, profile.seconds)
+        # Candidates are ranked on the simulators' time model (views free, the measured iteration
+        # shared by the nodes with kernels), not on raw profiled times, in which a view's launch
+        # gap can cost as much as a convolution (docs/benchmarks.md, "The time model").
+        time_model = TimeModel.of(graph, profile)
+        elapsed = elapsed_seconds(graph, time_model.node_seconds)
         candidates = []
         for record in liveness.activations():
             if record.device != device or record.bytes == 0:
@@ -405,7 +401,7 @@ class SelectPass(Pass):
                 continue
             candidates.append(Candidate(
                 key=record.key, memory=memory, sources=sources,
-                recompute_time=sum(replay_seconds(profile, n, block) for n in block.nodes), inactive_start=start,
+                recompute_time=time_model.block_seconds(block), inactive_start=start,
                 first_backward_use=end, last_backward_use=record.last_backward_use or end,
                 inactive_time=idle_seconds(record, elapsed),
             ))  # fmt: skip
@@ -427,8 +423,6 @@ class SelectPass(Pass):
                 "regenerated_with": [shared[candidate.key].creator, shared[candidate.key].output]
                 if candidate.key in shared else None,
             })  # fmt: skip
-        # The prediction on the simulators' time model (views free, the measured iteration shared
-        # by the nodes with kernels); the choices above still rank candidates by raw profiled times.
         time_model = TimeModel.of(graph, profile)
         added = sum(time_model.block_seconds(block) for block in blocks)
         iteration = profile.iteration_seconds()

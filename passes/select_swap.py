@@ -22,11 +22,15 @@ from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, Sw
 from mutwo.ir.time_model import TimeModel
 from mutwo.ir.timeline import GraphTimeline, TransferModel, graph_timeline
 from mutwo.passes.mu_two import GreedyResult, search
-from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule
+from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule, swap_overhead
 from mutwo.passes.select import PlanData, start
 
 MIB = 2**20
 ACTIONS = ("swap", "recompute")
+#: What the refinement adds to a plan's predicted stall when it compares plans: on the H100 the
+#: compute stream idled 1.4-1.6x the stall BERT-base's swap plans predicted (docs/benchmarks.md,
+#: "Swap and recompute"), so a swap must win by more than its predicted stall to be taken.
+STALL_MARGIN = 0.5
 
 
 @dataclass
@@ -134,6 +138,9 @@ class SelectSwapPass(Pass):
     bandwidth: float | None = option(None, "host-device GB/s (both directions, no latency) instead of measuring it")
     keep_faster: bool = option(True, "with swap and recompute allowed, also plan recompute only and keep whichever "
                                      "plan is predicted faster at the budget (the plan records the other)")  # fmt: skip
+    refine: int = option(32, "with swap allowed, then try turning this many of the plan's costliest recomputations "
+                             "into swaps, one at a time, keeping each that the exact simulation predicts faster "
+                             "within the budget (0: off)")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.budget is not None:
@@ -143,6 +150,8 @@ class SelectSwapPass(Pass):
             raise ValueError(f"allow must list swap and/or recompute, got {self.allow!r}")
         if self.bandwidth is not None and not self.bandwidth > 0:
             raise ValueError(f"bandwidth must be a positive number of GB/s, got {self.bandwidth}")
+        if self.refine < 0:
+            raise ValueError(f"refine must be a number of recomputations to try, 0 or more, got {self.refine}")
 
     def run(self, graph: Graph, ctx: PassContext) -> SwapPlan:
         begin = start(graph, ctx, self.budget, "select-swap: no budget and no device limit (CPU): nothing needs to "
@@ -165,6 +174,7 @@ class SelectSwapPass(Pass):
         only = [replace(c, swappable=False, sources=set(c.sources)) for c in candidates if c.recomputable] \
             if compare else []  # fmt: skip
         best = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, candidates, sites)
+        swap_sites = sites
         alternative = None
         if compare:
             only_sites: dict[StorageKey, SwapSite] = {}
@@ -178,6 +188,15 @@ class SelectSwapPass(Pass):
                 best, candidates, sites = other, only, only_sites
             else:
                 alternative = self._summary("recompute", other, budget_bytes)
+        met = best.simulation.peak_bytes <= budget_bytes
+        if self.refine and "swap" in allowed and (met or budget.minimum):
+            limit = best.simulation.peak_bytes if budget.minimum else budget_bytes
+            refined = self._refine(graph, liveness, begin.workspace, seconds, transfer, limit, best, swap_sites)
+            if refined is not best:
+                turned = sum(c.action == SWAP for c in refined.chosen) - sum(c.action == SWAP for c in best.chosen)
+                ctx.log(f"select-swap: refined: {turned} recomputations turned into swaps, predicted "
+                        f"{best.timeline.seconds * 1e3:.1f} -> {refined.timeline.seconds * 1e3:.1f} ms")  # fmt: skip
+                best, sites = refined, swap_sites
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)
         plan.alternative = alternative
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
@@ -248,6 +267,42 @@ class SelectSwapPass(Pass):
             return grew
 
         search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best.simulation.peak_bytes)
+        return best
+
+    def _refine(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], seconds: Callable[[Node], float],
+                transfer: TransferModel, limit: int, best: Evaluation,
+                sites: dict[StorageKey, SwapSite]) -> Evaluation:  # fmt: skip
+        """Turn recomputations of ``best`` into swaps, costliest first, while each turn keeps the
+        exact peak within ``limit`` and the predicted time (stalls counted with STALL_MARGIN) drops.
+
+        The scheduler assembles its mixed plan one greedy choice at a time, and a swap chosen early
+        changes what later recomputations cost, so its plan can be slower than recompute only while
+        single recomputations of that plan could still leave by copy behind the forward pass (the
+        recompute-only plan of ResNet-152 b128 on the H100, docs/benchmarks.md). Each turn issues
+        the prefetch as the scheduler would (Algorithm C at the plan's peak) and is kept only when
+        the rewritten graph, simulated exactly, is predicted faster.
+        """
+        durations = [seconds(n) for n in graph]
+        forward = sum(d for d, n in zip(durations, graph, strict=True) if n.phase is Phase.FORWARD)
+
+        def cost(evaluation: Evaluation) -> float:
+            return evaluation.timeline.seconds + STALL_MARGIN * evaluation.timeline.stall
+
+        order = sorted((c for c in best.chosen if c.action == RECOMPUTE and c.key in sites),
+                       key=lambda c: c.total_recompute_time, reverse=True)  # fmt: skip
+        for candidate in order[:self.refine]:
+            timeline = Timeline(durations, transfer.overlap, ceiling=forward,
+                                recomps=[c for c in best.chosen if c.action == RECOMPUTE and c is not candidate],
+                                swaps=[c for c in best.chosen if c.action == SWAP])  # fmt: skip
+            swap = replace(candidate, action=SWAP, swappable=True)
+            _, swap.prompt = swap_overhead(timeline, swap, int(torch.argmax(best.projected)))
+            try:
+                trial = evaluate(graph, liveness, sites, [swap if c is candidate else c for c in best.chosen],
+                                 workspace, seconds, transfer)  # fmt: skip
+            except (NotRecomputable, NotSwappable):
+                continue  # a recomputation that reads it outside its swapped-in window, say
+            if trial.simulation.peak_bytes <= limit and cost(trial) < cost(best):
+                best = trial
         return best
 
     def _transfer(self, ctx: PassContext, device: str) -> TransferModel:

@@ -328,3 +328,36 @@ def test_the_better_plan_meets_the_budget_first_then_is_faster() -> None:
     assert better(plan(95, 1.0), plan(90, 2.0), 100, minimum=False)  # both meet: the faster
     assert not better(plan(95, 2.0), plan(90, 2.0), 100, minimum=False)  # a tie keeps the swap plan
     assert better(plan(80, 3.0), plan(90, 1.0), 100, minimum=True)  # at min: the lower peak
+
+
+def test_the_refinement_turns_recomputations_into_swaps_when_that_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler that recomputed what could have been swapped (here it is made to prefer
+    recomputation) leaves the refinement work: with copies nearly free, it turns recomputations of
+    the plan into swaps, the plan is predicted faster than without it, fits the budget, and the
+    rewritten iteration stays bitwise equal to the original."""
+    from mutwo.passes import mu_two_swap
+
+    choose = mu_two_swap.choose
+
+    def recompute_first(remaining: list[Any], timeline: Any, peak_rank: int) -> Any:
+        swappable = [c for c in remaining if c.swappable and c.recomputable]
+        for c in swappable:
+            c.swappable = False
+        try:
+            return choose(remaining, timeline, peak_rank)
+        finally:
+            for c in swappable:
+                c.swappable = True
+
+    monkeypatch.setattr(mu_two_swap, "choose", recompute_first)
+    pipeline = "profile{runs=1,warmup=0},select-swap{bandwidth=100000,keep_faster=false%s},insert-swap"
+    plain = swapping.rewrite(models.cnn(batch_size=32), pipeline % ",refine=0", "0.75")
+    refined = swapping.rewrite(models.cnn(batch_size=32), pipeline % "", "0.75")
+    before: SwapPlan = plain.ctx.artifacts["swap-plan"]
+    after: SwapPlan = refined.ctx.artifacts["swap-plan"]
+    assert before.of(RECOMPUTE) and not before.of(SWAP)
+    assert after.of(SWAP) and len(after.of(RECOMPUTE)) < len(before.of(RECOMPUTE))
+    assert after.met and after.predicted_seconds < before.predicted_seconds
+    _check_placement(refined)
+    report = compare_graphs(refined.original, refined.graph, refined.inputs)
+    assert report.bitwise and report.equivalent, report.summary()

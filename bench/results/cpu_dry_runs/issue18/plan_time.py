@@ -2,6 +2,7 @@
 synthetic GPU-like profile built from a small-batch CPU profile of the same model (node times x
 batch ratio; a measured iteration = 0.42 x their sum; transfer 54 GB/s, 8 us, overlapping).
 
+The pipeline comes from the PIPE environment variable (default select-swap,insert-swap).
 Usage: plan_time.py CONFIG BATCH SMALL_BATCH SMALL_PROFILE_JSON OUT_JSON {cprofile|plain} BUDGET...
 """
 import cProfile
@@ -52,7 +53,7 @@ for budget in budgets:
     start = time.perf_counter()
     if prof:
         prof.enable()
-    PassManager(PassRegistry().build_pipeline("select-swap,insert-swap", {"profile"})).run(copy, ctx)
+    PassManager(PassRegistry().build_pipeline(__import__("os").environ.get("PIPE", "select-swap,insert-swap"), {"profile"})).run(copy, ctx)
     if prof:
         prof.disable()
     seconds = time.perf_counter() - start
