@@ -292,7 +292,7 @@ def compare_graphs(
         # The original's own variation is rounding noise, as a compiled step's is, and Adam answers
         # noise in a near-zero gradient with a learning-rate-sized step either way (and clipping
         # spreads one gradient's noise to all): compare the way a compiled step is compared.
-        tolerance = Tolerance(*tolerances(reference))
+        tolerance = Tolerance(*tolerances(reference), fp64=False)
     report = EquivalenceReport(iterations, bitwise, tolerance, reference_varies=varies)
     report.rtol, report.atol = (tolerance.rtol, tolerance.atol) if tolerance is not None else tolerances(reference)
     if varies is not None:  # a second run of the reference measures how much it varies by itself

@@ -170,4 +170,5 @@ class Fp64Run:
         except Exception as error:  # noqa: BLE001 - any failure is reported, and the direct rule still runs
             first_line = (str(error).strip().splitlines() or [""])[0][:200]
             self.failure = f"failed in iteration {iteration}: {type(error).__name__}: {first_line}"
+            self.state = []  # its memory back to the rest of the check
             return None
