@@ -67,8 +67,8 @@ class Tolerance:
 
     def __str__(self) -> str:
         fp64 = f"; or {fp64_reference.criterion(self.atol)}" if self.fp64 else ""
-        return (f"rtol={self.rtol}, atol={self.atol} (Adam-updated parameters: atol + {self.lr_factor} x lr){fp64}, "
-                "each iteration from the same state")
+        return (f"rtol={self.rtol}, atol={self.atol} (Adam-updated parameters: atol + {self.lr_factor} x lr), "
+                f"each iteration from the same state{fp64}")
 
 
 #: Learning-rate factor per iteration: the second iteration halves it, like a step scheduler.
