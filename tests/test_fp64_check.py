@@ -127,6 +127,21 @@ def test_the_fp64_rule_has_torchs_constants() -> None:
     assert judged is not None and not judged.passed
 
 
+@pytest.mark.parametrize("size", [7, 1000, 100_003])
+def test_dropouts_draw_the_same_masks_in_float64_on_the_cpu(size: int) -> None:
+    """What lets the fp64 run keep a graph with dropout on the CPU (:data:`SAME_DRAWS_ON_CPU`)."""
+    aten = torch.ops.aten
+    draws = {aten.bernoulli_.float: lambda x: x.bernoulli_(0.9), aten.bernoulli.p: lambda x: aten.bernoulli.p(x, 0.9),
+             aten.native_dropout.default: lambda x: aten.native_dropout(x, 0.1, True)[0]}  # fmt: skip
+    assert set(draws) == fp64_reference.SAME_DRAWS_ON_CPU
+    for draw in draws.values():
+        masks = []
+        for dtype in (torch.float32, torch.float64):
+            torch.manual_seed(size)
+            masks.append(draw(torch.ones(size, dtype=dtype)) != 0)
+        assert torch.equal(*masks)
+
+
 @torch.library.custom_op("mutwo_test::fp32_only", mutates_args=())
 def fp32_only(x: torch.Tensor) -> torch.Tensor:
     """An op with a float32 kernel only, as some fused or quantized kernels are."""
