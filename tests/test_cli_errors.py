@@ -550,6 +550,55 @@ def test_load_passes_of_a_file_that_fails_to_import(workdir: Path, capsys: pytes
     assert "importing it failed" in line and "definitely_not_a_module_mutwo" in line
 
 
+# -- reusing a profile or a plan ------------------------------------------------------------------
+TINY_MLP = REPO / "examples" / "tiny_mlp.yaml"
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of a tiny MLP planned at the tightest budget (its profile.json, plan.json)."""
+    out = tmp_path_factory.mktemp("planned") / "out"
+    assert main(["-q", "--device", "cpu", "--batch-size", "64", "-p", "profile,select{budget=min},rewrite",
+                 "-o", str(out), str(TINY_MLP)]) == EXIT_OK  # fmt: skip
+    return out
+
+
+def test_plan_from_gives_the_same_final_graph(planned: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "again"
+    code, _, err = run_cli(capsys, "-q", "--device", "cpu", "--batch-size", "64", "-p", "rewrite", "--plan-from",
+                           planned / "plan.json", "--check", "-o", out, TINY_MLP)  # fmt: skip
+    assert code == EXIT_OK, err
+    assert json.loads((planned / "summary.json").read_text())["recomputed"], "the plan recomputes nothing"
+    assert (out / "final.ir.txt").read_text() == (planned / "final.ir.txt").read_text()
+    assert json.loads((out / "summary.json").read_text())["equivalent"] is True
+
+
+@pytest.mark.parametrize(("option", "artifact", "pipeline", "maker"), [
+    ("--plan-from", "plan.json", "profile,select,rewrite", "select"),
+    ("--profile-from", "profile.json", "profile,select,rewrite", "profile"),
+], ids=["plan-beside-select", "profile-beside-profile"])  # fmt: skip
+def test_a_reused_file_beside_the_pass_that_remakes_it(option: str, artifact: str, pipeline: str, maker: str,
+                                                       planned: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", pipeline,
+                              option, planned / artifact, TINY_MLP)  # fmt: skip
+    assert f"the pipeline's '{maker}' pass would make a new one and leave the file unused" in line
+    assert f"drop {maker} from --passes" in line
+
+
+def test_a_plan_of_another_graph(planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "8", "-p", "rewrite",
+                              "--plan-from", planned / "plan.json", TINY_MLP)  # fmt: skip
+    assert "belongs to a different graph" in line and "run the select pass again" in line
+
+
+def test_a_plan_file_that_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
+                              "--plan-from", tmp_path / "nowhere.json", TINY_MLP)  # fmt: skip
+    assert "--plan-from: no such file" in line and "nowhere.json" in line
+
+
 # -- failures (exit 1) ---------------------------------------------------------------------------
 def test_a_pass_that_raises_exits_1_and_records_the_error(workdir: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip

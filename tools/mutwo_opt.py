@@ -32,7 +32,7 @@ from mutwo.ir import to_fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import compute_liveness
 from mutwo.ir.memory import simulate
-from mutwo.ir.pass_base import PassContext, write_atomic
+from mutwo.ir.pass_base import Pass, PassContext, write_atomic
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
@@ -176,6 +176,7 @@ class MutwoOpt:
             passes = self.registry.build_pipeline(config.passes, available)
         except RegistryError as error:
             raise UsageError(str(error)) from None
+        self.refuse_remade_artifacts(passes)
         unknown = [p for p in self.args.print_ir_after.split(",") if p and p not in self.registry.names()]
         if unknown:
             raise UsageError(f"--print-ir-after names unknown pass '{unknown[0]}'; see mutwo-opt --list-passes")
@@ -185,6 +186,21 @@ class MutwoOpt:
             dump_dot=self.args.dump_dot, time_passes=self.args.time_passes,
         )  # fmt: skip
         return PassManager(passes, instrumentation)
+
+    #: The artifacts a file can stand in for: (option, artifact, an example pipeline without its maker).
+    REUSABLE = (("--profile-from", "profile", "-p select,rewrite"), ("--plan-from", "plan", "-p rewrite"))
+
+    def refuse_remade_artifacts(self, passes: list[Pass]) -> None:
+        """Refuse ``--profile-from``/``--plan-from`` beside a pass that makes the same artifact again:
+        the pass would silently replace what the file gave, and the file would go unused."""
+        for option, artifact, example in self.REUSABLE:
+            if not getattr(self.args, option.removeprefix("--").replace("-", "_")):
+                continue
+            maker = next((p.name for p in passes if artifact in type(p).provides), None)
+            if maker is not None:
+                raise UsageError(f"{option} gives the {artifact}, but the pipeline's '{maker}' pass would make a new "
+                                 f"one and leave the file unused; drop {maker} from --passes ({example} {option} "
+                                 "FILE)")  # fmt: skip
 
     def prepare_out_dir(self, config: Config) -> Path:
         """Check, without creating anything yet, that the output folder can be written."""
