@@ -38,6 +38,10 @@ b2 takes about 6 minutes, BERT-base s512 b2 about 7, on two busy cores):
     python bench/compare.py --out /tmp/dry.json --models resnet152:2 --variants swap-study \
         --stand-in-budget 0.9 --warmup 0 --iterations 1
 
+``--calibrate-peak N`` makes the ``mutwo@inductor`` rows re-plan up to N times until the compiled
+step's measured peak is within 3% of the budget (Inductor's fusion frees buffers the plan counts;
+:mod:`mutwo.runtime.peak_calibration`); the rows record every round under ``calibration``.
+
 ``--trace`` (GPU only) then profiles 3 more iterations of each variant and records, stream by
 stream, where the time went (compute idle, compute overlapped with copies, copy rates, kernels
 slowed while copies run: :mod:`mutwo.tools.stream_trace`), with the Chrome traces beside the JSON.
@@ -157,7 +161,7 @@ def config_path(name: str) -> Path:
 
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
            precision: str | None = None, trace: Path | None = None, isolate_profile: bool = False,
-           warmup: int = WARMUP, iterations: int = MEASURED) -> dict[str, Any]:  # fmt: skip
+           warmup: int = WARMUP, iterations: int = MEASURED, calibrate_peak: int = 0) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     own = mutwo_variant(variant)
     if own is not None:
@@ -165,7 +169,8 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
-                                backend=own.backend, trace=trace, isolate_profile=isolate_profile)  # fmt: skip
+                                backend=own.backend, trace=trace, isolate_profile=isolate_profile,
+                                calibrate_peak=calibrate_peak if own.backend == "inductor" else 0)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         return row
@@ -204,6 +209,9 @@ def main() -> None:
     parser.add_argument("--isolate-profile", action="store_true",
                         help="mutwo variants profile with profile{isolate=true}: each node's GPU time without the "
                         "host's launch time (compare the predicted and measured times with and without)")
+    parser.add_argument("--calibrate-peak", type=int, default=0, metavar="ROUNDS",
+                        help="mutwo@inductor variants: up to ROUNDS re-plans until the compiled step's measured peak "
+                        "is within 3%% of the budget (each round compiles again)")
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"warm-up iterations per variant (default {WARMUP})")
     parser.add_argument("--iterations", type=int, default=MEASURED,
                         help=f"measured iterations per variant (default {MEASURED}; 1 makes a CPU dry run short)")
@@ -212,13 +220,15 @@ def main() -> None:
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
     if args.warmup < 0 or args.iterations < 1:
         parser.error("--warmup must be at least 0 and --iterations at least 1")
+    if args.calibrate_peak < 0:
+        parser.error("--calibrate-peak must be 0 (off) or a number of rounds")
     if args.trace and not torch.cuda.is_available():
         parser.error("--trace profiles CUDA streams and needs a GPU; run without --trace on a CPU")
     if args.worker:
         name, batch, variant, budget = args.worker
         trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
-                     trace, args.isolate_profile, args.warmup, args.iterations)  # fmt: skip
+                     trace, args.isolate_profile, args.warmup, args.iterations, args.calibrate_peak)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
@@ -244,6 +254,7 @@ def main() -> None:
                                        *(["--precision", args.precision] if args.precision else []),
                                        *(["--trace"] if args.trace else []),
                                        *(["--isolate-profile"] if args.isolate_profile else []),
+                                       "--calibrate-peak", str(args.calibrate_peak),
                                        "--warmup", str(args.warmup), "--iterations", str(args.iterations)], cwd=ROOT,
                                       capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -101,7 +101,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       log: Callable[[str], None] = lambda message: None,
                       optimizer_passes: bool = False, swap: bool = False,
                       backend: str = "eager", trace: Path | None = None,
-                      isolate_profile: bool = False) -> dict[str, Any]:  # fmt: skip
+                      isolate_profile: bool = False, calibrate_peak: int = 0) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
@@ -115,6 +115,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     3 more iterations on the GPU, write their Chrome trace there and add the per-stream summary
     (:mod:`mutwo.tools.stream_trace`) under ``streams``. ``isolate_profile``: profile with
     ``profile{isolate=true}`` (each node's GPU time without the host's launch time).
+    ``calibrate_peak``: with the ``inductor`` backend, up to that many re-plans until the compiled
+    step's measured peak is within 3% of the budget (:mod:`mutwo.runtime.peak_calibration`).
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -128,7 +130,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
             step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap,
-                                 backend, isolate_profile)  # fmt: skip
+                                 backend, isolate_profile, calibrate_peak)  # fmt: skip
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -220,15 +222,19 @@ def build_training(config_path: str | Path, batch_size: int, device: str | None 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
                   log: Callable[[str], None], optimizer_passes: bool = False,
                   swap: bool = False, backend: str = "eager",
-                  isolate_profile: bool = False) -> Callable[[], Any]:  # fmt: skip
+                  isolate_profile: bool = False, calibrate: int = 0) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.api import capture_graph, pass_context
+    from mutwo.runtime.backends import BackendError
     from mutwo.runtime.cuda_graphs import graphable_optimizer
     from mutwo.runtime.profiler import Profile, fingerprint
     from mutwo.runtime.step import GraphStep
 
+    if calibrate and backend != "inductor":
+        raise BackendError(f"peak calibration re-plans for a compiled step's measured peak, which only the inductor "
+                           f"backend moves away from the plan; drop it for the {backend} backend")  # fmt: skip
     if backend.endswith("cudagraphs"):
         graphable_optimizer(training.optimizer, training.device)
     started = time.perf_counter()
@@ -252,6 +258,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                 if timing.exists():
                     row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
     available = {"profile"} if "profile" in context.artifacts else set()
+    pristine = lowered.graph.copy() if calibrate else None  # each calibration round plans from it
     result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
     seconds = {record.name: record.seconds for record in result.records}
     if "profile" in seconds:
@@ -269,25 +276,79 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         if name in context.artifacts:
             row[name] = context.artifacts[name].to_json()
     plan = context.artifacts.get("plan")
-    if plan is not None:  # what the plan predicted, to compare with what was measured
+    row.update(_plan_row(plan, context.artifacts.get("swap-plan"), lowered.graph))
+    graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding, backend)
+    compiled = graph_step.compile(graph_step.flat_inputs(training.batch))
+    row.update(compiled.describe(), simulated_backend="eager")
+    row["planning_seconds"] = round(row["planning_seconds"] + compiled.compile_seconds, 2)
+    if calibrate and plan is not None and pristine is not None:
+        started = time.perf_counter()
+        graph_step = _calibrated_step(graph_step, plan, profile, pristine, lowered, ",".join(planning), calibrate,
+                                      row, log)  # fmt: skip
+        row["calibration_seconds"] = round(time.perf_counter() - started, 2)
+        row["planning_seconds"] = round(row["planning_seconds"] + row["calibration_seconds"], 2)
+    return PlannedStep(graph_step, training.batch)
+
+
+def _plan_row(plan: Any, swap_plan: Any, graph: Any) -> dict[str, Any]:
+    """What a plan chose and predicted, to compare with what was measured."""
+    row: dict[str, Any] = {}
+    if plan is not None:
         row["recomputed_tensors"] = len(plan.entries)
         row["predicted_added_ms"] = round(plan.added_seconds * 1e3, 3)
         row["profiled_iteration_ms"] = round(plan.base_seconds * 1e3, 3)
         row["predicted_iteration_ms"] = round((plan.base_seconds + plan.added_seconds) * 1e3, 3)
         row["planned_peak_bytes"] = plan.predicted_peak
         row["recomputed_ops"] = dict(Counter(e["op"] for e in plan.entries).most_common(8))
-    swap_plan = context.artifacts.get("swap-plan")
     if swap_plan is not None:
         row.update(_swap_plan_row(swap_plan))
     if plan is not None or swap_plan is not None:
         # What the clones replay, and how (a copy, with a generator state, from batch-norm statistics).
-        row["cloned_ops"] = dict(Counter(f"{lowered.graph.node(n.origin).op_name} ({describe(n.target)})"
-                                         for n in lowered.graph if n.origin is not None).most_common(12))  # fmt: skip
-    graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding, backend)
-    compiled = graph_step.compile(graph_step.flat_inputs(training.batch))
-    row.update(compiled.describe(), simulated_backend="eager")
-    row["planning_seconds"] = round(row["planning_seconds"] + compiled.compile_seconds, 2)
-    return PlannedStep(graph_step, training.batch)
+        row["cloned_ops"] = dict(Counter(f"{graph.node(n.origin).op_name} ({describe(n.target)})"
+                                         for n in graph if n.origin is not None).most_common(12))  # fmt: skip
+    return row
+
+
+def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered: Any, planning: str, rounds: int,
+                     row: dict[str, Any], log: Callable[[str], None]) -> Any:  # fmt: skip
+    """The compiled step :func:`mutwo.runtime.peak_calibration.calibrate` keeps: ``first`` (planned
+    with ``plan``) measured, then up to ``rounds`` re-plans of ``pristine`` by the ``planning``
+    passes (with ``profile``) at budgets moved by the measured gap; ``row`` gets the kept plan's
+    numbers and the rounds."""
+    from mutwo.ir.budget import Budget
+    from mutwo.ir.pass_manager import PassManager, PipelineFailure
+    from mutwo.ir.registry import PassRegistry
+    from mutwo.runtime.api import pass_context
+    from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, measured_peak
+    from mutwo.runtime.step import GraphStep
+
+    inputs = lowered.inputs
+    candidates: list[tuple[Any, Any, Any]] = []
+
+    def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, tuple[Any, Any, Any]] | None:
+        if not candidates:  # the first round is the step already planned and compiled
+            step, chosen, graph = first, plan, first.graph
+        else:
+            graph = pristine.copy()
+            context = pass_context(lowered, Budget(bytes=budget_bytes), log=log)
+            context.services["replay_random"] = first.backend == "eager"
+            context.artifacts["profile"] = profile
+            try:
+                PassManager(PassRegistry().build_pipeline(planning, {"profile"})).run(graph, context)
+            except PipelineFailure:  # a lower budget out of reach: the rounds so far stand
+                return None
+            chosen = context.artifacts["plan"]
+            step = GraphStep(graph, lowered.captured, lowered.binding, first.backend)
+            step.compile(inputs)
+        candidates.append((step, chosen, graph))
+        return CalibrationRound(budget_bytes, chosen.predicted_peak, measured_peak(step.compiled.run, inputs)), \
+            (step, chosen, graph)  # fmt: skip
+
+    calibration = calibrate(plan.budget_bytes, rounds, plan_and_measure, log)
+    log(calibration.summary())
+    step, chosen, graph = calibration.step
+    row.update(_plan_row(chosen, None, graph), calibration=calibration.describe())
+    return step
 
 
 @dataclass

@@ -49,8 +49,10 @@ from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.fit import FitError
 from mutwo.runtime.optim import UnsupportedOptimizerError
+from mutwo.runtime.peak_calibration import Calibration
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError
+from mutwo.tools.calibration import Calibrated, calibrated_step, refuse_calibration
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fit-max-slowdown", type=float, metavar="FACTOR",
                         help="with --fit: only batches whose plan predicts at most FACTOR times the time of the step "
                         "without recomputation (like 1.3); the largest batch is often not the fastest training")
+    parser.add_argument("--calibrate-peak", type=int, metavar="ROUNDS",
+                        help="with --backend inductor: plan again, up to ROUNDS times, until the compiled step's "
+                        "measured peak is within 3%% of the budget (each round compiles again; docs/backends.md)")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -112,6 +117,7 @@ class MutwoOpt:
         self.registry = PassRegistry()
         self.started = time.perf_counter()
         self.wall_started = time.time() - 1  # file times have coarse resolution on some filesystems
+        self.calibration: Calibration[Any] | None = None  #: with --calibrate-peak, its rounds
         self.dp: DataParallel | None = None  #: under torchrun: the ranks averaging the gradients
         self.joined = False  #: whether this run joined the process group (and leaves it at the end)
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
@@ -371,6 +377,7 @@ class MutwoOpt:
             # The simulator models the eager executor: one aten kernel per node, in the plan's order,
             # which the compiled backends keep (docs/backends.md); their peak is the measured one.
             "simulated_backend": "eager",
+            **({"calibration": self.calibration.describe()} if self.calibration is not None else {}),
             **(compiled.describe() if compiled is not None else {"backend": config.backend}),
         }
         # The folder is not emptied between runs: list what this run wrote.
@@ -422,6 +429,7 @@ class MutwoOpt:
             except FitError as error:
                 raise Failure(str(error)) from None
         self.refuse_backend(config, device, manager)
+        refuse_calibration(self.args.calibrate_peak, config.backend, manager)
         lowered = self.capture(config, device)
         if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
             try:
@@ -454,6 +462,12 @@ class MutwoOpt:
             except distributed.RanksDisagreeError as disagreement:
                 raise Failure(str(disagreement)) from None
         compiled = self.compile(config, final, inputs) if error is None else None
+        if self.args.calibrate_peak and compiled is not None:
+            first = Calibrated(final, compiled, ctx)
+            kept = calibrated_step(self.args.calibrate_peak, manager, lowered, original, first,
+                                   lambda g: self.compile(config, g, inputs), out if self.lead else None, self.log)
+            final = graph = kept.graph
+            compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         try:
             report = self.check(original, graph, inputs, compiled) if self.args.check and compiled else None
             measured = self.measure(original, compiled, inputs, device) if compiled else {}
