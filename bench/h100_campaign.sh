@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
 # The GPU measurements of the issues, one section per measurement; each writes its raw files under
-# $OUT. The sections still owed come first, in order of value; those done (issues 16, 18, one row
-# of 17, all 2026-11-23, bench/results/issue1*_h100/) are kept to reproduce docs/benchmarks.md.
+# $OUT. The sections still owed come first, in order of value; those done (issues 16, 17, 18, all
+# 2026-11-23, bench/results/issue1*_h100/) are kept to reproduce docs/benchmarks.md.
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
 # Still owed (issue 17):
-#   inductor     issue 17's main rows: ResNet-152 b128 and BERT-base b64, eager, checkpointing,
-#                torch.compile budget 0.5, mutwo inductor at compile-0.5's measured peak and at
-#                checkpointing's, in one run (over 10 minutes: start it in the background). Measured
-#                so far: torch.compile budget 0.5 took 167 s (ResNet) and 58 s (BERT) to compile on
-#                the H100 (2026-11-22); mutwo's whole ResNet-152 iteration without a plan took 414 s
-#                (b32, 2026-11-23, cold cache), so a ResNet-152 row takes ~7-9 min, a BERT row
-#                ~2-4 min (estimated from the CPU ratio, docs/backends.md)               ~30-35 min
-#   inductor-resnet  the same for ResNet-152 b128 alone (the <= 0.78x eager target): start it
-#                first in a session of its own                                         ~20-25 min
-#   inductor-bert    the same for BERT-base b64 alone                                    ~8-10 min
+#   inductor-calibrated  BERT-base b64's two mutwo inductor rows again with --calibrate-peak 2, planned
+#                at the compile-0.5 and checkpointing peaks measured on 2026-11-23 (--reference): on
+#                that day the compiled steps peaked 9-16% under their plans; does calibration bring
+#                them within 3% and the checkpointing row to >= 15% faster than checkpointing
+#                (4.5% then)? Up to 3 compiles of ~150 s per row (start it)               ~12-16 min
+#   inductor     issue 17's main rows for both models in one run (measured 2026-11-23 as the two
+#                sections below, bench/results/issue17_h100/)                           ~25 min
 #   inductor-ref the mutwo inductor rows only, planned at the peaks eager, checkpointing and
 #                compile-0.5 measured on 2026-11-22 (same H100, same torch; JSON in bench/results):
 #                when device time is short, at the price of comparing across two runs   ~15-20 min
 #   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
 #                times (profile{isolate=true}); does the predicted time come within 10%, and does
 #                the plan get faster at checkpointing's peak?                                 ~5 min
+# Done (issue 17's main rows, 2026-11-23, bench/results/issue17_h100/inductor_*.json;
+# docs/benchmarks.md "Compiled backends"):
+#   inductor-resnet  ResNet-152 b128: eager, checkpointing, torch.compile budget 0.5, mutwo inductor
+#                at compile-0.5's and at checkpointing's measured peaks (start it)         13 min
+#   inductor-bert    the same for BERT-base b64                                              9 min
 # Done (issue 18 and issue 17's b32 row, 2026-11-23, results in bench/results/issue18_h100 and
 # issue17_h100; docs/benchmarks.md "Swap and recompute" and "Compiled backends"):
 #   swap-resnet  the swap study of ResNet-152 b128 with per-stream traces (7 variants)        219 s
@@ -46,7 +48,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-ref, isolate"}
+section=${1:?"name a section: tests, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -115,6 +117,10 @@ case "$section" in
     timeout 900 python3 bench/compare.py --out "$OUT/backends_resnet152_b32.json" --models resnet152:32 \
       --variants eager,mutwo-none,mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-none --timeout 560 ;;
   inductor) inductor_rows resnet152_bert resnet152:128,bert:64 ;;
+  inductor-calibrated)
+    timeout 2000 python3 bench/compare.py --out "$OUT/inductor_calibrated_bert.json" --models bert:64 --timeout 950 \
+      --calibrate-peak 2 --variants mutwo@inductor-compile0.5,mutwo@inductor-checkpoint \
+      --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
   inductor-resnet) inductor_rows resnet152 resnet152:128 ;;
   inductor-bert) inductor_rows bert bert:64 ;;
   inductor-ref)
