@@ -32,10 +32,11 @@ from mutwo.ir.pass_manager import PassManager, PipelineResult
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
 from mutwo.runtime import distributed
-from mutwo.runtime.backends import BackendError, check_backend
+from mutwo.runtime.backends import BackendError, CompiledStep, check_backend
 from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
 from mutwo.runtime.training import TrainingOptions
@@ -62,6 +63,8 @@ class Optimized:
     report: EquivalenceReport | None = None
     #: the final graph bound to the model and made runnable by the backend
     step: GraphStep | None = None
+    #: with ``calibrate_peak``: every round's budget and peaks, and the round kept
+    calibration: Calibration[Any] | None = None
 
     @property
     def plan(self) -> Any:
@@ -140,6 +143,7 @@ def optimize_graph(
     log: Callable[[str], None] = lambda message: None,
     data_parallel: DataParallel | None = None,
     backend: str = "eager",
+    calibrate_peak: int | None = None,
 ) -> Optimized:
     """Capture the iteration, lower it, run ``passes`` over it, as ``mutwo-opt`` does, and make the
     final graph runnable by ``backend`` (compiled here: part of planning).
@@ -147,12 +151,17 @@ def optimize_graph(
     With ``check``, the optimized step is compared with the captured graph for 3 iterations from
     cloned state (bitwise on CPU and with deterministic kernels on CUDA; a compiled backend within
     :class:`mutwo.runtime.equivalence.Tolerance`). With ``data_parallel``, every rank of its group
-    must call this together; they end with the same graph or all fail.
+    must call this together; they end with the same graph or all fail. ``calibrate_peak``: with
+    the inductor backend, plan again up to that many times until the compiled step's measured peak
+    is within 3% of the budget (:mod:`mutwo.runtime.peak_calibration`).
     """
     check_backend(backend)
     if data_parallel is not None and backend != "eager":
         raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
     pipeline = PassRegistry().build_pipeline(passes)
+    refusal = calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
+    if refusal is not None:
+        raise ValueError(refusal)
     lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
     original = lowered.graph.copy()
     context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
@@ -161,13 +170,25 @@ def optimize_graph(
     optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
     if data_parallel is not None:
         distributed.require_same_graph(lowered.graph, data_parallel, "optimized")
-    optimized.step = GraphStep(lowered.graph, lowered.captured, lowered.binding, backend)
-    compiled = optimized.step.compile(lowered.inputs)
+    steps: dict[int, GraphStep] = {}
+
+    def compiled_for(graph: Graph) -> CompiledStep:
+        steps[id(graph)] = GraphStep(graph, lowered.captured, lowered.binding, backend)
+        return steps[id(graph)].compile(lowered.inputs)
+
+    compiled = compiled_for(lowered.graph)
+    optimized.step = steps[id(lowered.graph)]
     if backend != "eager":
         log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
             + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
+    if calibrate_peak:
+        first = Calibrated(lowered.graph, compiled, context)
+        kept = calibrated_step(calibrate_peak, PassManager(pipeline), lowered, original, first, compiled_for, out_dir,
+                               log)  # fmt: skip
+        optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
+        optimized.step, compiled = steps[id(kept.graph)], kept.compiled
     if check:
-        optimized.report = check_graphs(original, lowered.graph, lowered.inputs, candidate_run=compiled.checked_run,
+        optimized.report = check_graphs(original, optimized.graph, lowered.inputs, candidate_run=compiled.checked_run,
                                         tolerance=compiled.tolerance)  # fmt: skip
         if data_parallel is not None:
             optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
@@ -309,6 +330,7 @@ def optimize(
     data_parallel: bool | None = None,
     bucket_cap_mb: float | None = None,
     backend: str = "eager",
+    calibrate_peak: int | None = None,
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -337,7 +359,9 @@ def optimize(
 
     ``backend``: what runs the optimized graph: ``eager`` (one aten kernel per node), ``inductor``
     (fused by torch's Inductor, compiled now), ``cudagraphs`` or ``inductor-cudagraphs`` (replayed
-    as one CUDA graph); see docs/backends.md.
+    as one CUDA graph); see docs/backends.md. ``calibrate_peak``: with ``inductor``, plan again up
+    to that many times (compiling each time) until the compiled step's measured peak is within 3%
+    of the budget, since Inductor's fusion frees buffers the plan counts.
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
@@ -349,7 +373,7 @@ def optimize(
     log = (lambda message: print(message, file=sys.stderr)) if verbose and lead else (lambda message: None)
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
     options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
-               "training": training, "data_parallel": dp, "backend": backend,
+               "training": training, "data_parallel": dp, "backend": backend, "calibrate_peak": calibrate_peak,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)

@@ -22,13 +22,22 @@ measured peak is kept and the result says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
+from mutwo.ir.budget import Budget
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import Pass, PassContext
+from mutwo.ir.pass_manager import PassManager, PipelineFailure
+from mutwo.runtime.backends import CompiledStep
 from mutwo.runtime.profiler import cpu_iteration_peak, device_bytes, device_of, measure_iterations
+
+if TYPE_CHECKING:
+    from mutwo.runtime.api import CapturedGraph
 
 #: How far from the budget a compiled step's measured peak may be (the fused-executor issue's 3%).
 TOLERANCE = 0.03
@@ -145,3 +154,77 @@ def _choose(rounds: list[CalibrationRound], target: int, tolerance: float) -> in
     if fitting:
         return max(fitting, key=lambda i: rounds[i].budget_bytes)
     return min(range(len(rounds)), key=lambda i: rounds[i].measured_peak_bytes)
+
+
+def calibration_refusal(rounds: int | None, backend: str, passes: Sequence[Pass], option: str,
+                        budget_option: str) -> str | None:  # fmt: skip
+    """Why calibration cannot run with these settings (named as the caller's ``option`` and
+    ``budget_option``), or ``None`` when it can (or ``rounds`` is ``None``: not asked for)."""
+    if rounds is None:
+        return None
+    if rounds < 1:
+        return f"{option} takes the number of re-plans, 1 or more (like 2), got {rounds}"
+    if backend != "inductor":
+        return (f"{option} re-plans for the measured peak of an Inductor-compiled step; use the inductor backend "
+                "(the eager executor's peak is the simulated one)")  # fmt: skip
+    select = next((p for p in passes if p.name == "select"), None)
+    if select is None:
+        return (f"{option} re-plans select's budget, and the pipeline runs no select pass; add one "
+                "(profile,select,rewrite)")  # fmt: skip
+    if getattr(select, "budget", None) is not None:
+        return (f"{option} moves the run's budget, which select{{budget=...}} overrides; give the budget with "
+                f"{budget_option}")  # fmt: skip
+    return None
+
+
+@dataclass
+class Calibrated:
+    """What calibration keeps: the final graph, its compiled step and the context its passes ran in."""
+
+    graph: Graph
+    compiled: CompiledStep
+    ctx: PassContext
+    calibration: Calibration[Any] | None = None
+
+
+def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
+                    compile_graph: Callable[[Graph], CompiledStep], out_dir: Path | None,
+                    log: Callable[[str], None]) -> Calibrated:  # fmt: skip
+    """Measure ``first`` (the pipeline's result, compiled), then re-plan ``original`` with the
+    pipeline's passes after the profile, at budgets moved by the measured gap, up to ``rounds``
+    times. When a later round is kept, its passes run once more with ``out_dir`` so that
+    plan.json and the other files describe the kept plan."""
+    from mutwo.runtime.api import pass_context  # the API calibrates too: imported here, not at the top
+
+    profile = first.ctx.artifacts["profile"]
+    planning = PassManager([p for p in manager.passes if "profile" not in type(p).provides], manager.instrumentation)
+    tried: list[Calibrated] = []
+
+    def replan(budget_bytes: int, folder: Path | None) -> Calibrated | None:
+        graph = original.copy()
+        ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log)
+        ctx.services["replay_random"] = False  # as for the first plan: Inductor runs random ops itself
+        ctx.artifacts["profile"] = profile
+        try:
+            planning.run(graph, ctx)
+        except PipelineFailure:  # a budget out of reach: the rounds so far stand
+            return None
+        return Calibrated(graph, compile_graph(graph), ctx)
+
+    def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, Calibrated] | None:
+        made = first if not tried else replan(budget_bytes, None)
+        if made is None:
+            return None
+        tried.append(made)
+        peak = measured_peak(made.compiled.run, lowered.inputs)
+        return CalibrationRound(budget_bytes, made.ctx.artifacts["plan"].predicted_peak, peak), made
+
+    calibration = calibrate(first.ctx.artifacts["plan"].budget_bytes, rounds, plan_and_measure, log)
+    log(calibration.summary())
+    kept = calibration.step
+    if kept is not first:
+        rewritten = replan(calibration.rounds[calibration.chosen].budget_bytes, out_dir)
+        assert rewritten is not None  # the same budget planned before
+        kept = rewritten
+    kept.calibration = calibration
+    return kept

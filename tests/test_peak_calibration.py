@@ -3,14 +3,19 @@ measured peak is within 3% of the budget."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import mutwo
 import mutwo.runtime.peak_calibration as peak_calibration
 from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, next_budget
 from mutwo.tools.experiment import run_configuration
+from mutwo.tools.mutwo_opt import EXIT_OK, EXIT_USAGE, main
+from tests import models
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MLP = REPO / "examples" / "tiny_mlp.yaml"
@@ -111,13 +116,8 @@ def test_mutwo_opt_keeps_the_calibrated_plan(tmp_path: Path, monkeypatch: pytest
     """``mutwo-opt --calibrate-peak``: with the compiled step's measured peak scaled down by 20%, a
     second plan at a larger budget is made and kept; plan.json, final.ir.txt and summary.json
     describe that plan, and --check passes on it."""
-    import json
-
-    import mutwo.tools.calibration as calibration_cli
-    from mutwo.tools.mutwo_opt import EXIT_OK, main
-
-    real = calibration_cli.measured_peak
-    monkeypatch.setattr(calibration_cli, "measured_peak", lambda run, inputs: int(real(run, inputs) * 0.8))
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: int(real(run, inputs) * 0.8))
     out = tmp_path / "out"
     code = main(["-q", "--device", "cpu", "--backend", "inductor", "--budget", "0.85", "--calibrate-peak", "2",
                  "--check", "-o", str(out), str(TINY_MLP)])  # fmt: skip
@@ -134,19 +134,42 @@ def test_mutwo_opt_keeps_the_calibrated_plan(tmp_path: Path, monkeypatch: pytest
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["--calibrate-peak", "2"], "add --backend inductor"),
+    (["--calibrate-peak", "2"], "use the inductor backend"),
     (["--backend", "inductor", "--calibrate-peak", "0"], "1 or more"),
     (["--backend", "inductor", "--calibrate-peak", "2", "-p", "profile,select{budget=0.5},rewrite"],
-     "give the budget with --budget instead"),
+     "give the budget with --budget"),
     (["--backend", "inductor", "--calibrate-peak", "2", "-p", "profile"], "runs no select pass"),
 ], ids=["eager-backend", "zero-rounds", "select-budget-option", "no-select"])  # fmt: skip
 def test_calibrate_peak_refusals(argv: list[str], words: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    from mutwo.tools.mutwo_opt import EXIT_USAGE, main
-
     out = tmp_path / "out"
     code = main(["-q", "--device", "cpu", "-o", str(out), *argv, str(TINY_MLP)])
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and len(err.splitlines()) == 1 and "Traceback" not in err
     assert "--calibrate-peak" in err and words in err
     assert not out.exists()
+
+
+def test_the_api_keeps_the_calibrated_plan_and_trains_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mutwo.optimize(..., backend="inductor", calibrate_peak=2)``: the step it returns runs the
+    kept round's graph, which passed the check; its rounds are on ``step.last.calibration``."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: int(real(run, inputs) * 0.8))
+    work = models.cnn(batch_size=32)
+    optimizer = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    step = mutwo.optimize(work.model, optimizer, work.batch, work.loss_fn, budget=0.85, backend="inductor",
+                          calibrate_peak=2, check=True)  # fmt: skip
+    optimized = step.last
+    assert optimized is not None and optimized.calibration is not None
+    assert len(optimized.calibration.rounds) >= 2 and optimized.calibration.chosen >= 1
+    assert optimized.report is not None and optimized.report.equivalent
+    assert optimized.step is not None and optimized.step.graph is optimized.graph
+    assert optimized.plan.budget_bytes == optimized.calibration.rounds[optimized.calibration.chosen].budget_bytes
+    assert torch.isfinite(step(work.batch))
+
+
+def test_the_api_refuses_calibration_for_the_eager_backend() -> None:
+    work = models.mlp()
+    with pytest.raises(ValueError, match="calibrate_peak re-plans for the measured peak"):
+        mutwo.optimize(work.model, torch.optim.SGD(work.model.parameters(), lr=0.1), work.batch, work.loss_fn,
+                       calibrate_peak=1)  # fmt: skip

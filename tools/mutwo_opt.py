@@ -49,10 +49,9 @@ from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.fit import FitError
 from mutwo.runtime.optim import UnsupportedOptimizerError
-from mutwo.runtime.peak_calibration import Calibration
+from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError
-from mutwo.tools.calibration import Calibrated, calibrated_step, refuse_calibration
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
@@ -429,7 +428,10 @@ class MutwoOpt:
             except FitError as error:
                 raise Failure(str(error)) from None
         self.refuse_backend(config, device, manager)
-        refuse_calibration(self.args.calibrate_peak, config.backend, manager)
+        refusal = calibration_refusal(self.args.calibrate_peak, config.backend, manager.passes, "--calibrate-peak",
+                                      "--budget")  # fmt: skip
+        if refusal is not None:
+            raise UsageError(refusal)
         lowered = self.capture(config, device)
         if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
             try:
