@@ -79,7 +79,7 @@ from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
-           "tiny": "examples/tiny_mlp.yaml"}  # fmt: skip
+           "tiny": "examples/tiny_mlp.yaml", "resnet152-cl": "examples/resnet152_channels_last.yaml"}  # fmt: skip
 VARIANTS = ["eager", "checkpoint", "compile-0.5", "compile-0.1", "mutwo-none", "mutwo-checkpoint", "mutwo-eager0.5"]
 #: Named lists of variants: recompute-only vs swap+recompute at half of eager's peak and at checkpointing's.
 PRESETS = {"swap-study": ["eager", "checkpoint", "mutwo-none", "mutwo-eager0.5", "mutwo-swap-eager0.5",

@@ -6,6 +6,9 @@
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
 # Still owed (issue 17):
+#   inductor-cl  issue 17's ResNet-152 b128 rows trained channels-last (examples/resnet152_channels_last.yaml,
+#                every variant NHWC): on 2026-11-23 mutwo's NCHW inductor step spent 19.4 ms of its
+#                148.8 ms in cuDNN layout transposes, against torch.compile 0.5's 119.0 ms (start it) ~13 min
 #   inductor-calibrated  BERT-base b64's two mutwo inductor rows again with --calibrate-peak 2, planned
 #                at the compile-0.5 and checkpointing peaks measured on 2026-11-23 (--reference): on
 #                that day the compiled steps peaked 9-16% under their plans; does calibration bring
@@ -48,7 +51,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -122,6 +125,7 @@ case "$section" in
       --calibrate-peak 2 --variants mutwo@inductor-compile0.5,mutwo@inductor-checkpoint \
       --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
   inductor-resnet) inductor_rows resnet152 resnet152:128 ;;
+  inductor-cl) inductor_rows resnet152_cl resnet152-cl:128 ;;
   inductor-bert) inductor_rows bert bert:64 ;;
   inductor-ref)
     timeout 2000 python3 bench/compare.py --out "$OUT/inductor_ref_resnet152_bert.json" \

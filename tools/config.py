@@ -23,6 +23,8 @@ OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSpro
               "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "adadelta": "Adadelta", "rprop": "Rprop",
               "asgd": "ASGD"}  # fmt: skip
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast")
+#: How the model's and the batch's 4-D tensors are laid out in memory (docs/backends.md, "Channels-last").
+MEMORY_FORMATS = ("contiguous", "channels_last")
 
 
 class ConfigError(ValueError):
@@ -47,6 +49,7 @@ TOP_KEYS = {
     "seed": Key((int,), "an integer"),
     "backend": Key((str,), "one of " + ", ".join(BACKENDS)),
     "precision": Key((str,), "one of " + ", ".join(PRECISIONS)),
+    "memory_format": Key((str,), "one of " + ", ".join(MEMORY_FORMATS)),
     "max_grad_norm": Key(_NUMBER, "a positive number (clip_grad_norm_ before the optimizer step)"),
     "grad_scaler": Key((bool,), "true or false (a torch.amp.GradScaler, for fp16-autocast)"),
 }
@@ -108,6 +111,7 @@ class Config:
     seed: int = 0
     backend: str = "eager"
     precision: str = "fp32"
+    memory_format: str = "contiguous"
     max_grad_norm: float | None = None
     grad_scaler: bool = False
 
@@ -188,14 +192,15 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         config.max_grad_norm = float(data["max_grad_norm"])
     apply_overrides(config, batch_size=data.get("batch_size"), device=data.get("device"),
                     budget=data.get("budget"), passes=data.get("passes"), seed=data.get("seed"),
-                    backend=data.get("backend"), precision=data.get("precision"))  # fmt: skip
+                    backend=data.get("backend"), precision=data.get("precision"),
+                    memory_format=data.get("memory_format"))  # fmt: skip
     return config
 
 
 def apply_overrides(config: Config, *, batch_size: int | None = None, device: str | None = None,
                     budget: float | str | None = None, passes: str | None = None,
                     seed: int | None = None, backend: str | None = None,
-                    precision: str | None = None) -> Config:  # fmt: skip
+                    precision: str | None = None, memory_format: str | None = None) -> Config:  # fmt: skip
     """Apply values from the file or the command line, checking each."""
     if batch_size is not None:
         if batch_size <= 0:
@@ -216,6 +221,8 @@ def apply_overrides(config: Config, *, batch_size: int | None = None, device: st
         config.backend = _one_of("backend", backend, BACKENDS)
     if precision is not None:
         config.precision = _one_of("precision", precision, PRECISIONS)
+    if memory_format is not None:
+        config.memory_format = _one_of("memory format", memory_format, MEMORY_FORMATS)
     return config
 
 

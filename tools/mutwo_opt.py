@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=BACKENDS,
                         help="what runs the final graph (default: the config's, else eager); see docs/backends.md")
     parser.add_argument("--precision", help="override the config's precision: fp32, bf16-autocast, fp16-autocast")
+    parser.add_argument("--memory-format", help="override the config's memory_format: contiguous, or channels_last "
+                        "(the model's and the batch's 4-D tensors NHWC, as cuDNN's fastest convolutions want)")
     parser.add_argument("--check", action="store_true",
                         help="run the original and final graphs for 3 iterations and compare every number")
     parser.add_argument("--profile-from", metavar="FILE",
@@ -146,7 +148,8 @@ class MutwoOpt:
             config = load_config(self.args.config)
             apply_overrides(config, batch_size=self.args.batch_size, device=self.args.device,
                             budget=self.args.budget, passes=self.args.passes, seed=self.args.seed,
-                            backend=self.args.backend, precision=self.args.precision)  # fmt: skip
+                            backend=self.args.backend, precision=self.args.precision,
+                            memory_format=self.args.memory_format)  # fmt: skip
         except ConfigError as error:
             raise UsageError(str(error)) from None
         return config
