@@ -15,9 +15,9 @@ Calibration closes that loop by measurement, not by a model of Inductor's buffer
    the budget, the next plan may simulate ``gap`` bytes more. Then compile and measure again.
 
 Each round costs a compile: ~150 s for BERT-base and ~4 min for ResNet-152 on the H100's host.
-The step kept is the one of the largest budget whose measured peak is within the tolerance above
-the budget, since it recomputes the least. When no round qualifies, the step with the lowest
-measured peak is kept and the result says so.
+The step kept is a round within the tolerance; failing that, one at most the tolerance over the
+budget. Among those it takes the largest budget, since that recomputes least. When no round
+qualifies, the step with the lowest measured peak is kept and the result says so.
 """
 
 from __future__ import annotations
@@ -148,9 +148,11 @@ def calibrate(target_bytes: int, rounds: int,
 
 
 def _choose(rounds: list[CalibrationRound], target: int, tolerance: float) -> int:
-    """The round of the largest budget whose measured peak is at most the tolerance over the target
-    (it recomputes least), else the round of the lowest measured peak."""
-    fitting = [i for i, r in enumerate(rounds) if r.measured_peak_bytes <= (1 + tolerance) * target]
+    """The round to keep: of those whose measured peak is within the tolerance of the target, else
+    of those at most the tolerance over it, the one of the largest budget (it recomputes least);
+    when none fits, the round of the lowest measured peak."""
+    within = [i for i, r in enumerate(rounds) if _within(r.measured_peak_bytes, target, tolerance)]
+    fitting = within or [i for i, r in enumerate(rounds) if r.measured_peak_bytes <= (1 + tolerance) * target]
     if fitting:
         return max(fitting, key=lambda i: rounds[i].budget_bytes)
     return min(range(len(rounds)), key=lambda i: rounds[i].measured_peak_bytes)

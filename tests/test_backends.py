@@ -228,3 +228,30 @@ def test_compiled_backends_on_the_gpu_pass_the_check(backend: str, graphable: bo
     assert step.last.report is not None and step.last.report.equivalent, step.last.report.summary()
     losses = [float(step(graphed.batch)) for _ in range(3)]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.cuda
+def test_a_channels_last_cnn_compiled_on_the_gpu_passes_the_check() -> None:
+    """The memory_format option's GPU case: a channels-last CNN, recomputing at the lowest budget,
+    compiled by Inductor (cuDNN's NHWC kernels), checked against its captured graph."""
+    from mutwo.tools.workloads import channels_last
+
+    graphed = channels_last(_cuda_cnn()[0], "cnn")
+    step = mutwo.optimize(graphed.model, _adam(graphed.model.parameters()), graphed.batch, graphed.loss_fn,
+                          budget="min", backend="inductor", check=True)  # fmt: skip
+    assert step.last.report is not None and step.last.report.equivalent, step.last.report.summary()
+
+
+@pytest.mark.cuda
+def test_peak_calibration_measures_the_compiled_step_on_the_gpu() -> None:
+    """--calibrate-peak's GPU case: each round's peak comes from the CUDA allocator; the kept step
+    passes the check, and a round within 3% of the budget, if any, is the one kept."""
+    graphed, _ = _cuda_cnn()
+    step = mutwo.optimize(graphed.model, _adam(graphed.model.parameters()), graphed.batch, graphed.loss_fn,
+                          budget=0.7, backend="inductor", calibrate_peak=2, check=True)  # fmt: skip
+    optimized = step.last
+    assert optimized.report is not None and optimized.report.equivalent, optimized.report.summary()
+    calibration = optimized.calibration
+    assert calibration is not None and all(r.measured_peak_bytes > 0 for r in calibration.rounds)
+    if any(abs(r.measured_peak_bytes / calibration.target_bytes - 1) <= 0.03 for r in calibration.rounds):
+        assert calibration.within, calibration.summary()

@@ -61,6 +61,17 @@ def test_the_largest_budget_that_fits_is_kept_when_no_round_converges() -> None:
     assert "NOT within 1%" in calibration.summary()
 
 
+def test_a_round_within_the_tolerance_is_kept_over_a_larger_budget_far_under() -> None:
+    peaks = iter([800, 1250, 990])  # budget 1000 peaks far under, 1200 over, 950 within 3%
+
+    def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
+        return CalibrationRound(budget, budget, next(peaks)), budget
+
+    calibration = calibrate(1000, 2, plan_and_measure)
+    assert [r.budget_bytes for r in calibration.rounds] == [1000, 1200, 950]
+    assert calibration.chosen == 2 and calibration.within
+
+
 def test_nothing_fits_keeps_the_lowest_peak() -> None:
     def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
         return CalibrationRound(budget, budget, 2000 + budget // 100), budget
