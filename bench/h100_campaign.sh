@@ -14,6 +14,11 @@
 #                that day the compiled steps peaked 9-16% under their plans; does calibration bring
 #                them within 3% and the checkpointing row to >= 15% faster than checkpointing
 #                (4.5% then)? Up to 3 compiles of ~150 s per row (start it)               ~12-16 min
+#   tests-17     the two CUDA tests added on 2026-11-23 and not yet run on a GPU: a channels-last
+#                CNN through inductor passes the check; calibration measures the compiled step  ~2 min
+#   inductor-cl-half  mutwo inductor channels-last at half of eager-cl's peak (issue 18's 1.05x
+#                target at that peak, reached by fused recompute), against inductor-cl's JSON
+#                in the same background folder (run after inductor-cl)                        ~6 min
 #   inductor     issue 17's main rows for both models in one run (measured 2026-11-23 as the two
 #                sections below, bench/results/issue17_h100/)                           ~25 min
 #   inductor-ref the mutwo inductor rows only, planned at the peaks eager, checkpointing and
@@ -51,7 +56,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, tests-17, inductor-cl-half, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -126,6 +131,13 @@ case "$section" in
       --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
   inductor-resnet) inductor_rows resnet152 resnet152:128 ;;
   inductor-cl) inductor_rows resnet152_cl resnet152-cl:128 ;;
+  inductor-cl-half)
+    timeout 900 python3 bench/compare.py --out "$OUT/inductor_cl_half_resnet152.json" --models resnet152-cl:128 \
+      --timeout 850 --variants mutwo@inductor-eager0.5 --reference "$OUT/inductor_resnet152_cl.json" ;;
+  tests-17)
+    timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
+      tests/test_backends.py::test_a_channels_last_cnn_compiled_on_the_gpu_passes_the_check \
+      tests/test_backends.py::test_peak_calibration_measures_the_compiled_step_on_the_gpu ;;
   inductor-bert) inductor_rows bert bert:64 ;;
   inductor-ref)
     timeout 2000 python3 bench/compare.py --out "$OUT/inductor_ref_resnet152_bert.json" \
