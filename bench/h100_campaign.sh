@@ -17,8 +17,10 @@
 #   tests-17     the two CUDA tests added on 2026-11-23 and not yet run on a GPU: a channels-last
 #                CNN through inductor passes the check; calibration measures the compiled step  ~2 min
 #   inductor-cl-half  mutwo inductor channels-last at half of eager-cl's peak (issue 18's 1.05x
-#                target at that peak, reached by fused recompute), against inductor-cl's JSON
-#                in the same background folder (run after inductor-cl)                        ~6 min
+#                target at that peak, reached by fused recompute), against inductor-cl's rows of
+#                2026-11-24 (bench/results/issue17_h100_cl/)                                   ~6 min
+#   inductor-calibrated-checkpoint  inductor-calibrated's second row alone (the machine went back
+#                while it ran on 2026-11-24)                                                  ~8 min
 #   inductor     issue 17's main rows for both models in one run (measured 2026-11-23 as the two
 #                sections below, bench/results/issue17_h100/)                           ~25 min
 #   inductor-ref the mutwo inductor rows only, planned at the peaks eager, checkpointing and
@@ -56,7 +58,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, tests-17, inductor-cl-half, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -133,7 +135,11 @@ case "$section" in
   inductor-cl) inductor_rows resnet152_cl resnet152-cl:128 ;;
   inductor-cl-half)
     timeout 900 python3 bench/compare.py --out "$OUT/inductor_cl_half_resnet152.json" --models resnet152-cl:128 \
-      --timeout 850 --variants mutwo@inductor-eager0.5 --reference "$OUT/inductor_resnet152_cl.json" ;;
+      --timeout 850 --variants mutwo@inductor-eager0.5 --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
+  inductor-calibrated-checkpoint)
+    timeout 1200 python3 bench/compare.py --out "$OUT/inductor_calibrated_bert_checkpoint.json" --models bert:64 \
+      --timeout 1150 --calibrate-peak 2 --variants mutwo@inductor-checkpoint \
+      --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
   tests-17)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
       tests/test_backends.py::test_a_channels_last_cnn_compiled_on_the_gpu_passes_the_check \
