@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
 # The GPU measurements of the issues, one section per measurement; each writes its raw files under
-# $OUT. The sections still owed come first, in order of value; those done (issues 16, 17, 18, all
-# 2026-11-23, bench/results/issue1*_h100/) are kept to reproduce docs/benchmarks.md.
+# $OUT. The sections still owed come first, in order of value; those done (issues 16, 17, 18,
+# 2026-11-23 and 24, bench/results/issue1*_h100*/) are kept to reproduce docs/benchmarks.md.
+# The machine goes back 30 s after a call returns, and a background section dies with it: issue
+# `start` and the first `wait` in one call (`... start S && bash bench/h100_campaign.sh wait 540`),
+# and each next `wait` at once.
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Still owed (issue 17):
+# Still owed (optional, the time model; not an issue's target):
+#   isolate      GPT-2 b8 recompute plans profiled with and without isolated op times
+#                (profile{isolate=true}); does the predicted time come within 10%, and does the
+#                plan get faster at checkpointing's peak?                                    ~5 min
+# Done on 2026-11-24 (issue 17; bench/results/issue17_h100_cl/; docs/benchmarks.md
+# "Channels-last ResNet-152 and calibrated BERT"):
 #   inductor-cl  issue 17's ResNet-152 b128 rows trained channels-last (examples/resnet152_channels_last.yaml,
-#                every variant NHWC): on 2026-11-23 mutwo's NCHW inductor step spent 19.4 ms of its
-#                148.8 ms in cuDNN layout transposes, against torch.compile 0.5's 119.0 ms (start it) ~13 min
+#                every variant NHWC) (start it)                                              ~16 min
+#   tests-17     the two CUDA tests added on 2026-11-23: a channels-last CNN through inductor
+#                passes the check; calibration measures the compiled step                     91 s
 #   inductor-calibrated  BERT-base b64's two mutwo inductor rows again with --calibrate-peak 2, planned
-#                at the compile-0.5 and checkpointing peaks measured on 2026-11-23 (--reference): on
-#                that day the compiled steps peaked 9-16% under their plans; does calibration bring
-#                them within 3% and the checkpointing row to >= 15% faster than checkpointing
-#                (4.5% then)? Up to 3 compiles of ~150 s per row (start it)               ~12-16 min
-#   tests-17     the two CUDA tests added on 2026-11-23 and not yet run on a GPU: a channels-last
-#                CNN through inductor passes the check; calibration measures the compiled step  ~2 min
-#   inductor-cl-half  mutwo inductor channels-last at half of eager-cl's peak (issue 18's 1.05x
-#                target at that peak, reached by fused recompute), against inductor-cl's rows of
-#                2026-11-24 (bench/results/issue17_h100_cl/)                                   ~6 min
+#                at the compile-0.5 and checkpointing peaks measured on 2026-11-23 (--reference)
+#                (start it; the first row took ~9 min)                                      ~17 min
 #   inductor-calibrated-checkpoint  inductor-calibrated's second row alone (the machine went back
 #                while it ran on 2026-11-24)                                                  ~8 min
+#   inductor-cl-half  mutwo inductor channels-last at half of eager-cl's peak (issue 18's 1.05x
+#                target's operating point), against inductor-cl's rows of 2026-11-24        ~6.5 min
+# Kept to reproduce docs/benchmarks.md:
 #   inductor     issue 17's main rows for both models in one run (measured 2026-11-23 as the two
 #                sections below, bench/results/issue17_h100/)                           ~25 min
 #   inductor-ref the mutwo inductor rows only, planned at the peaks eager, checkpointing and
 #                compile-0.5 measured on 2026-11-22 (same H100, same torch; JSON in bench/results):
 #                when device time is short, at the price of comparing across two runs   ~15-20 min
-#   isolate      the time model: GPT-2 b8 recompute plans profiled with and without isolated op
-#                times (profile{isolate=true}); does the predicted time come within 10%, and does
-#                the plan get faster at checkpointing's peak?                                 ~5 min
 # Done (issue 17's main rows, 2026-11-23, bench/results/issue17_h100/inductor_*.json;
 # docs/benchmarks.md "Compiled backends"):
 #   inductor-resnet  ResNet-152 b128: eager, checkpointing, torch.compile budget 0.5, mutwo inductor
