@@ -16,7 +16,8 @@ training batch norms, replayed from the statistics they saved.
   anyway (:func:`batch_norm_from_stats`): one pointwise pass, no reduction, no running-statistics
   update. On CPU it mirrors the kernel's arithmetic and is bitwise equal to it; on CUDA it is
   ``batch_norm_elemt``, the normalisation kernel of ATen's own CUDA batch norm, which matches
-  cuDNN's only to rounding (:func:`exact_on`).
+  cuDNN's only to rounding (:func:`exact_on`). Inductor has no lowering for that op: a compiled
+  step decomposes it with :func:`batch_norm_elemt_decomposition`, its arithmetic in pointwise ops.
 
 Nothing here touches CUDA at import time.
 """
@@ -31,8 +32,8 @@ from torch._prims.rng_prims import run_with_rng_state
 
 from mutwo.ir.node import Node
 
-__all__ = ["BATCH_NORM_STATS", "batch_norm_from_stats", "describe", "exact_on", "random_device", "rng_refusal",
-           "rng_state", "rng_state_bytes", "run_with_rng_state", "stats_holders",
+__all__ = ["BATCH_NORM_STATS", "batch_norm_elemt_decomposition", "batch_norm_from_stats", "describe", "exact_on",
+           "random_device", "rng_refusal", "rng_state", "rng_state_bytes", "run_with_rng_state", "stats_holders",
            "training_batch_norm_stats"]  # fmt: skip
 
 #: Training batch norms replayable from their saved statistics: schema name -> output positions of
@@ -136,6 +137,29 @@ def batch_norm_from_stats(input: torch.Tensor, weight: torch.Tensor | None, bias
     scaled = scaled * (weight.view(shape) if weight is not None else 1)
     torch.add(scaled, bias.view(shape) if bias is not None else 0, out=output)
     return (output,)
+
+
+def batch_norm_elemt_decomposition(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                   mean: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
+    """``aten.batch_norm_elemt`` (the CUDA replay of :func:`batch_norm_from_stats`) in pointwise ops,
+    for Inductor, which has neither a lowering nor a decomposition for it.
+
+    The arithmetic of ATen's CUDA kernel (``batch_norm_elementwise``'s general path; its contiguous
+    and channels-last paths multiply by the weight first, a rounding apart): ``((input - mean) *
+    invstd) * weight + bias`` per element, each per-channel tensor viewed as ``[1, C, 1, ...]``, in
+    float32 for a half-precision input and cast back. The output takes the input's suggested
+    memory format, as the kernel's does (channels-last stays channels-last). ``eps`` is unused:
+    ``invstd`` already holds it.
+    """
+    del eps
+    shape = [1, input.shape[1]] + [1] * (input.dim() - 2)
+    math = torch.float32 if input.dtype in (torch.bfloat16, torch.float16) else input.dtype
+    out = (input.to(math) - mean.to(math).view(shape)) * invstd.to(math).view(shape)
+    if weight is not None:
+        out = out * weight.to(math).view(shape)
+    if bias is not None:
+        out = out + bias.to(math).view(shape)
+    return out.to(input.dtype).contiguous(memory_format=_suggested_format(input))
 
 
 def _dense(tensor: torch.Tensor) -> bool:

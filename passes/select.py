@@ -278,7 +278,8 @@ class SelectPass(Pass):
         replay_random = ctx.services.get("replay_random", True)
         if not replay_random:
             ctx.log("select: the backend cannot replay random ops; their outputs are not recomputed")
-        candidates = self._candidates(graph, liveness, recompute, profile, base.device, replay_random)
+        time_model = self._time_model(graph, profile, ctx)
+        candidates = self._candidates(graph, liveness, recompute, time_model, base.device, replay_random)
         refused = refused_random_ops(graph)
         if refused:
             ctx.log(f"select: {len(refused)} random ops cannot be replayed, their outputs stay live: "
@@ -298,8 +299,8 @@ class SelectPass(Pass):
                 break
             banned.add(first)
         if best.unshared is not None:
-            ctx.log(self._sharing(graph, profile, best))
-        plan = self._plan(graph, budget, budget_bytes, base, best, profile)
+            ctx.log(self._sharing(time_model, best))
+        plan = self._plan(graph, budget, budget_bytes, base, best, time_model)
         plan.refused = refused
         plan.publish(ctx, "plan", "plan", "select")
         if not plan.met:
@@ -342,10 +343,19 @@ class SelectPass(Pass):
         return best, state.chosen[0].key if state.chosen else None
 
     @staticmethod
-    def _sharing(graph: Graph, profile: Any, realized: Realized) -> str:
+    def _time_model(graph: Graph, profile: Any, ctx: PassContext) -> TimeModel:
+        """How recomputation is priced: as Inductor fuses the clones when the backend says it
+        compiles them so (``fused_recompute``), else each clone at its measured time."""
+        fused = bool(ctx.services.get("fused_recompute", False))
+        if fused:
+            ctx.log("select: pricing recomputes as Inductor fuses them: a pointwise clone fed by a pointwise clone "
+                    "of its block costs nothing")  # fmt: skip
+        return TimeModel.of(graph, profile, fused=fused)
+
+    @staticmethod
+    def _sharing(time_model: TimeModel, realized: Realized) -> str:
         """What sharing blocks changed, in one line: clones, predicted recompute time and peak."""
         assert realized.unshared is not None
-        time_model = TimeModel.of(graph, profile)
         exact, blocks, (plain, plain_blocks) = realized.simulation, realized.blocks, realized.unshared
         return (f"select: shared blocks regenerate {len(realized.shared)} of {len(realized.chosen)} activations "
                 f"for good: "
@@ -371,12 +381,11 @@ class SelectPass(Pass):
                               f"{base.peak_bytes / MIB:.1f} MiB), and recompute blocks only add to it (lowest=false: "
                               "the lowest reachable peak was not searched)")  # fmt: skip
 
-    def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, profile: Any,
+    def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, time_model: TimeModel,
                     device: str, replay_random: bool = True) -> list[Candidate]:  # fmt: skip
         # Candidates are ranked on the simulators' time model (views free, the measured iteration
         # shared by the nodes with kernels), not on raw profiled times, in which a view's launch
         # gap can cost as much as a convolution (docs/benchmarks.md, "The time model").
-        time_model = TimeModel.of(graph, profile)
         elapsed = elapsed_seconds(graph, time_model.node_seconds)
         candidates = []
         for record in liveness.activations():
@@ -408,7 +417,7 @@ class SelectPass(Pass):
         return candidates
 
     def _plan(self, graph: Graph, budget: Budget, budget_bytes: int, base: MemorySimulation, realized: Realized,
-              profile: Any) -> Plan:  # fmt: skip
+              time_model: TimeModel) -> Plan:  # fmt: skip
         exact, chosen, blocks, shared = realized.simulation, realized.chosen, realized.blocks, realized.shared
         entries = []
         for candidate in chosen:
@@ -423,9 +432,8 @@ class SelectPass(Pass):
                 "regenerated_with": [shared[candidate.key].creator, shared[candidate.key].output]
                 if candidate.key in shared else None,
             })  # fmt: skip
-        time_model = TimeModel.of(graph, profile)
         added = sum(time_model.block_seconds(block) for block in blocks)
-        iteration = profile.iteration_seconds()
+        iteration = time_model.profile.iteration_seconds()
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
                     exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum,
                     predicted_breakdown=dict(exact.breakdown), clones=sum(len(b.nodes) for b in blocks))

@@ -32,7 +32,7 @@ from mutwo.ir.pass_manager import PassManager, PipelineResult
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
 from mutwo.runtime import distributed
-from mutwo.runtime.backends import BackendError, CompiledStep, check_backend
+from mutwo.runtime.backends import BackendError, CompiledStep, backend_services, check_backend
 from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
@@ -165,7 +165,7 @@ def optimize_graph(
     lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
     original = lowered.graph.copy()
     context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
-    context.services["replay_random"] = backend == "eager"
+    context.services.update(backend_services(backend))
     result = PassManager(pipeline).run(lowered.graph, context)
     optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
     if data_parallel is not None:

@@ -21,7 +21,8 @@ eager graph runs the same kernels and is checked bitwise.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch import fx
 import mutwo.runtime.host_scalars  # noqa: F401  (defines the mutwo::host_call ops rewritten here)
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
-from mutwo.ir.replay import rng_state
+from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
@@ -66,6 +67,44 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
     "fallback_random": True,
 }
 CUDA_INDUCTOR_OPTIONS: dict[str, Any] = {"layout_optimization": False}
+
+
+@contextmanager
+def batch_norm_elemt_decomposed() -> Iterator[None]:
+    """Inductor decomposing ``aten.batch_norm_elemt`` (:func:`batch_norm_elemt_decomposition`) while
+    compiling.
+
+    Why: on CUDA a batch norm recomputed from its saved statistics replays as ``batch_norm_elemt``
+    (:func:`~mutwo.ir.replay.batch_norm_from_stats`), for which Inductor has neither a lowering nor
+    a decomposition. It ran as an extern fallback kernel, and the ReLU after it could not fuse with
+    it; decomposed into pointwise ops, replay and ReLU become one kernel, as ``select`` prices them
+    under this backend (:mod:`mutwo.ir.time_model`, fused pricing). The entry goes into Inductor's
+    own table (what ``select_decomp_table`` returns under ``fallback_random``) for the length of the
+    compile, not through ``compile_fx(decompositions=...)``: that wraps the table in an object the
+    FX graph cache cannot pickle, and the cache is then bypassed (every compile from scratch: ~4
+    minutes for ResNet-152 on the H100's host). That cache keys the decomposed graph, so code
+    compiled without the entry is not served for a graph that needs it (AOTAutograd's cache, which
+    keys the graph before decomposition, skips a graph that calls ``batch_norm_from_stats``).
+    """
+    from torch._inductor.decomposition import decompositions
+
+    op = torch.ops.aten.batch_norm_elemt.default
+    if op in decompositions:  # a torch that decomposes it itself
+        yield
+        return
+    decompositions[op] = batch_norm_elemt_decomposition
+    try:
+        yield
+    finally:
+        decompositions.pop(op, None)
+
+
+def backend_services(backend: str) -> dict[str, bool]:
+    """What the passes are told about ``backend`` (``PassContext.services``): ``replay_random``,
+    whether it can replay a random op from a saved generator state (eager only: Inductor would bake
+    the state in as a constant, a CUDA graph cannot read it on the host); ``fused_recompute``,
+    whether it fuses recompute clones (Inductor: ``select`` prices them as fused)."""
+    return {"replay_random": backend == "eager", "fused_recompute": backend.startswith("inductor")}
 
 
 class BackendError(ValueError):
@@ -174,9 +213,10 @@ def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) ->
 
 
 def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Callable[..., Any], bool]:
-    """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS`; and whether torch's compile
-    caches (AOTAutograd's and Inductor's FX graph cache, on disk under ``TORCHINDUCTOR_CACHE_DIR``)
-    supplied the compiled code: a second compile of the same graph, in any process, hits them."""
+    """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS` and :func:`batch_norm_elemt_decomposed`;
+    and whether torch's compile caches (AOTAutograd's and Inductor's FX graph cache, on disk under
+    ``TORCHINDUCTOR_CACHE_DIR``) supplied the compiled code: a second compile of the same graph, in
+    any process, hits them."""
     from torch._dynamo.utils import counters
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
@@ -194,7 +234,8 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
     on_gpu = CUDA_INDUCTOR_OPTIONS if any(t.is_cuda for t in inputs) else {}
     try:
         with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": phases_arrived()}), \
-                phase_bounded_fusion(), kernel_per_node(), torch.no_grad(), quiet_torch_errors():
+                phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
+                quiet_torch_errors():
             compiled = compile_fx(module, fakes)
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -33,7 +33,7 @@ from mutwo.ir.budget import Budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
-from mutwo.runtime.backends import CompiledStep
+from mutwo.runtime.backends import CompiledStep, backend_services
 from mutwo.runtime.profiler import cpu_iteration_peak, device_bytes, device_of, measure_iterations
 
 if TYPE_CHECKING:
@@ -205,7 +205,7 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     def replan(budget_bytes: int, folder: Path | None) -> Calibrated | None:
         graph = original.copy()
         ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log)
-        ctx.services["replay_random"] = False  # as for the first plan: Inductor runs random ops itself
+        ctx.services.update(backend_services(first.compiled.backend))  # as for the first plan
         ctx.artifacts["profile"] = profile
         try:
             planning.run(graph, ctx)

@@ -4,21 +4,24 @@ tolerance, the plan's memory kept, the compile cache), refusals, and CUDA graphs
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 import mutwo
 from mutwo.ir.budget import parse_budget
 from mutwo.ir.liveness import compute_liveness
 from mutwo.ir.recompute import Recompute, insert_blocks
+from mutwo.ir.replay import batch_norm_elemt_decomposition
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.api import capture_graph, optimize_graph
-from mutwo.runtime.backends import BackendError, compile_graph
+from mutwo.runtime.backends import BackendError, backend_services, compile_graph, compile_inductor
 from mutwo.runtime.cuda_graphs import graphable_optimizer
 from mutwo.runtime.equivalence import Tolerance, check_graphs, compare_graphs
+from mutwo.runtime.fusion import CUSTOM_PHASE
 from mutwo.runtime.profiler import cpu_iteration_peak
 from tests import models
 from tests.test_replay import token_mlp
@@ -160,6 +163,88 @@ def test_unknown_backend() -> None:
     with pytest.raises(BackendError, match="unknown backend 'tvm'; choose one of eager, inductor"):
         mutwo.optimize(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn,
                        backend="tvm")  # fmt: skip
+
+
+def test_backend_services_say_what_select_may_replay_and_how_it_prices() -> None:
+    assert backend_services("eager") == {"replay_random": True, "fused_recompute": False}
+    assert backend_services("cudagraphs") == {"replay_random": False, "fused_recompute": False}
+    for backend in ("inductor", "inductor-cudagraphs"):
+        assert backend_services(backend) == {"replay_random": False, "fused_recompute": True}
+
+
+# -- batch_norm_elemt, decomposed for Inductor ---------------------------------------------------
+def _elemt_operands(dtype: torch.dtype, channels_last: bool, affine: bool) -> list[torch.Tensor | None]:
+    """An input of ``dtype`` and float32 statistics (a mixed-precision batch norm's), for 3 channels."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 6).to(dtype)
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    weight, bias = (torch.randn(3), torch.randn(3)) if affine else (None, None)
+    return [x, weight, bias, torch.randn(3), torch.rand(3) + 0.5]
+
+
+def _elemt_reference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
+                     invstd: torch.Tensor, math: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """``((x - mean) * invstd) * weight + bias`` in ``math``, per channel, cast back to ``x``'s dtype."""
+    def channel(t: torch.Tensor) -> torch.Tensor:
+        return t.to(math)[None, :, None, None]
+
+    out = (x.to(math) - channel(mean)) * channel(invstd)
+    out = out * channel(weight) if weight is not None else out
+    return (out + channel(bias) if bias is not None else out).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,math", [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                                        (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_batch_norm_elemt_decomposition_is_the_kernels_formula(dtype: torch.dtype, math: torch.dtype,
+                                                                    channels_last: bool, affine: bool) -> None:
+    """Half-precision inputs are computed in float32 and cast back, as ATen's kernel does; the
+    output keeps the input's dtype and memory format."""
+    operands = _elemt_operands(dtype, channels_last, affine)
+    out = batch_norm_elemt_decomposition(*operands, 1e-5)  # type: ignore[arg-type]
+    assert out.dtype == dtype and out.stride() == operands[0].stride()  # type: ignore[union-attr]
+    assert torch.equal(out, _elemt_reference(*operands, math))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def elemt_meta() -> Iterator[None]:
+    """A meta kernel for ``aten.batch_norm_elemt``, which has a CUDA kernel only: Inductor's fake
+    tensors on the CPU need one to trace it (on CUDA they run the real kernel on zeros)."""
+    from torch._prims_common import suggest_memory_format
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("batch_norm_elemt", lambda x, *_: torch.empty_like(x, memory_format=suggest_memory_format(x)),
+                 "Meta")  # fmt: skip
+    yield
+    library._destroy()
+
+
+@pytest.mark.parametrize("channels_last,affine", [(True, True), (False, False)])
+def test_inductor_fuses_a_batch_norm_replay_with_the_relu_after_it(elemt_meta: None, channels_last: bool,
+                                                                    affine: bool) -> None:  # fmt: skip
+    """``batch_norm_elemt`` (the CUDA replay of a batch norm from its statistics) then a ReLU,
+    compiled as a step is: one fused kernel, no call to the op (it has no CPU kernel: the step
+    would fail), and bitwise the formula (the same operations in the same order)."""
+    from torch._inductor.decomposition import decompositions
+    from torch._inductor.utils import run_and_get_code
+
+    operands = _elemt_operands(torch.float32, channels_last, affine)
+    graph = fx.Graph()
+    args = [None if t is None else graph.placeholder(f"operand_{i}") for i, t in enumerate(operands)]
+    normalized = graph.call_function(torch.ops.aten.batch_norm_elemt.default, (*args, 1e-5))
+    relu = graph.call_function(torch.ops.aten.relu.default, (normalized,))
+    for node in (normalized, relu):
+        node.meta["custom"] = {CUSTOM_PHASE: "backward"}  # what mark_phases records, which phases_arrived checks
+    graph.output((normalized, relu))
+    inputs = [t for t in operands if t is not None]
+    (compiled, _), code = run_and_get_code(compile_inductor, fx.GraphModule(nn.Module(), graph), inputs)
+    assert "aten.batch_norm_elemt" not in code[0] and code[0].count("cpp_fused_") == 2  # its definition and call
+    out, relu_out = compiled(*inputs)
+    expected = _elemt_reference(*operands, torch.float32)  # type: ignore[arg-type]
+    assert torch.equal(out, expected) and torch.equal(relu_out, expected.relu())
+    assert torch.ops.aten.batch_norm_elemt.default not in decompositions, "Inductor's table was not restored"
+    assert out.stride() == relu_out.stride() == operands[0].stride()  # type: ignore[union-attr]
 
 
 # -- on a GPU ------------------------------------------------------------------------------------

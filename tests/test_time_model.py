@@ -1,5 +1,6 @@
 """The simulators' time model (:mod:`mutwo.ir.time_model`) on synthetic profiles: nodes that do no
-device work cost nothing, the measured iteration calibrates only the others."""
+device work cost nothing, the measured iteration calibrates only the others; fused pricing charges
+nothing for a pointwise clone that Inductor fuses into its block's producer."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from mutwo.ir.graph import Graph
-from mutwo.ir.node import NodeKind, Phase
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey
+from mutwo.ir.pass_base import PassContext
 from mutwo.ir.printer import fingerprint
-from mutwo.ir.recompute import Block
+from mutwo.ir.recompute import Block, Recompute
 from mutwo.ir.replay import batch_norm_from_stats
 from mutwo.ir.swap import OFFLOAD
-from mutwo.ir.time_model import TimeModel, device_work
+from mutwo.ir.time_model import TimeModel, device_work, is_pointwise
+from mutwo.passes.select import SelectPass
+from mutwo.runtime.api import capture_graph
+from mutwo.runtime.backends import backend_services
 from mutwo.runtime.profiler import IterationMeasurement, NodeProfile, Profile
+from tests import models
 from tests.test_verifier import build_small_graph, tensor
 
 aten = torch.ops.aten
@@ -78,3 +86,92 @@ def test_on_a_gpu_host_side_ops_cost_nothing_and_writes_to_device_tensors_do() -
     assert device_work(n.upd, "cuda:0") and device_work(n.h, "cuda:0")
     model = TimeModel.of(graph, synthetic_profile(graph, "cuda:0", iteration=7 * MS))
     assert model.idle == {n.wt.id, n.ge.id, n.ght.id, bump.id, scalar.id} and model.scale == pytest.approx(1.0)
+
+
+def captured_chains() -> tuple[Graph, dict[str, Node]]:
+    """A captured iteration with the chains fused pricing is about: convolution -> batch norm ->
+    ReLU (in place), and addmm -> GELU -> tanh; its forward nodes by name."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Flatten(),
+                        nn.Linear(4 * 8 * 8, 16), nn.GELU(), nn.Tanh(), nn.Linear(16, 3))  # fmt: skip
+    workload = models.Workload(models.Classifier(net), (torch.randn(2, 3, 8, 8), torch.randint(0, 3, (2,))),
+                               models.cross_entropy)  # fmt: skip
+    graph = capture_graph(workload.model, torch.optim.SGD(net.parameters(), lr=0.1), workload.batch,
+                          workload.loss_fn).graph  # fmt: skip
+    forward = {node.name: node for node in graph if node.phase is Phase.FORWARD and node.op == "call_function"}
+    assert {"convolution", "native_batch_norm", "relu_", "addmm", "gelu", "tanh"} <= set(forward)
+    return graph, forward
+
+
+def block_for(graph: Graph, *recomputed: Node) -> Block:
+    """The block regenerating the last of ``recomputed`` when all of them are recomputed."""
+    chosen = {node.tensors[0].storage for node in recomputed}
+    return Recompute(graph, compute_liveness(graph)).plan_block(recomputed[-1].tensors[0].storage, chosen, {})
+
+
+def test_fused_pricing_charges_a_pointwise_clone_fed_by_a_replay_or_a_pointwise_clone_nothing() -> None:
+    """Every op at 1 ms, the batch norm's replay from its statistics 0.25 ms, aliases free: under
+    Inductor the ReLU after the replay, and the tanh after the GELU, are the same kernel as their
+    producer; the GELU after the addmm (an extern matmul) is not, and a chain's head keeps its time."""
+    graph, n = captured_chains()
+    profile = synthetic_profile(graph, "cpu", iteration=None, native_batch_norm=0.25 * MS)
+    eager, fused = TimeModel.of(graph, profile), TimeModel.of(graph, profile, fused=True)
+    assert not eager.fused and fused.fused
+    relu_output = block_for(graph, n["native_batch_norm"])  # the ReLU writes the batch norm's output in place
+    assert {n["native_batch_norm"].id, n["relu_"].id} <= set(relu_output.nodes)
+    assert n["native_batch_norm"].id in relu_output.from_stats
+    assert eager.block_seconds(relu_output) == pytest.approx(1.25 * MS)  # replay + ReLU
+    assert fused.block_seconds(relu_output) == pytest.approx(0.25 * MS)  # the replay alone
+    assert fused.fused_away(relu_output) == {n["relu_"].id}
+    chain = block_for(graph, n["convolution"], n["native_batch_norm"])
+    assert n["convolution"].id in chain.nodes
+    assert eager.block_seconds(chain) == pytest.approx(2.25 * MS)
+    assert fused.block_seconds(chain) == pytest.approx(1.25 * MS)  # convolution + replay
+    tail = block_for(graph, n["addmm"], n["gelu"], n["tanh"])
+    assert [graph.node(i).name for i in tail.nodes] == ["addmm", "gelu", "tanh", "alias_1"]  # the tanh's backward
+    assert eager.block_seconds(tail) == pytest.approx(3 * MS)
+    assert fused.block_seconds(tail) == pytest.approx(2 * MS)  # addmm + GELU; the tanh fuses into the GELU
+    assert fused.fused_away(tail) == {n["tanh"].id}  # the GELU's producer is the addmm: it keeps its time
+    tanh_alone = block_for(graph, n["tanh"])  # the GELU's output is not kept: it is cloned, from the kept addmm
+    assert n["addmm"].id in tanh_alone.sources and n["gelu"].id in tanh_alone.nodes
+    assert eager.block_seconds(tanh_alone) == pytest.approx(2 * MS)
+    assert fused.block_seconds(tanh_alone) == pytest.approx(MS)  # the GELU heads the chain
+
+
+def test_in_place_ops_are_pointwise_by_their_own_tag_or_their_out_of_place_forms() -> None:
+    assert is_pointwise(aten.relu_.default) and torch.Tag.pointwise in aten.relu_.default.tags
+    assert torch.Tag.pointwise not in aten.gelu_.default.tags and is_pointwise(aten.gelu_.default)
+    assert not is_pointwise(aten.convolution.default) and not is_pointwise(aten.native_batch_norm.default)
+    assert not is_pointwise(batch_norm_from_stats)
+
+
+@pytest.mark.parametrize("budget", ["0.9", "min"])
+def test_select_plans_a_fused_backend_with_fused_pricing(budget: str) -> None:
+    """The CNN of tests/models.py, every op at 1 ms and each batch norm's replay 0.25 ms: told that
+    its backend fuses (inductor), select says it prices recomputes so, and its plan costs no more,
+    priced as Inductor runs it, than the plan it makes for eager (at 0.9 of the peak: the batch
+    norm's output, replay and ReLU in one kernel, 0.25 ms, instead of a convolution, 1 ms)."""
+    workload = models.cnn(batch_size=8)
+    graph = capture_graph(workload.model, torch.optim.SGD(workload.model.parameters(), lr=0.1), workload.batch,
+                          workload.loss_fn).graph  # fmt: skip
+    replays = {node.name: 0.25 * MS for node in graph if node.op_name == "aten.native_batch_norm.default"}
+    profile = synthetic_profile(graph, "cpu", None, **replays)
+    plans, logs = {}, {}
+    for backend in ("eager", "inductor"):
+        logs[backend] = []
+        ctx = PassContext(log=logs[backend].append)
+        ctx.artifacts["profile"] = profile
+        ctx.services.update(backend_services(backend))
+        plans[backend] = SelectPass(budget=budget).run(graph, ctx)
+        assert plans[backend].met
+    line = "select: pricing recomputes as Inductor fuses them: a pointwise clone fed by a pointwise clone of its " \
+           "block costs nothing"  # fmt: skip
+    assert line in logs["inductor"] and not any("Inductor fuses" in message for message in logs["eager"])
+    fused = TimeModel.of(graph, profile, fused=True)
+    eager_blocks = Recompute(graph, compute_liveness(graph)).plan([StorageKey(*k) for k in plans["eager"].keys()],
+                                                                  shared=plans["eager"].shared())  # fmt: skip
+    assert plans["inductor"].added_seconds <= sum(map(fused.block_seconds, eager_blocks))
+    if budget == "0.9":
+        assert [e["op"] for e in plans["eager"].entries] == ["aten.convolution.default"]
+        assert [e["op"] for e in plans["inductor"].entries] == ["aten.native_batch_norm.default"]
+        assert plans["inductor"].added_seconds == pytest.approx(0.25 * MS)

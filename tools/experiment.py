@@ -227,7 +227,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.api import capture_graph, pass_context
-    from mutwo.runtime.backends import BackendError
+    from mutwo.runtime.backends import BackendError, backend_services
     from mutwo.runtime.cuda_graphs import graphable_optimizer
     from mutwo.runtime.profiler import Profile, fingerprint
     from mutwo.runtime.step import GraphStep
@@ -242,7 +242,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
-    context.services["replay_random"] = backend == "eager"
+    context.services.update(backend_services(backend))
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
@@ -319,6 +319,7 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
     from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.api import pass_context
+    from mutwo.runtime.backends import backend_services
     from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, measured_peak
     from mutwo.runtime.step import GraphStep
 
@@ -331,7 +332,7 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
         else:
             graph = pristine.copy()
             context = pass_context(lowered, Budget(bytes=budget_bytes), log=log)
-            context.services["replay_random"] = first.backend == "eager"
+            context.services.update(backend_services(first.backend))
             context.artifacts["profile"] = profile
             try:
                 PassManager(PassRegistry().build_pipeline(planning, {"profile"})).run(graph, context)

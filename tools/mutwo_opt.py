@@ -43,7 +43,15 @@ from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
-from mutwo.runtime.backends import BACKENDS, BackendError, CompiledStep, CompileError, compile_graph, swap_refusal
+from mutwo.runtime.backends import (
+    BACKENDS,
+    BackendError,
+    CompiledStep,
+    CompileError,
+    backend_services,
+    compile_graph,
+    swap_refusal,
+)
 from mutwo.runtime.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
@@ -448,7 +456,7 @@ class MutwoOpt:
         original = graph.copy()
         captured_version = graph.version
         ctx = pass_context(lowered, config.budget, out_dir=out if self.lead else None, log=self.log)
-        ctx.services["replay_random"] = config.backend == "eager"
+        ctx.services.update(backend_services(config.backend))
         for option, filename, maker, cls, key in (("--profile-from", "profile.json", "profile", Profile, "profile"),
                                                   ("--plan-from", "plan.json", "select", Plan, "plan")):
             artifact = self.load_artifact(graph, option, filename, maker, cls)
