@@ -16,7 +16,9 @@ The rewrite realises a set of chosen activation storages (a plan):
   norms are replayed from the mean and inverse std they saved (one pointwise pass, no reduction,
   no running-statistics update); random ops are replayed with the generator state they consumed,
   which a node right before the original snapshots (:mod:`mutwo.ir.replay`), so the generator is
-  left where the original iteration leaves it.
+  left where the original iteration leaves it; with ``mask_replay`` (compiled backends, which
+  cannot replay a generator state) a dropout whose mask the backward keeps is replayed from that
+  mask instead (:mod:`mutwo.ir.mask_replay`).
 
 Blocks are planned in the order of their insertion points, so whether a clone is live when a
 later block needs it is known when that block is planned.
@@ -41,6 +43,7 @@ import torch
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, StorageLiveness
+from mutwo.ir.mask_replay import dropout_from_mask, mask_holder
 from mutwo.ir.memory import Headroom, allocation_size
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.replay import (
@@ -52,6 +55,12 @@ from mutwo.ir.replay import (
     run_with_rng_state,
     stats_holders,
 )
+
+
+def replays_from_masks(ctx: Any) -> bool:
+    """Whether the pass context's backend replays dropouts from their masks: it cannot replay a
+    generator state (the ``replay_random`` service is off: a compiled backend)."""
+    return not ctx.services.get("replay_random", True)
 
 
 class NotRecomputable(Exception):
@@ -119,21 +128,27 @@ class Block:
     in_place: list[int] = field(default_factory=list)
     #: other chosen storages the block regenerates for good (a shared block: see the module docstring)
     also: list[StorageKey] = field(default_factory=list)
+    #: dropouts replayed from the mask they drew (:mod:`mutwo.ir.mask_replay`): id -> mask holder
+    from_mask: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"storage": str(self.storage), "insert_before": self.insert_before, "nodes": self.nodes,
                 "redirect": self.redirect, "sources": self.sources,
                 "from_clones": {str(k): v for k, v in self.from_clones.items()},
                 "from_stats": {str(k): list(v) for k, v in self.from_stats.items()},
-                "in_place": self.in_place, "also": [str(k) for k in self.also]}  # fmt: skip
+                "in_place": self.in_place, "also": [str(k) for k in self.also],
+                "from_mask": {str(k): v for k, v in self.from_mask.items()}}  # fmt: skip
 
 
 class Recompute:
     """Plans blocks for chosen storages on one graph (see the module docstring)."""
 
-    def __init__(self, graph: Graph, liveness: Liveness) -> None:
+    def __init__(self, graph: Graph, liveness: Liveness, *, mask_replay: bool = False) -> None:
+        """``mask_replay``: replay dropouts from the masks they drew (:mod:`mutwo.ir.mask_replay`)
+        rather than with the generator state they consumed (for backends that cannot replay that)."""
         self.graph = graph
         self.liveness = liveness
+        self.mask_replay = mask_replay
         self.rank = liveness.rank
         self.nodes = graph.nodes
         self.mutations = _mutation_positions(graph, liveness)
@@ -190,6 +205,7 @@ class Recompute:
         sources: dict[int, None] = {}
         from_clones: dict[int, int] = {}
         from_stats: dict[int, tuple[int, int]] = {}
+        from_mask: dict[int, int] = {}
         in_place: list[int] = []
 
         def expand(node: Node) -> list[Node]:
@@ -197,6 +213,10 @@ class Recompute:
             if not replayable(node):
                 raise NotRecomputable(f"{node!r} ({node.op_name}) is needed but can neither be kept nor replayed")
             operands = node.operands
+            mask = self._kept_mask(node, chosen)
+            if mask is not None:
+                from_mask[node.id] = mask.id
+                return [node.args[0], mask]
             stats = self._kept_stats(node, chosen)
             if stats is not None:
                 from_stats[node.id] = (stats[0].id, stats[1].id)
@@ -259,7 +279,7 @@ class Recompute:
                                       f"{self.graph.node(source)!r}, which cannot be replayed")  # fmt: skip
         ordered = sorted(to_clone, key=self.rank.__getitem__)
         return Block(storage, point.id, ordered, [t.id for t in targets], sorted(sources, key=self.rank.__getitem__),
-                     from_clones, from_stats, in_place, also)  # fmt: skip
+                     from_clones, from_stats, in_place, also, from_mask)  # fmt: skip
 
     def _kept_stats(self, node: Node, chosen: set[StorageKey]) -> tuple[Node, Node] | None:
         """The saved mean and inverse std of a training batch norm, when the backward keeps both
@@ -272,6 +292,17 @@ class Recompute:
             if key in chosen or self.liveness.storages[key].first_backward_use is None:
                 return None
         return holders
+
+    def _kept_mask(self, node: Node, chosen: set[StorageKey]) -> Node | None:
+        """The holder of the mask a dropout drew, when mask replay is on and the backward keeps the
+        mask anyway (so replaying from it costs no memory), else None."""
+        holder = mask_holder(node) if self.mask_replay else None
+        if holder is None:
+            return None
+        key = holder.tensors[0].storage
+        if key in chosen or self.liveness.storages[key].first_backward_use is None:
+            return None
+        return holder
 
     def _is_source(self, node: Node, chosen: set[StorageKey], at: int) -> bool:
         if node.op == "placeholder":
@@ -393,6 +424,8 @@ def insert_blocks(graph: Graph, blocks: list[Block], live: dict[int, Node] | Non
             if node_id in block.from_stats:
                 clone = _clone_from_stats(graph, original, [graph.node(h) for h in block.from_stats[node_id]],
                                           remap, point)  # fmt: skip
+            elif node_id in block.from_mask:
+                clone = _clone_from_mask(graph, original, graph.node(block.from_mask[node_id]), remap, point)
             elif original.is_random:
                 if node_id not in snapshots:
                     snapshots[node_id] = _snapshot_rng_state(graph, original)
@@ -459,6 +492,17 @@ def _clone_from_stats(graph: Graph, original: Node, stats: list[Node], remap: di
     clone.target = batch_norm_from_stats
     clone.set_operands(tuple(remap.get(a, a) if isinstance(a, Node) else a for a in original.args[:3]) + tuple(stats),
                        {})  # fmt: skip
+    clone.tensors = clone.tensors[:1]
+    return clone
+
+
+def _clone_from_mask(graph: Graph, original: Node, mask: Node, remap: dict[Node, Node], point: Node) -> Node:
+    """A dropout replayed from the mask it drew: the one-element tuple
+    :func:`~mutwo.ir.mask_replay.dropout_from_mask` returns holds its output 0."""
+    clone = graph.copy_node(original, remap, before=point, phase=Phase.BACKWARD)
+    clone.target = dropout_from_mask
+    source = original.args[0]
+    clone.set_operands((remap.get(source, source), mask, original.args[1]), {})
     clone.tensors = clone.tensors[:1]
     return clone
 

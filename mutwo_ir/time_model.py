@@ -21,17 +21,18 @@ Without a measured iteration (CPU, where the wall clock times the op itself) the
 
 **Fused pricing** (``fused=True``, for a backend that compiles the step with Inductor): a recompute
 block's clones are priced as Inductor runs them, not as eager does. Inductor fuses pointwise ops
-vertically: a batch norm replayed from its statistics followed by a ReLU is one kernel, which
-reads the batch norm's input and writes the ReLU's output, so the ReLU clone adds no time of its
-own. A clone costs nothing, then, when its op is pointwise (tagged ``torch.Tag.pointwise``; an
-in-place op by its out-of-place form's tag when it lacks its own) and one of its tensor operands is
-computed by another clone of the same block that is pointwise or a batch norm replayed from its
-statistics (looking through the block's clones of views and getitems, which launch no kernel and
-which Inductor folds into the indexing). The head of such a chain keeps its measured time: its
-reads and its write are what the fused kernel does. Priced eagerly, these chains looked dear, and
-``select`` recomputed convolutions instead: on the H100 (ResNet-152 b128, channels-last, inductor)
-its plan at torch.compile budget 0.5's peak recomputed 47 convolutions and the step ran 1.1% slower
-than torch.compile.
+vertically: a batch norm replayed from its statistics followed by a ReLU is one kernel, which reads
+the batch norm's input and writes the ReLU's output, so the ReLU clone adds no time of its own. A
+clone costs nothing, then, when its op is pointwise (tagged ``torch.Tag.pointwise``; an in-place op
+by its out-of-place form's tag when it lacks its own) and one of its tensor operands is computed by
+another clone of the same block that is pointwise, a batch norm replayed from its statistics or a
+dropout replayed from its mask (:mod:`mutwo.ir.mask_replay`) (looking through the block's clones of
+views and getitems, which launch no kernel and which Inductor folds into the indexing). The head of
+such a chain keeps its measured time: its reads and its write are what the fused kernel does.
+Priced eagerly, such chains cost what eager pays for them: on the H100 (ResNet-152 b128,
+channels-last, inductor) ``select``'s plan at torch.compile budget 0.5's peak recomputed 47
+convolutions and the step ran 1.1% slower than torch.compile (whether fused pricing closes that is
+not measured yet).
 """
 
 from __future__ import annotations
@@ -134,12 +135,14 @@ class TimeModel:
     def fused_away(self, block: Block) -> set[int]:
         """The clones of ``block`` that Inductor fuses into a producer clone of the block, so they
         add no time of their own: pointwise ones reading, through the block's alias clones, a
-        pointwise clone or a batch norm replayed from its statistics. Empty unless ``fused``."""
+        pointwise clone, a batch norm replayed from its statistics or a dropout replayed from its
+        mask. Empty unless ``fused``."""
         members = set(block.nodes)
 
         def fuses_into(path: tuple[int, ...]) -> bool:
             producer = path[-1]
-            return all(n in members for n in path) and (producer in self.pointwise or producer in block.from_stats)
+            return all(n in members for n in path) and (
+                producer in self.pointwise or producer in block.from_stats or producer in block.from_mask)
 
         return {n for n in block.nodes if any(map(fuses_into, self.pointwise.get(n, ())))}
 

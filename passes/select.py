@@ -18,7 +18,7 @@ from mutwo.ir.memory import Headroom, MemorySimulation, allocation_size, describ
 from mutwo.ir.node import Phase, StorageKey
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo.ir.printer import fingerprint
-from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks
+from mutwo.ir.recompute import Block, NotRecomputable, Recompute, insert_blocks, replays_from_masks
 from mutwo.ir.replay import rng_refusal, rng_state_bytes
 from mutwo.ir.time_model import TimeModel
 from mutwo.passes.liveness import liveness_of
@@ -157,13 +157,13 @@ def resolve_budget(option_value: str | None, ctx: PassContext, peak: int, unlimi
 
 
 def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict[int, int],
-              shared: dict[StorageKey, StorageKey] | None = None) -> tuple[
+              shared: dict[StorageKey, StorageKey] | None = None, *, mask_replay: bool = False) -> tuple[
         MemorySimulation, torch.Tensor, list[Block]]:  # fmt: skip
     """Exact simulation of ``graph`` rewritten for ``keys`` (the rewrite applied to a copy), its
     curve projected onto the original ranks (a clone counts at the rank it is inserted before),
-    and the blocks of the rewrite; ``shared`` as :meth:`Recompute.plan` takes it."""
+    and the blocks of the rewrite; ``shared`` and ``mask_replay`` as :class:`Recompute` takes them."""
     rewritten = graph.copy()
-    blocks = Recompute(rewritten, liveness).plan(keys, shared=shared)
+    blocks = Recompute(rewritten, liveness, mask_replay=mask_replay).plan(keys, shared=shared)
     clones = insert_blocks(rewritten, blocks)
     clone_workspace = dict(workspace)
     for origin, copies in clones.items():
@@ -184,7 +184,7 @@ def plan_peak(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict
 
 
 def share_plan(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dict[int, int],
-               unshared: tuple[MemorySimulation, torch.Tensor, list[Block]]) -> tuple[
+               unshared: tuple[MemorySimulation, torch.Tensor, list[Block]], *, mask_replay: bool = False) -> tuple[
         MemorySimulation, list[Block], dict[StorageKey, StorageKey]]:  # fmt: skip
     """The plan for ``keys`` with shared blocks (:meth:`Recompute.share`) where the exact curve of
     the unshared plan (``unshared``, from :func:`plan_peak`) has room below its own peak: its exact
@@ -193,10 +193,10 @@ def share_plan(graph: Graph, liveness: Liveness, keys: list[Any], workspace: dic
     (the later blocks it spares had their own transients there); the shared plan is taken only
     when its exact simulation confirms a peak no higher, else the unshared one is returned."""
     simulation, projected, blocks = unshared
-    shared = Recompute(graph, liveness).share(keys, Headroom(projected, simulation.peak_bytes))
+    shared = Recompute(graph, liveness, mask_replay=mask_replay).share(keys, Headroom(projected, simulation.peak_bytes))
     if not shared:
         return simulation, blocks, {}
-    exact, _, shared_blocks = plan_peak(graph, liveness, keys, workspace, shared)
+    exact, _, shared_blocks = plan_peak(graph, liveness, keys, workspace, shared, mask_replay=mask_replay)
     if exact.peak_bytes > simulation.peak_bytes:
         return simulation, blocks, {}
     return exact, shared_blocks, shared
@@ -243,6 +243,10 @@ class SelectPass(Pass):
     regenerates it for good where the exact curve has room below the plan's peak, so later blocks
     read it instead of replaying its chain again (as a checkpointed segment serves all its
     backward uses from one replay); taken only when the exact simulation confirms the peak.
+    Under the inductor backends a recompute block is priced as Inductor fuses it: a pointwise clone
+    fed by another pointwise clone of its block (or by a batch norm or dropout replayed from what
+    it saved) costs nothing of its own; dropouts are replayed from their kept masks, since a
+    compiled step cannot replay a generator state.
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
     mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv. When the budget
     is out of reach, the greedy goes on to the lowest peak it can reach and the failure says what
@@ -272,12 +276,15 @@ class SelectPass(Pass):
         begin = start(graph, ctx, self.budget, "select: no budget and no device limit (CPU): nothing needs recomputing")
         profile, liveness, workspace, base = begin.profile, begin.liveness, begin.workspace, begin.base
         budget, budget_bytes = begin.budget, begin.budget_bytes
-        recompute = Recompute(graph, liveness)
         # A compiled backend cannot replay a random op from a saved generator state (Inductor
-        # would bake the state in as a constant; a CUDA graph cannot read it on the host).
+        # would bake the state in as a constant; a CUDA graph cannot read it on the host): it
+        # replays dropouts from their kept masks, and recomputes through no other random op.
         replay_random = ctx.services.get("replay_random", True)
+        mask_replay = replays_from_masks(ctx)
+        recompute = Recompute(graph, liveness, mask_replay=mask_replay)
         if not replay_random:
-            ctx.log("select: the backend cannot replay random ops; their outputs are not recomputed")
+            ctx.log("select: the backend cannot replay random ops from a generator state; dropouts are replayed "
+                    "from the masks they drew, other random ops' outputs are not recomputed")  # fmt: skip
         time_model = self._time_model(graph, profile, ctx)
         candidates = self._candidates(graph, liveness, recompute, time_model, base.device, replay_random)
         refused = refused_random_ops(graph)
@@ -294,7 +301,8 @@ class SelectPass(Pass):
         banned: set[Any] = set()
         for _retry in range(4):
             best, first = self._greedy_plan(graph, liveness, workspace, base, budget_bytes,
-                                            [copy.deepcopy(c) for c in candidates if c.key not in banned])  # fmt: skip
+                                            [copy.deepcopy(c) for c in candidates if c.key not in banned],
+                                            mask_replay)  # fmt: skip
             if best.simulation.peak_bytes < base.peak_bytes or first is None:
                 break
             banned.add(first)
@@ -308,7 +316,7 @@ class SelectPass(Pass):
         return plan
 
     def _greedy_plan(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], base: MemorySimulation,
-                     budget_bytes: int, candidates: list[Candidate]) -> tuple[
+                     budget_bytes: int, candidates: list[Candidate], mask_replay: bool = False) -> tuple[
             Realized, Any]:  # fmt: skip
         """μ-TWO's greedy towards ``budget_bytes``, then towards the lowest peak if that is out of
         reach: the best exactly simulated plan, and the key of the first choice made (None if none).
@@ -327,12 +335,13 @@ class SelectPass(Pass):
             grew = greedy(remaining, target, peak_after, (int(curve[rank]), rank), state, max_steps)
             if grew:
                 keys = [c.key for c in state.chosen]
-                exact, projected, blocks = plan_peak(graph, liveness, keys, workspace)
+                exact, projected, blocks = plan_peak(graph, liveness, keys, workspace, mask_replay=mask_replay)
                 curve.copy_(projected)
                 realized = Realized(exact, list(state.chosen), blocks)
                 if self.share:
                     shared_exact, shared_blocks, shared = share_plan(graph, liveness, keys, workspace,
-                                                                     (exact, projected, blocks))  # fmt: skip
+                                                                     (exact, projected, blocks),
+                                                                     mask_replay=mask_replay)  # fmt: skip
                     if shared:
                         realized = Realized(shared_exact, realized.chosen, shared_blocks, shared, (exact, blocks))
                 if realized.simulation.peak_bytes < best.simulation.peak_bytes:
@@ -395,7 +404,7 @@ class SelectPass(Pass):
                 block = recompute.plan_block(record.key, set(), {})
             except NotRecomputable:
                 continue
-            if not replay_random and any(graph.node(n).is_random for n in block.nodes):
+            if not replay_random and any(graph.node(n).is_random and n not in block.from_mask for n in block.nodes):
                 continue
             start = record.last_forward_use if record.last_forward_use is not None else record.created
             end = record.first_backward_use
@@ -405,7 +414,7 @@ class SelectPass(Pass):
             # state (5 KiB) is memory of the same device, and can outweigh a small activation.
             memory = allocation_size(record.bytes, device) - sum(
                 allocation_size(rng_state_bytes(device), device) for n in block.nodes
-                if device == "cpu" and graph.node(n).is_random)  # fmt: skip
+                if device == "cpu" and graph.node(n).is_random and n not in block.from_mask)  # fmt: skip
             if memory <= 0:
                 continue
             candidates.append(Candidate(
