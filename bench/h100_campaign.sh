@@ -8,11 +8,21 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Still owed (optional, the time model; not an issue's target):
+# Still owed, in order (issue 17; built on 2026-11-24 after the runs below, unmeasured): fused
+# pricing of recomputes under Inductor, batch_norm_elemt decomposed for Inductor, dropouts replayed
+# from their masks under compiled backends (docs/backends.md):
+#   tests        the CUDA tests: the compiled-backend checks now compile CUDA batch-norm replays
+#                through the decomposition                                                   ~3 min
+#   inductor-cl  again: does fused pricing close the 1.1% to torch.compile 0.5 (119.9 vs 118.6 ms)?
+#                (start it)                                                                 ~16 min
+#   inductor-calibrated-checkpoint  again: BERT at checkpointing's peak with mask replay and fused
+#                pricing (634.9 ms on 2026-11-24; the target is <= 594.7 ms)                  ~8 min
+#   inductor-cl-half  again (131.0 ms, 1.11x eager-cl on 2026-11-24)                        ~6.5 min
+# Optional (the time model; not an issue's target):
 #   isolate      GPT-2 b8 recompute plans profiled with and without isolated op times
 #                (profile{isolate=true}); does the predicted time come within 10%, and does the
 #                plan get faster at checkpointing's peak?                                    ~5 min
-# Done on 2026-11-24 (issue 17; bench/results/issue17_h100_cl/; docs/benchmarks.md
+# Done on 2026-11-24, before those builds (issue 17; bench/results/issue17_h100_cl/; docs/benchmarks.md
 # "Channels-last ResNet-152 and calibrated BERT"):
 #   inductor-cl  issue 17's ResNet-152 b128 rows trained channels-last (examples/resnet152_channels_last.yaml,
 #                every variant NHWC) (start it)                                              ~16 min
