@@ -342,7 +342,8 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
             step = GraphStep(graph, lowered.captured, lowered.binding, first.backend)
             step.compile(inputs)
         candidates.append((step, chosen, graph))
-        return CalibrationRound(budget_bytes, chosen.predicted_peak, measured_peak(step.compiled.run, inputs)), \
+        measured = measured_peak(step.compiled.run, inputs)
+        return CalibrationRound(budget_bytes, chosen.predicted_peak, measured, chosen.unoptimized_peak), \
             (step, chosen, graph)  # fmt: skip
 
     calibration = calibrate(plan.budget_bytes, rounds, plan_and_measure, log)
