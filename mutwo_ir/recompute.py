@@ -285,24 +285,19 @@ class Recompute:
         """The saved mean and inverse std of a training batch norm, when the backward keeps both
         anyway (so replaying from them costs no memory), else None."""
         holders = stats_holders(node)
-        if holders is None:
-            return None
-        for holder in holders:
-            key = holder.tensors[0].storage
-            if key in chosen or self.liveness.storages[key].first_backward_use is None:
-                return None
-        return holders
+        return holders if holders is not None and self._kept_anyway(holders, chosen) else None
 
     def _kept_mask(self, node: Node, chosen: set[StorageKey]) -> Node | None:
         """The holder of the mask a dropout drew, when mask replay is on and the backward keeps the
         mask anyway (so replaying from it costs no memory), else None."""
         holder = mask_holder(node) if self.mask_replay else None
-        if holder is None:
-            return None
-        key = holder.tensors[0].storage
-        if key in chosen or self.liveness.storages[key].first_backward_use is None:
-            return None
-        return holder
+        return holder if holder is not None and self._kept_anyway((holder,), chosen) else None
+
+    def _kept_anyway(self, holders: Iterable[Node], chosen: set[StorageKey]) -> bool:
+        """Whether the backward reads every holder's storage and the plan does not recompute it."""
+        storages = [holder.tensors[0].storage for holder in holders]
+        return all(key not in chosen and self.liveness.storages[key].first_backward_use is not None
+                   for key in storages)  # fmt: skip
 
     def _is_source(self, node: Node, chosen: set[StorageKey], at: int) -> bool:
         if node.op == "placeholder":

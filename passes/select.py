@@ -404,7 +404,9 @@ class SelectPass(Pass):
                 block = recompute.plan_block(record.key, set(), {})
             except NotRecomputable:
                 continue
-            if not replay_random and any(graph.node(n).is_random and n not in block.from_mask for n in block.nodes):
+            # Random ops the block replays with a generator state (a dropout replayed from its mask needs none).
+            stateful = [n for n in block.nodes if graph.node(n).is_random and n not in block.from_mask]
+            if stateful and not replay_random:
                 continue
             start = record.last_forward_use if record.last_forward_use is not None else record.created
             end = record.first_backward_use
@@ -412,9 +414,8 @@ class SelectPass(Pass):
             sources = {t.storage for s in block.sources for t in graph.node(s).tensors if t is not None}
             # A replayed random op keeps its generator state from the forward on: on the CPU that
             # state (5 KiB) is memory of the same device, and can outweigh a small activation.
-            memory = allocation_size(record.bytes, device) - sum(
-                allocation_size(rng_state_bytes(device), device) for n in block.nodes
-                if device == "cpu" and graph.node(n).is_random and n not in block.from_mask)  # fmt: skip
+            memory = allocation_size(record.bytes, device) - (
+                len(stateful) * allocation_size(rng_state_bytes(device), device) if device == "cpu" else 0)
             if memory <= 0:
                 continue
             candidates.append(Candidate(
