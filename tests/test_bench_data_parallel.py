@@ -20,7 +20,7 @@ def test_two_ranks_measure_eager_ddp_and_mutwo(tmp_path: Path) -> None:
                str(_free_port()), str(SCRIPT), "--models", "tiny:64:0.95", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, GPU or not
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo"
     variants = [row["variant"] for row in result["runs"]]
