@@ -8,16 +8,21 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Still owed, in order (issue 17; built on 2026-11-24 after the runs below, unmeasured): fused
-# pricing of recomputes under Inductor, batch_norm_elemt decomposed for Inductor, dropouts replayed
-# from their masks under compiled backends (docs/backends.md):
+# Still owed, in order (issues 17 and 18; built on 2026-11-24 after the runs below, unmeasured):
+# fused pricing of recomputes under Inductor, batch_norm_elemt decomposed for Inductor, dropouts
+# replayed from their masks under compiled backends, swap plans compiled by Inductor
+# (docs/backends.md, docs/swap.md). Their CPU tests also passed under torch 2.11.0 (the H100's).
 #   tests        the CUDA tests: the compiled-backend checks now compile CUDA batch-norm replays
-#                through the decomposition                                                   ~3 min
+#                through the decomposition; a swap plan compiled by Inductor              ~3 min
+#   swap-inductor-cl-half  issue 18's operating point: ResNet-152-cl b128 at half of eager-cl's
+#                peak, recompute-only against swap+recompute, both Inductor, side by side (the
+#                recompute-only row is inductor-cl-half again: 131.0 ms, 1.11x on 2026-11-24;
+#                the target is <= 1.05x eager-cl, 123.5 ms) (start it)                     ~13 min
 #   inductor-cl  again: does fused pricing close the 1.1% to torch.compile 0.5 (119.9 vs 118.6 ms)?
 #                (start it)                                                                 ~16 min
-#   inductor-calibrated-checkpoint  again: BERT at checkpointing's peak with mask replay and fused
-#                pricing (634.9 ms on 2026-11-24; the target is <= 594.7 ms)                  ~8 min
-#   inductor-cl-half  again (131.0 ms, 1.11x eager-cl on 2026-11-24)                        ~6.5 min
+#   swap-inductor-bert  BERT-base b64 at checkpointing's peak: recompute-only against swap+recompute,
+#                both Inductor, calibrated (recompute-only was 634.9 ms on 2026-11-24; the
+#                target of issue 17 is <= 594.7 ms) (start it)                               ~16 min
 # Optional (the time model; not an issue's target):
 #   isolate      GPT-2 b8 recompute plans profiled with and without isolated op times
 #                (profile{isolate=true}); does the predicted time come within 10%, and does the
@@ -35,6 +40,7 @@
 #                while it ran on 2026-11-24)                                                  ~8 min
 #   inductor-cl-half  mutwo inductor channels-last at half of eager-cl's peak (issue 18's 1.05x
 #                target's operating point), against inductor-cl's rows of 2026-11-24        ~6.5 min
+#                (swap-inductor-cl-half measures this row again beside the swap row)
 # Kept to reproduce docs/benchmarks.md:
 #   inductor     issue 17's main rows for both models in one run (measured 2026-11-23 as the two
 #                sections below, bench/results/issue17_h100/)                           ~25 min
@@ -70,7 +76,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, swap-inductor-cl-half, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -151,6 +157,14 @@ case "$section" in
   inductor-calibrated-checkpoint)
     timeout 1200 python3 bench/compare.py --out "$OUT/inductor_calibrated_bert_checkpoint.json" --models bert:64 \
       --timeout 1150 --calibrate-peak 2 --variants mutwo@inductor-checkpoint \
+      --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
+  swap-inductor-cl-half)
+    timeout 1500 python3 bench/compare.py --out "$OUT/swap_inductor_cl_half_resnet152.json" --models resnet152-cl:128 \
+      --timeout 850 --variants mutwo@inductor-eager0.5,mutwo-swap@inductor-eager0.5 \
+      --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
+  swap-inductor-bert)
+    timeout 2000 python3 bench/compare.py --out "$OUT/swap_inductor_bert_b64.json" --models bert:64 --timeout 950 \
+      --calibrate-peak 2 --variants mutwo@inductor-checkpoint,mutwo-swap@inductor-checkpoint \
       --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
   tests-17)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \

@@ -36,10 +36,15 @@ _LIBRARY = torch.library.Library("mutwo", "FRAGMENT")
 _LIBRARY.define("offload(Tensor x, int tag) -> Tensor")
 _LIBRARY.define("prefetch(Tensor host, Device device, int tag) -> Tensor")
 _LIBRARY.define("wait(Tensor(a) x, int tag) -> Tensor(a)")
+# ``wait`` as compiled backends run it: writes nothing, but declared as writing ``x`` so that
+# functionalization orders its readers after it (a custom op returning an alias of its input
+# cannot be functionalized); Inductor's reinplacing then calls it on ``x`` itself.
+_LIBRARY.define("wait_(Tensor(a!) x, int tag) -> ()")
 
 OFFLOAD = torch.ops.mutwo.offload.default
 PREFETCH = torch.ops.mutwo.prefetch.default
 WAIT = torch.ops.mutwo.wait.default
+WAIT_IN_PLACE = torch.ops.mutwo.wait_.default
 SWAP_OPS = (OFFLOAD, PREFETCH, WAIT)
 
 
@@ -56,6 +61,11 @@ def _prefetch_fake(host: torch.Tensor, device: torch.device, tag: int) -> torch.
 @torch.library.register_fake("mutwo::wait")
 def _wait_fake(x: torch.Tensor, tag: int) -> torch.Tensor:
     return x
+
+
+@torch.library.register_fake("mutwo::wait_")
+def _wait_in_place_fake(x: torch.Tensor, tag: int) -> None:
+    return None
 
 
 class NotSwappable(Exception):
@@ -252,17 +262,18 @@ def _standing(graph: Graph, site: SwapSite, holder: Node, standing: dict[int, No
 
 
 def rewrite(graph: Graph, liveness: Liveness, placements: Sequence[Placement],
-            recompute: Sequence[StorageKey]) -> SwapRewrite:  # fmt: skip
+            recompute: Sequence[StorageKey], mask_replay: bool = False) -> SwapRewrite:  # fmt: skip
     """Apply a plan of swaps and recomputations to ``graph`` (which ``liveness`` describes).
 
     Recompute blocks are planned as :class:`mutwo.ir.recompute.Recompute` plans them, with the
     swapped storages gone from the device after their offload: a block whose insertion point
     falls in a swapped storage's window reads the swapped-in copy, otherwise it recomputes that
-    storage too (μ-TWO's Algorithm F for swaps).
+    storage too (μ-TWO's Algorithm F for swaps). ``mask_replay``: dropouts are recomputed from
+    the masks they drew (a compiled backend's plan).
     """
     swapped = {p.site.storage for p in placements}
     windows = {holder: (*p.site.window, p.site.storage) for p in placements for holder in p.site.chains}
-    blocks = Recompute(graph, liveness).plan(recompute, dropped=swapped, live_clones=windows)
+    blocks = Recompute(graph, liveness, mask_replay=mask_replay).plan(recompute, dropped=swapped, live_clones=windows)
     needed = {source for block in blocks for source in block.from_clones if source in windows}
     standing = insert_swaps(graph, placements, needed)
     clones = insert_blocks(graph, blocks, live=standing)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from mutwo.ir.graph import Graph
+from mutwo.ir.mask_replay import dropout_from_mask
 from mutwo.ir.node import Node
 from mutwo.ir.recompute import Block, out_of_place
 from mutwo.ir.replay import batch_norm_from_stats
@@ -76,14 +77,14 @@ def is_plain_alias(node: Node) -> bool:
     return node.op == "call_function" and node.is_alias and not node.mutated_operands
 
 
-def producer_paths(node: Node) -> tuple[tuple[int, ...], ...]:
-    """For each tensor operand of ``node``, the ids from that operand down through plain aliases
+def producer_chains(node: Node) -> tuple[tuple[Node, ...], ...]:
+    """For each tensor operand of ``node``, the nodes from that operand down through plain aliases
     (views, getitems) to the node that computed the values: ``(alias, ..., producer)``."""
-    paths = []
+    chains = []
     for operand in node.operands:
         if not any(t is not None for t in operand.tensors):
             continue  # a symbolic size or a scalar: nothing a kernel reads
-        path = [operand.id]
+        chain = [operand]
         while is_plain_alias(operand):
             storages = {t.storage for t in operand.tensors if t is not None}
             base = next((o for o in operand.operands if any(t is not None and t.storage in storages
@@ -91,9 +92,14 @@ def producer_paths(node: Node) -> tuple[tuple[int, ...], ...]:
             if base is None:
                 break
             operand = base
-            path.append(operand.id)
-        paths.append(tuple(path))
-    return tuple(paths)
+            chain.append(operand)
+        chains.append(tuple(chain))
+    return tuple(chains)
+
+
+def producer_paths(node: Node) -> tuple[tuple[int, ...], ...]:
+    """:func:`producer_chains` as node ids."""
+    return tuple(tuple(n.id for n in chain) for chain in producer_chains(node))
 
 
 @dataclass(frozen=True)
@@ -148,10 +154,26 @@ class TimeModel:
 
     def __call__(self, node: Node) -> float:
         """Device seconds of ``node`` of the graph or of a rewrite of it (a clone costs what its
-        origin does, a batch norm replayed from its statistics the measured replay)."""
-        # Eager pricing even with ``fused``: this prices a rewritten graph node by node (timelines,
-        # the swap planner, which plans for the eager backend only), and a clone alone does not
-        # say which block it belongs to.
+        origin does, a batch norm replayed from its statistics the measured replay; with
+        ``fused``, a clone :func:`fused_clone` says Inductor fuses into its producer costs nothing)."""
         if node.origin is None:
             return self.node_seconds(node.id)
+        if self.fused and fused_clone(node):
+            return 0.0
         return self.node_seconds(node.origin, node.target is batch_norm_from_stats)
+
+
+def fused_clone(node: Node) -> bool:
+    """Whether ``node``, a recompute clone in a rewritten graph, is one Inductor fuses into the clone
+    that produces its operand: the rule of :meth:`TimeModel.fused_away` read off the rewritten
+    graph (a pointwise clone reading, through clones of views and getitems, a pointwise clone, a
+    batch norm replayed from its statistics or a dropout replayed from its mask)."""
+    if node.origin is None or node.op != "call_function" or not is_pointwise(node.target):
+        return False
+
+    def fuses_into(chain: tuple[Node, ...]) -> bool:
+        producer = chain[-1]
+        return all(n.origin is not None for n in chain) and (
+            is_pointwise(producer.target) or producer.target in (batch_norm_from_stats, dropout_from_mask))
+
+    return any(map(fuses_into, producer_chains(node)))

@@ -8,7 +8,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.node import StorageKey
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure
 from mutwo.ir.printer import fingerprint
-from mutwo.ir.recompute import NotRecomputable
+from mutwo.ir.recompute import NotRecomputable, replays_from_masks
 from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, rewrite
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP
@@ -40,7 +40,8 @@ class InsertSwapPass(Pass):
             placements = [Placement(analysis.site(StorageKey(e["storage_creator"], e["storage_output"])),
                                     e["prefetch_before"]) for e in plan.of(SWAP)]  # fmt: skip
             result = rewrite(graph, liveness, placements,
-                             [StorageKey(e["storage_creator"], e["storage_output"]) for e in plan.of(RECOMPUTE)])
+                             [StorageKey(e["storage_creator"], e["storage_output"]) for e in plan.of(RECOMPUTE)],
+                             mask_replay=replays_from_masks(ctx))  # fmt: skip
         except (NotSwappable, NotRecomputable) as error:
             raise PassFailure(f"the swap plan cannot be realised: {error}") from None
         ctx.artifacts["swapped"] = result

@@ -130,6 +130,16 @@ class Start:
     budget_bytes: int
 
 
+def recompute_time_model(graph: Graph, profile: Any, ctx: PassContext, who: str) -> TimeModel:
+    """How a planning pass (``who``) prices recomputation: as Inductor fuses the clones when the
+    backend says it compiles them so (``fused_recompute``), else each clone at its measured time."""
+    fused = bool(ctx.services.get("fused_recompute", False))
+    if fused:
+        ctx.log(f"{who}: pricing recomputes as Inductor fuses them: a pointwise clone fed by a pointwise clone "
+                "of its block costs nothing")  # fmt: skip
+    return TimeModel.of(graph, profile, fused=fused)
+
+
 def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: str) -> Start:
     """The starting point of a selection pass whose budget option is ``option_value`` (see
     :func:`resolve_budget` for ``unlimited``)."""
@@ -285,7 +295,7 @@ class SelectPass(Pass):
         if not replay_random:
             ctx.log("select: the backend cannot replay random ops from a generator state; dropouts are replayed "
                     "from the masks they drew, other random ops' outputs are not recomputed")  # fmt: skip
-        time_model = self._time_model(graph, profile, ctx)
+        time_model = recompute_time_model(graph, profile, ctx, self.name)
         candidates = self._candidates(graph, liveness, recompute, time_model, base.device, replay_random)
         refused = refused_random_ops(graph)
         if refused:
@@ -351,15 +361,6 @@ class SelectPass(Pass):
         search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best.simulation.peak_bytes, self.lowest)
         return best, state.chosen[0].key if state.chosen else None
 
-    @staticmethod
-    def _time_model(graph: Graph, profile: Any, ctx: PassContext) -> TimeModel:
-        """How recomputation is priced: as Inductor fuses the clones when the backend says it
-        compiles them so (``fused_recompute``), else each clone at its measured time."""
-        fused = bool(ctx.services.get("fused_recompute", False))
-        if fused:
-            ctx.log("select: pricing recomputes as Inductor fuses them: a pointwise clone fed by a pointwise clone "
-                    "of its block costs nothing")  # fmt: skip
-        return TimeModel.of(graph, profile, fused=fused)
 
     @staticmethod
     def _sharing(time_model: TimeModel, realized: Realized) -> str:

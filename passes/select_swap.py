@@ -13,17 +13,19 @@ import torch
 from mutwo.ir.budget import Budget, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
+from mutwo.ir.mask_replay import mask_holder
 from mutwo.ir.memory import MemorySimulation, allocation_size, simulate
 from mutwo.ir.node import Node, Phase, StorageKey
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
 from mutwo.ir.printer import fingerprint
-from mutwo.ir.recompute import NotRecomputable, Recompute
+from mutwo.ir.recompute import NotRecomputable, Recompute, replays_from_masks
+from mutwo.ir.replay import rng_state
 from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, SwapSite, rewrite
 from mutwo.ir.time_model import TimeModel
 from mutwo.ir.timeline import GraphTimeline, TransferModel, graph_timeline
 from mutwo.passes.mu_two import GreedyResult, search
 from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule, swap_overhead
-from mutwo.passes.select import PlanData, start
+from mutwo.passes.select import PlanData, recompute_time_model, start
 
 MIB = 2**20
 ACTIONS = ("swap", "recompute")
@@ -94,12 +96,14 @@ class Evaluation:
 
 def evaluate(graph: Graph, liveness: Liveness, sites: dict[StorageKey, SwapSite], chosen: list[SwapCandidate],
              workspace: dict[int, int], seconds: Callable[[Node], float],
-             transfer: TransferModel) -> Evaluation:  # fmt: skip
-    """Rewrite a copy of ``graph`` for ``chosen`` and simulate it: the predictions of the plan."""
+             transfer: TransferModel, mask_replay: bool = False) -> Evaluation:  # fmt: skip
+    """Rewrite a copy of ``graph`` for ``chosen`` and simulate it: the predictions of the plan
+    (``mask_replay``: dropouts are recomputed from their masks, as for a compiled backend)."""
     rewritten = graph.copy()
     nodes = graph.nodes
     placements = [Placement(sites[c.key], nodes[c.prompt].id) for c in chosen if c.action == SWAP]
-    result = rewrite(rewritten, liveness, placements, [c.key for c in chosen if c.action == RECOMPUTE])
+    result = rewrite(rewritten, liveness, placements, [c.key for c in chosen if c.action == RECOMPUTE],
+                     mask_replay=mask_replay)  # fmt: skip
     clone_workspace = dict(workspace)
     clone_workspace.update({n.id: workspace[n.origin] for n in rewritten if n.origin in workspace})
     simulation = simulate(rewritten, workspace=clone_workspace)
@@ -159,9 +163,13 @@ class SelectSwapPass(Pass):
         profile, liveness, base = begin.profile, begin.liveness, begin.base
         budget, budget_bytes = begin.budget, begin.budget_bytes
         transfer = self._transfer(ctx, base.device)
-        seconds = TimeModel.of(graph, profile)
+        seconds = recompute_time_model(graph, profile, ctx, self.name)
         allowed = {a.strip() for a in self.allow.split(",") if a.strip()}
-        candidates, sites = self._candidates(graph, liveness, seconds, transfer, base.device, allowed)
+        # A compiled backend replays dropouts from their masks and no random op from a generator
+        # state (as select plans for it).
+        replay_random, mask_replay = bool(ctx.services.get("replay_random", True)), replays_from_masks(ctx)
+        candidates, sites = self._candidates(graph, liveness, seconds, transfer, base.device, allowed,
+                                             replay_random, mask_replay)  # fmt: skip
         ctx.log(f"select-swap: {len(candidates)} candidates ({sum(c.swappable for c in candidates)} swappable, "
                 f"{sum(c.recomputable for c in candidates)} recomputable); unoptimized peak "
                 f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
@@ -173,13 +181,14 @@ class SelectSwapPass(Pass):
         compare = self.keep_faster and allowed == set(ACTIONS)
         only = [replace(c, swappable=False, sources=set(c.sources)) for c in candidates if c.recomputable] \
             if compare else []  # fmt: skip
-        best = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, candidates, sites)
+        best = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, candidates, sites,
+                            mask_replay)  # fmt: skip
         swap_sites = sites
         alternative = None
         if compare:
             only_sites: dict[StorageKey, SwapSite] = {}
             other = self._greedy(graph, liveness, begin.workspace, seconds, transfer, base, budget_bytes, only,
-                                 only_sites)  # fmt: skip
+                                 only_sites, mask_replay)  # fmt: skip
             if self._better(other, best, budget_bytes, budget.minimum):
                 ctx.log(f"select-swap: recompute only is predicted faster at this budget "
                         f"({other.timeline.seconds * 1e3:.1f} ms against {best.timeline.seconds * 1e3:.1f} ms with "
@@ -191,12 +200,16 @@ class SelectSwapPass(Pass):
         met = best.simulation.peak_bytes <= budget_bytes
         if self.refine and "swap" in allowed and (met or budget.minimum):
             limit = best.simulation.peak_bytes if budget.minimum else budget_bytes
-            refined = self._refine(graph, liveness, begin.workspace, seconds, transfer, limit, best, swap_sites)
+            refined = self._refine(graph, liveness, begin.workspace, seconds, transfer, limit, best, swap_sites,
+                                   mask_replay)  # fmt: skip
             if refined is not best:
                 turned = sum(c.action == SWAP for c in refined.chosen) - sum(c.action == SWAP for c in best.chosen)
                 ctx.log(f"select-swap: refined: {turned} recomputations turned into swaps, predicted "
                         f"{best.timeline.seconds * 1e3:.1f} -> {refined.timeline.seconds * 1e3:.1f} ms")  # fmt: skip
                 best, sites = refined, swap_sites
+        if not replay_random and any(node.target is rng_state for node in best.graph):
+            raise PassFailure("select-swap planned a random op's replay from a saved generator state, which this "
+                              "backend cannot run; plan with select,rewrite or use --backend eager")  # fmt: skip
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)
         plan.alternative = alternative
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
@@ -231,7 +244,7 @@ class SelectSwapPass(Pass):
 
     def _greedy(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], seconds: Callable[[Node], float],
                 transfer: TransferModel, base: MemorySimulation, budget_bytes: int, candidates: list[SwapCandidate],
-                sites: dict[StorageKey, SwapSite]) -> Evaluation:  # fmt: skip
+                sites: dict[StorageKey, SwapSite], mask_replay: bool = False) -> Evaluation:  # fmt: skip
         """The scheduler's search over ``candidates`` down to ``budget_bytes``: the lowest-peak
         evaluation it reached."""
         durations = [seconds(n) for n in graph]
@@ -247,7 +260,7 @@ class SelectSwapPass(Pass):
 
         def exact() -> Evaluation:
             try:
-                return evaluate(graph, liveness, sites, state.chosen, workspace, seconds, transfer)
+                return evaluate(graph, liveness, sites, state.chosen, workspace, seconds, transfer, mask_replay)
             except (NotRecomputable, NotSwappable) as error:
                 raise PassFailure(f"select-swap chose a plan that cannot be realised: {error}") from None
 
@@ -271,7 +284,7 @@ class SelectSwapPass(Pass):
 
     def _refine(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], seconds: Callable[[Node], float],
                 transfer: TransferModel, limit: int, best: Evaluation,
-                sites: dict[StorageKey, SwapSite]) -> Evaluation:  # fmt: skip
+                sites: dict[StorageKey, SwapSite], mask_replay: bool = False) -> Evaluation:  # fmt: skip
         """Turn recomputations of ``best`` into swaps, costliest first, while each turn keeps the
         exact peak within ``limit`` and the predicted time (stalls counted with STALL_MARGIN) drops.
 
@@ -298,7 +311,7 @@ class SelectSwapPass(Pass):
             _, swap.prompt = swap_overhead(timeline, swap, int(torch.argmax(best.projected)))
             try:
                 trial = evaluate(graph, liveness, sites, [swap if c is candidate else c for c in best.chosen],
-                                 workspace, seconds, transfer)  # fmt: skip
+                                 workspace, seconds, transfer, mask_replay)  # fmt: skip
             except (NotRecomputable, NotSwappable):
                 continue  # a recomputation that reads it outside its swapped-in window, say
             if trial.simulation.peak_bytes <= limit and cost(trial) < cost(best):
@@ -321,9 +334,14 @@ class SelectSwapPass(Pass):
         return model
 
     def _candidates(self, graph: Graph, liveness: Liveness, seconds: TimeModel, transfer: TransferModel,
-                    device: str, allowed: set[str],
+                    device: str, allowed: set[str], replay_random: bool = True, mask_replay: bool = False,
                     ) -> tuple[list[SwapCandidate], dict[StorageKey, SwapSite]]:  # fmt: skip
-        recompute, swaps = Recompute(graph, liveness), SwapAnalysis(graph, liveness)
+        recompute, swaps = Recompute(graph, liveness, mask_replay=mask_replay), SwapAnalysis(graph, liveness)
+        # A dropout replayed from its mask reads the mask where the backward does: a swapped-out
+        # mask is not there, so under mask replay masks stay on the device (a quarter of the
+        # dropout's output, in bool).
+        masks = {holder.tensors[0].storage for holder in map(mask_holder, graph) if holder is not None} \
+            if mask_replay else set()  # fmt: skip
         elapsed = elapsed_seconds(graph, seconds.node_seconds)
         min_swap_bytes = transfer.latency_seconds * min(transfer.d2h_bytes_per_second, transfer.h2d_bytes_per_second)
         candidates: list[SwapCandidate] = []
@@ -337,9 +355,13 @@ class SelectSwapPass(Pass):
                     block = recompute.plan_block(record.key, set(), {})
                 except NotRecomputable:
                     pass
+                stateful = block is not None and any(graph.node(n).is_random and n not in block.from_mask
+                                                     for n in block.nodes)  # fmt: skip
+                if stateful and not replay_random:
+                    block = None
             # A copy that takes mostly latency (batch-norm statistics, say) frees next to nothing
             # for what it occupies the copy streams: only tensors whose copy is mostly bytes swap.
-            if "swap" in allowed and record.bytes >= min_swap_bytes:
+            if "swap" in allowed and record.bytes >= min_swap_bytes and record.key not in masks:
                 try:
                     site = sites[record.key] = swaps.site(record.key)
                 except NotSwappable:

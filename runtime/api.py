@@ -36,7 +36,13 @@ from mutwo.runtime.backends import BackendError, CompiledStep, backend_services,
 from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
-from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
+from mutwo.runtime.peak_calibration import (
+    Calibrated,
+    Calibration,
+    calibrated_step,
+    calibration_refusal,
+    pipeline_plan,
+)
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
 from mutwo.runtime.training import TrainingOptions
@@ -69,8 +75,7 @@ class Optimized:
     @property
     def plan(self) -> Any:
         """The plan the pipeline made: ``select``'s (recompute only) or ``select-swap``'s."""
-        artifacts = self.context.artifacts
-        return artifacts["plan"] if "plan" in artifacts else artifacts.get("swap-plan")
+        return pipeline_plan(self.context.artifacts)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.equivalence import Tolerance
 from mutwo.runtime.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
+from mutwo.runtime.swap_inductor import functionalizable_swap_waits, offloaded_buffers_kept_from_reuse
 from mutwo.runtime.tracing import quiet_torch_errors
 
 #: Inputs the step updates in place and keeps at their address from call to call.
@@ -149,11 +150,15 @@ def check_backend(name: str) -> str:
     return name
 
 
+#: The backends that run a plan that swaps to host memory.
+SWAPPING_BACKENDS = ("eager", "inductor")
+
+
 def swap_refusal(backend: str) -> str:
     """Why ``backend`` cannot run a plan that swaps, and what to do instead."""
-    return (f"the {backend} backend cannot run a plan that swaps to host memory (mutwo::offload/prefetch/wait keep "
-            "host buffers and copy streams outside any compiled graph, and Inductor cannot functionalize them): use "
-            "--backend eager, or plan with select,rewrite instead of swap")
+    return (f"the {backend} backend cannot run a plan that swaps to host memory (a CUDA graph replays its copies "
+            "without the host buffers and copy streams mutwo::offload/prefetch keep between calls): use --backend "
+            "eager or inductor, or plan with select,rewrite instead of swap")
 
 
 def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend: str, graph: Graph) -> CompiledStep:
@@ -174,7 +179,8 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
         raise BackendError(f"the {backend} backend cannot run a plan that replays random ops from a saved generator "
                            f"state ({len(replays)}, e.g. {replays[0]}): plan for it (optimize(..., backend=...) and "
                            "mutwo-opt --backend tell select so) or use --backend eager")  # fmt: skip
-    if any(node.target in SWAP_OPS for node in module.graph.nodes):
+    swaps = any(node.target in SWAP_OPS for node in module.graph.nodes)
+    if swaps and backend not in SWAPPING_BACKENDS:
         raise BackendError(swap_refusal(backend))
     started = time.perf_counter()
     run: Callable[..., Any] = module
@@ -184,8 +190,9 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
         refuse_uncapturable(module, inputs, [label for _, label in slots])
     if backend.startswith("inductor"):
         functionalizable_host_calls(module)
+        functionalizable_swap_waits(module)
         mark_phases(module, graph)
-        run, cache_hit = compile_inductor(module, inputs)
+        run, cache_hit = compile_inductor(module, inputs, swaps=swaps)
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots])
     return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
@@ -212,11 +219,15 @@ def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) ->
     return compile_step(to_fx(graph), inputs, backend, graph)
 
 
-def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Callable[..., Any], bool]:
+def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
+                     swaps: bool = False) -> tuple[Callable[..., Any], bool]:  # fmt: skip
     """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS` and :func:`batch_norm_elemt_decomposed`;
     and whether torch's compile caches (AOTAutograd's and Inductor's FX graph cache, on disk under
     ``TORCHINDUCTOR_CACHE_DIR``) supplied the compiled code: a second compile of the same graph, in
-    any process, hits them."""
+    any process, hits them.
+
+    In a graph that ``swaps``, Inductor does not reuse the buffers offloads read
+    (:func:`~mutwo.runtime.swap_inductor.offloaded_buffers_kept_from_reuse`)."""
     from torch._dynamo.utils import counters
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
@@ -232,8 +243,9 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
     on_gpu = CUDA_INDUCTOR_OPTIONS if any(t.is_cuda for t in inputs) else {}
+    swapping = offloaded_buffers_kept_from_reuse() if swaps else nullcontext()
     try:
-        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": phases_arrived()}), \
+        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": phases_arrived()}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
                 quiet_torch_errors():
             compiled = compile_fx(module, fakes)

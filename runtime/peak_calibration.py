@@ -200,6 +200,11 @@ class Calibrated:
     calibration: Calibration[Any] | None = None
 
 
+def pipeline_plan(artifacts: dict[str, Any]) -> Any:
+    """The plan a pipeline made: ``select``'s (recompute only) or ``select-swap``'s (None: neither ran)."""
+    return artifacts["plan"] if "plan" in artifacts else artifacts.get("swap-plan")
+
+
 def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
                     compile_graph: Callable[[Graph], CompiledStep], out_dir: Path | None,
                     log: Callable[[str], None]) -> Calibrated:  # fmt: skip
@@ -230,10 +235,10 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
             return None
         tried.append(made)
         peak = measured_peak(made.compiled.run, lowered.inputs)
-        plan = made.ctx.artifacts["plan"]
+        plan = pipeline_plan(made.ctx.artifacts)
         return CalibrationRound(budget_bytes, plan.predicted_peak, peak, plan.unoptimized_peak), made
 
-    calibration = calibrate(first.ctx.artifacts["plan"].budget_bytes, rounds, plan_and_measure, log)
+    calibration = calibrate(pipeline_plan(first.ctx.artifacts).budget_bytes, rounds, plan_and_measure, log)
     log(calibration.summary())
     kept = calibration.step
     if kept is not first:

@@ -148,6 +148,10 @@ class SwapRuntime:
             torch.cuda.current_stream(x.device).wait_event(ready)
         return x
 
+    def wait_in_place(self, x: torch.Tensor, tag: int) -> None:
+        """``wait`` as a compiled step calls it (``mutwo::wait_``): the same, returning nothing."""
+        self.wait(x, tag)
+
 
 #: The process's swap runtime.
 RUNTIME = SwapRuntime()
@@ -156,3 +160,4 @@ _IMPL = torch.library.Library("mutwo", "IMPL")
 _IMPL.impl("offload", RUNTIME.offload, "CompositeExplicitAutograd")
 _IMPL.impl("prefetch", RUNTIME.prefetch, "CompositeExplicitAutograd")
 _IMPL.impl("wait", RUNTIME.wait, "CompositeExplicitAutograd")
+_IMPL.impl("wait_", RUNTIME.wait_in_place, "CompositeExplicitAutograd")

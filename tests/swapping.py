@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,8 +35,10 @@ def lower(workload: models.Workload) -> tuple[Graph, list[torch.Tensor]]:
     return graph, binding.flat_inputs(workload.batch) + list(captured.constants.values())
 
 
-def rewrite(workload: models.Workload, pipeline: str, budget: str) -> Rewritten:
-    """Run ``pipeline`` over the iteration of ``workload`` with the runtime's services."""
+def rewrite(workload: models.Workload, pipeline: str, budget: str, profile: Any = None) -> Rewritten:
+    """Run ``pipeline`` over the iteration of ``workload`` with the runtime's services; with
+    ``profile`` (another rewrite's, of the same graph), the pipeline plans from it and must not
+    profile again (so that two plans' predictions compare without timing noise between them)."""
     graph, inputs = lower(workload)
     original = graph.copy()
     device = inputs[0].device
@@ -43,5 +46,8 @@ def rewrite(workload: models.Workload, pipeline: str, budget: str) -> Rewritten:
     ctx.services["profiler"] = lambda g, runs, warmup: profile_graph(g, inputs, runs=runs, warmup=warmup)
     ctx.services["transfer"] = lambda: measure_transfers(device)
     ctx.services["budget"] = parse_budget(budget)
-    PassManager(PassRegistry().build_pipeline(pipeline)).run(graph, ctx)
+    available = set()
+    if profile is not None:
+        ctx.artifacts["profile"], available = profile, {"profile"}
+    PassManager(PassRegistry().build_pipeline(pipeline, available)).run(graph, ctx)
     return Rewritten(original, graph, inputs, ctx)

@@ -14,8 +14,10 @@ from torch import fx, nn
 import mutwo
 from mutwo.ir.budget import parse_budget
 from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.mask_replay import dropout_from_mask, mask_holder
+from mutwo.ir.node import StorageKey
 from mutwo.ir.recompute import Recompute, insert_blocks
-from mutwo.ir.replay import batch_norm_elemt_decomposition
+from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.api import capture_graph, optimize_graph
 from mutwo.runtime.backends import BackendError, backend_services, compile_graph, compile_inductor
@@ -23,7 +25,9 @@ from mutwo.runtime.cuda_graphs import graphable_optimizer
 from mutwo.runtime.equivalence import Tolerance, check_graphs, compare_graphs
 from mutwo.runtime.fusion import CUSTOM_PHASE
 from mutwo.runtime.profiler import cpu_iteration_peak
+from mutwo.runtime.swap import RUNTIME
 from tests import models
+from tests.test_mask_replay import dropout_tanh_mlp
 from tests.test_replay import token_mlp
 
 
@@ -138,17 +142,48 @@ def test_random_replays_are_not_planned_for_a_compiled_backend() -> None:
     assert any("cannot replay random ops" in m for m in messages)
 
 
-def test_a_swap_plan_is_refused_by_the_compiled_backends() -> None:
-    """Swap ops keep host buffers and copy streams outside the graph (Inductor cannot functionalize
-    mutwo::wait's alias): a swap plan is refused in one line, before anything compiles."""
+def test_inductor_runs_a_swap_plan_and_cuda_graphs_refuse_it() -> None:
+    """A plan that swaps compiles under Inductor (``mutwo::wait`` becomes the in-place
+    ``mutwo::wait_``, which Inductor reinplaces: a copy of the prefetched tensor instead would make
+    the runtime refuse the wait) and trains like the eager graph of the same plan within the
+    compiled-step tolerance, every copy consumed; CUDA graphs still refuse it, in one line."""
     workload = models.cnn(batch_size=32)
     swapping = optimize_graph(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn,
                               passes="profile{runs=1,warmup=0},swap", budget=parse_budget("0.8"))  # fmt: skip
     assert swapping.plan.of("swap"), "nothing swapped: the test would not exercise a swap plan"
-    for backend in ("inductor", "cudagraphs"):
-        with pytest.raises(BackendError, match=f"the {backend} backend cannot run a plan that swaps") as refused:
-            compile_graph(swapping.graph, swapping.inputs, backend)
-        assert "\n" not in str(refused.value)
+    compiled = compile_graph(swapping.graph, swapping.inputs, "inductor")
+    copies = RUNTIME.buffers.allocations
+    report = check_graphs(swapping.graph, swapping.graph, swapping.inputs, candidate_run=compiled.run,
+                          tolerance=compiled.tolerance)  # fmt: skip
+    assert report.equivalent, report.summary()
+    assert RUNTIME.in_flight == 0 and RUNTIME.buffers.allocations > copies  # the compiled step swapped
+    with pytest.raises(BackendError, match="the cudagraphs backend cannot run a plan that swaps") as refused:
+        compile_graph(swapping.graph, swapping.inputs, "cudagraphs")
+    assert "\n" not in str(refused.value) and "use --backend eager or inductor" in str(refused.value)
+
+
+@pytest.mark.parametrize("options", ["allow=recompute", "keep_faster=false,bandwidth=2"])
+def test_select_swap_plans_for_inductor_without_generator_replays(options: str) -> None:
+    """Planning swaps for Inductor (optimize(..., backend="inductor")) on an MLP whose dropouts
+    return their masks: select-swap prices recomputes as fused, recomputes dropouts only from their
+    masks (no generator state; with recompute only at min it does), never swaps a mask out (with
+    cheap copies at min it swaps), and the plan compiles and passes the check within the tolerance."""
+    workload = dropout_tanh_mlp()
+    messages: list[str] = []
+    planned = optimize_graph(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn,
+                             passes=f"profile{{runs=1,warmup=0}},select-swap{{{options}}},insert-swap",
+                             budget=parse_budget("min"), backend="inductor", check=True,
+                             log=messages.append)  # fmt: skip
+    assert any("select-swap: pricing recomputes as Inductor fuses them" in m for m in messages)
+    assert not any(node.target is rng_state for node in planned.graph)
+    if options == "allow=recompute":
+        assert any(node.target is dropout_from_mask for node in planned.graph), "no dropout replayed from its mask"
+    else:
+        masks = {h.tensors[0].storage for h in map(mask_holder, planned.original) if h is not None}
+        swapped = {StorageKey(e["storage_creator"], e["storage_output"]) for e in planned.plan.of("swap")}
+        assert masks and swapped and not masks & swapped
+    assert planned.report is not None and planned.report.equivalent, planned.report
+    assert "compiled-step tolerance" in planned.report.summary()
 
 
 def test_cuda_graphs_refuse_a_cpu_step() -> None:

@@ -416,10 +416,10 @@ def test_cuda_graphs_of_a_cpu_step(backend: str, workdir: Path, capsys: pytest.C
 
 @pytest.mark.parametrize("pipeline", ["profile,swap", "profile,select-swap,insert-swap"])
 def test_a_swap_plan_for_a_compiled_backend(pipeline: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "inductor", "--budget", "0.9",
-                              "-p", pipeline, good_config(workdir))  # fmt: skip
-    assert "the inductor backend cannot run a plan that swaps to host memory" in line
-    assert "use --backend eager, or plan with select,rewrite instead of swap" in line
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "cudagraphs", "--budget",
+                              "0.9", "-p", pipeline, good_config(workdir))  # fmt: skip
+    assert "the cudagraphs backend cannot run a plan that swaps to host memory" in line
+    assert "use --backend eager or inductor, or plan with select,rewrite instead of swap" in line
 
 
 def test_fit_with_a_compiled_backend(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -118,18 +118,24 @@ class _GpuDropout(nn.Module):
         return torch.ops.aten.native_dropout(x, 0.2, True)[0]
 
 
-def test_a_compiled_backend_recomputes_through_dropouts_from_their_masks() -> None:
-    """Under Inductor select plans dropouts replayed from their masks (it could not before), no
-    generator state is read, and the compiled step passes the check."""
+def dropout_tanh_mlp() -> models.Workload:
+    """Three linear layers, each followed by a dropout drawn as on a GPU (``native_dropout``, which
+    returns its mask) and a tanh, over 16 sequences of 32 tokens."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for index in range(3):
         layers += [nn.Linear(32 if index == 0 else 64, 64), _GpuDropout(), nn.Tanh()]
     net = nn.Sequential(*layers, nn.Linear(64, 10))
-    workload = models.Workload(models.Classifier(net), (torch.randn(16, 32, 32), torch.randint(0, 10, (16, 32))),
-                               _token_loss)  # fmt: skip
+    return models.Workload(models.Classifier(net), (torch.randn(16, 32, 32), torch.randint(0, 10, (16, 32))),
+                           _token_loss)  # fmt: skip
+
+
+def test_a_compiled_backend_recomputes_through_dropouts_from_their_masks() -> None:
+    """Under Inductor select plans dropouts replayed from their masks (it could not before), no
+    generator state is read, and the compiled step passes the check."""
+    workload = dropout_tanh_mlp()
     messages: list[str] = []
-    planned = optimize_graph(workload.model, torch.optim.Adam(net.parameters(), lr=1e-3), workload.batch,
+    planned = optimize_graph(workload.model, torch.optim.Adam(workload.model.parameters(), lr=1e-3), workload.batch,
                              workload.loss_fn, budget=parse_budget("min"), backend="inductor",
                              log=messages.append)  # fmt: skip
     assert any("dropouts are replayed from the masks they drew" in m for m in messages)

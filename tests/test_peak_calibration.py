@@ -120,16 +120,19 @@ def test_negative_rounds_are_refused() -> None:
         calibrate(1000, -1, compiled_step_keeping(1.0)[0])
 
 
+@pytest.mark.parametrize("swap", [False, True])
 def test_an_inductor_step_on_the_cpu_is_replanned_and_the_kept_plan_reported(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: bool) -> None:  # fmt: skip
     """The whole loop on a tiny MLP compiled by Inductor on the CPU: its measured peak is scaled down
     by 20% (as BERT's compiled steps peaked under their plans on the H100), so calibration must plan
-    again with a larger budget, compile again, and report the kept round's plan."""
+    again with a larger budget, compile again, and report the kept round's plan; a swap plan
+    (select-swap, insert-swap) is calibrated the same way."""
     real = peak_calibration.measured_peak
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: int(real(run, inputs) * 0.8))
     row = run_configuration(TINY_MLP, 512, "0.9", tmp_path, device="cpu", warmup=0, iterations=1,
-                            backend="inductor", calibrate_peak=2)  # fmt: skip
+                            backend="inductor", calibrate_peak=2, swap=swap)  # fmt: skip
     assert "error" not in row, row.get("error")
+    assert ("swapped_tensors" in row) == swap
     rounds = row["calibration"]["rounds"]
     assert len(rounds) >= 2 and rounds[1]["budget_bytes"] > rounds[0]["budget_bytes"]
     kept = rounds[row["calibration"]["chosen_round"]]

@@ -280,6 +280,20 @@ def test_mutwo_opt_swaps_checks_and_plots(tmp_path: Path, capsys: pytest.Capture
     assert plan["predicted_peak"] == summary["peak_bytes_after"] and plan["transfer"]["overlap"] is False
 
 
+def test_mutwo_opt_swaps_under_inductor_and_checks_within_the_tolerance(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """``--backend inductor`` with a swap pipeline: the plan is compiled (swaps and all), ``--check``
+    compares the compiled step within the compiled-step tolerance, and the summary says so."""
+    out = tmp_path / "out"
+    code = main(["-q", "--check", "--device", "cpu", "--backend", "inductor", "-o", str(out), "--budget", "0.85",
+                 "-p", "profile,select-swap{allow=swap},insert-swap",
+                 str(REPO / "examples/tiny_mlp.yaml")])  # fmt: skip
+    assert code == EXIT_OK, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["equivalent"] is True and summary["swapped"] >= 1
+    assert summary["backend"] == "inductor"
+
+
 def test_optimize_takes_the_swap_pipeline_and_trains_like_the_captured_step() -> None:
     workload = models.cnn(batch_size=32)
     optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
@@ -350,9 +364,10 @@ def test_the_refinement_turns_recomputations_into_swaps_when_that_is_faster(monk
                 c.swappable = True
 
     monkeypatch.setattr(mu_two_swap, "choose", recompute_first)
-    pipeline = "profile{runs=1,warmup=0},select-swap{bandwidth=100000,keep_faster=false%s},insert-swap"
-    plain = swapping.rewrite(models.cnn(batch_size=32), pipeline % ",refine=0", "0.75")
-    refined = swapping.rewrite(models.cnn(batch_size=32), pipeline % "", "0.75")
+    pipeline = "select-swap{bandwidth=100000,keep_faster=false%s},insert-swap"
+    plain = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0}," + pipeline % ",refine=0", "0.75")
+    # The same profile: the two predictions differ by the plans alone, not by timing noise.
+    refined = swapping.rewrite(models.cnn(batch_size=32), pipeline % "", "0.75", plain.ctx.artifacts["profile"])
     before: SwapPlan = plain.ctx.artifacts["swap-plan"]
     after: SwapPlan = refined.ctx.artifacts["swap-plan"]
     assert before.of(RECOMPUTE) and not before.of(SWAP)

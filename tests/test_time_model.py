@@ -15,10 +15,10 @@ from mutwo.ir.liveness import compute_liveness
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.printer import fingerprint
-from mutwo.ir.recompute import Block, Recompute
+from mutwo.ir.recompute import Block, Recompute, insert_blocks
 from mutwo.ir.replay import batch_norm_from_stats
 from mutwo.ir.swap import OFFLOAD
-from mutwo.ir.time_model import TimeModel, device_work, is_pointwise
+from mutwo.ir.time_model import TimeModel, device_work, is_plain_alias, is_pointwise
 from mutwo.passes.select import SelectPass
 from mutwo.runtime.api import capture_graph
 from mutwo.runtime.backends import backend_services
@@ -128,7 +128,8 @@ def test_fused_pricing_charges_a_pointwise_clone_fed_by_a_replay_or_a_pointwise_
     assert eager.block_seconds(chain) == pytest.approx(2.25 * MS)
     assert fused.block_seconds(chain) == pytest.approx(1.25 * MS)  # convolution + replay
     tail = block_for(graph, n["addmm"], n["gelu"], n["tanh"])
-    assert [graph.node(i).name for i in tail.nodes] == ["addmm", "gelu", "tanh", "alias_1"]  # the tanh's backward
+    *computed, saved = (graph.node(i) for i in tail.nodes)  # the tanh's backward reads an alias of its output
+    assert [n.name for n in computed] == ["addmm", "gelu", "tanh"] and is_plain_alias(saved)  # alias or detach
     assert eager.block_seconds(tail) == pytest.approx(3 * MS)
     assert fused.block_seconds(tail) == pytest.approx(2 * MS)  # addmm + GELU; the tanh fuses into the GELU
     assert fused.fused_away(tail) == {n["tanh"].id}  # the GELU's producer is the addmm: it keeps its time
@@ -136,6 +137,27 @@ def test_fused_pricing_charges_a_pointwise_clone_fed_by_a_replay_or_a_pointwise_
     assert n["addmm"].id in tanh_alone.sources and n["gelu"].id in tanh_alone.nodes
     assert eager.block_seconds(tanh_alone) == pytest.approx(2 * MS)
     assert fused.block_seconds(tanh_alone) == pytest.approx(MS)  # the GELU heads the chain
+
+
+@pytest.mark.parametrize("recomputed", [("native_batch_norm",), ("convolution", "native_batch_norm"),
+                                        ("addmm", "gelu", "tanh"), ("tanh",)])  # fmt: skip
+def test_fused_pricing_of_a_rewritten_graph_node_by_node_agrees_with_the_blocks(recomputed: tuple[str, ...]) -> None:
+    """The swap planner prices a rewritten graph clone by clone (timelines): with ``fused``, the
+    clones it prices at nothing are the ones :meth:`TimeModel.fused_away` names for the block, so
+    the clones add up to :meth:`TimeModel.block_seconds` (and priced eagerly, to the eager block)."""
+    graph, n = captured_chains()
+    profile = synthetic_profile(graph, "cpu", iteration=None, native_batch_norm=0.25 * MS)
+    eager, fused = TimeModel.of(graph, profile), TimeModel.of(graph, profile, fused=True)
+    liveness = compute_liveness(graph)
+    chosen = [n[name].tensors[0].storage for name in recomputed]
+    blocks = Recompute(graph, liveness).plan([k for k in chosen if liveness.storages[k].first_backward_use is not None])
+    rewritten = graph.copy()
+    clones = insert_blocks(rewritten, blocks)
+    cloned = [rewritten.node(c) for ids in clones.values() for c in ids]
+    assert cloned and all(node.origin is not None for node in cloned)
+    assert sum(map(fused, cloned)) == pytest.approx(sum(map(fused.block_seconds, blocks)))
+    assert sum(map(eager, cloned)) == pytest.approx(sum(map(eager.block_seconds, blocks)))
+    assert sum(map(fused, rewritten)) - sum(map(fused, graph)) == pytest.approx(sum(map(fused.block_seconds, blocks)))
 
 
 def test_in_place_ops_are_pointwise_by_their_own_tag_or_their_out_of_place_forms() -> None:

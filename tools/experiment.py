@@ -229,6 +229,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     from mutwo.runtime.api import capture_graph, pass_context
     from mutwo.runtime.backends import BackendError, backend_services
     from mutwo.runtime.cuda_graphs import graphable_optimizer
+    from mutwo.runtime.peak_calibration import pipeline_plan
     from mutwo.runtime.profiler import Profile, fingerprint
     from mutwo.runtime.step import GraphStep
 
@@ -275,8 +276,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     for name in ("optimizer-in-backward", "foreach-buckets"):  # whether each applied, or why not
         if name in context.artifacts:
             row[name] = context.artifacts[name].to_json()
-    plan = context.artifacts.get("plan")
-    row.update(_plan_row(plan, context.artifacts.get("swap-plan"), lowered.graph))
+    plan = pipeline_plan(context.artifacts)
+    row.update(_plan_row(context.artifacts.get("plan"), context.artifacts.get("swap-plan"), lowered.graph))
     graph_step = GraphStep(lowered.graph, lowered.captured, lowered.binding, backend)
     compiled = graph_step.compile(graph_step.flat_inputs(training.batch))
     row.update(compiled.describe(), simulated_backend="eager")
@@ -318,9 +319,10 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
     from mutwo.ir.budget import Budget
     from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
+    from mutwo.passes.select_swap import SwapPlan
     from mutwo.runtime.api import pass_context
     from mutwo.runtime.backends import backend_services
-    from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, measured_peak
+    from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, measured_peak, pipeline_plan
     from mutwo.runtime.step import GraphStep
 
     inputs = lowered.inputs
@@ -338,7 +340,7 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
                 PassManager(PassRegistry().build_pipeline(planning, {"profile"})).run(graph, context)
             except PipelineFailure:  # a lower budget out of reach: the rounds so far stand
                 return None
-            chosen = context.artifacts["plan"]
+            chosen = pipeline_plan(context.artifacts)
             step = GraphStep(graph, lowered.captured, lowered.binding, first.backend)
             step.compile(inputs)
         candidates.append((step, chosen, graph))
@@ -349,7 +351,9 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
     calibration = calibrate(plan.budget_bytes, rounds, plan_and_measure, log)
     log(calibration.summary())
     step, chosen, graph = calibration.step
-    row.update(_plan_row(chosen, None, graph), calibration=calibration.describe())
+    swapping = isinstance(chosen, SwapPlan)
+    row.update(_plan_row(None if swapping else chosen, chosen if swapping else None, graph),
+               calibration=calibration.describe())  # fmt: skip
     return step
 
 

@@ -45,6 +45,7 @@ from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.backends import (
     BACKENDS,
+    SWAPPING_BACKENDS,
     BackendError,
     CompiledStep,
     CompileError,
@@ -282,7 +283,7 @@ class MutwoOpt:
 
     def refuse_backend(self, config: Config, device: torch.device, manager: PassManager) -> None:
         """Backend choices that cannot work here, refused before anything is captured."""
-        if config.backend != "eager" and any(p.name == "insert-swap" for p in manager.passes):
+        if config.backend not in SWAPPING_BACKENDS and any(p.name == "insert-swap" for p in manager.passes):
             raise UsageError(swap_refusal(config.backend))
         if config.backend.endswith("cudagraphs") and device.type != "cuda":
             raise UsageError(f"--backend {config.backend} needs a CUDA device, this run is on {device}; use --backend "

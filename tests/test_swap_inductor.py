@@ -1,0 +1,57 @@
+"""Swap plans compiled by Inductor (mutwo.runtime.swap_inductor): the buffers offloads read are
+freed after their last use but never reused by Inductor's own memory planning, which would let a
+later kernel overwrite a block the copy-out stream may still be reading."""
+
+from __future__ import annotations
+
+import re
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch._inductor import config
+from torch._inductor.utils import run_and_get_code
+
+from mutwo.ir.budget import parse_budget
+from mutwo.ir.swap import OFFLOAD
+from mutwo.runtime import backends
+from mutwo.runtime.api import optimize_graph
+from mutwo.runtime.equivalence import check_graphs
+from mutwo.runtime.swap import RUNTIME
+from tests.test_replay import token_mlp
+
+
+def _offloads_and_reuses(code: str) -> tuple[set[str], set[str], set[str]]:
+    """In Inductor's generated wrapper: the buffers offloads read, those of them handed to another
+    buffer (``bufB = bufA; del bufA  # reuse``), and those of them deleted."""
+    offloaded = set(re.findall(r"mutwo\.offload\.default\((?:reinterpret_tensor\()?(buf\d+)", code))
+    reused = {name for name in offloaded if re.search(rf"= {name}; del {name}  # reuse", code)}
+    deleted = {name for name in offloaded if re.search(rf"\bdel {name}\b", code)}
+    return offloaded, reused, deleted
+
+
+@pytest.mark.parametrize("kept_from_reuse", [True, False])
+def test_offloaded_buffers_are_freed_but_not_reused(kept_from_reuse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MLP of equal-width layers swapping its activations: Inductor, left alone, hands offloaded
+    buffers to the next layers' outputs (the control); compiled as mutwo compiles a swap plan, each
+    offloaded buffer is deleted instead, and the step still trains within the tolerance."""
+    workload = token_mlp(depth=4)
+    optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
+    planned = optimize_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
+                             passes="profile{runs=1,warmup=0},select-swap{allow=swap,bandwidth=2},insert-swap",
+                             budget=parse_budget("0.7"))  # fmt: skip
+    assert sum(node.target is OFFLOAD for node in planned.graph) >= 3
+    if not kept_from_reuse:
+        monkeypatch.setattr(backends, "offloaded_buffers_kept_from_reuse", nullcontext)
+    with config.patch({"force_disable_caches": True}):  # generate the code, do not load it
+        compiled, codes = run_and_get_code(lambda: backends.compile_graph(planned.graph, planned.inputs, "inductor"))
+    offloaded, reused, deleted = _offloads_and_reuses("\n".join(codes))
+    assert len(offloaded) >= 3 and deleted == offloaded
+    if kept_from_reuse:
+        assert not reused
+        report = check_graphs(planned.graph, planned.graph, planned.inputs, candidate_run=compiled.run,
+                                       tolerance=compiled.tolerance)  # fmt: skip
+        assert report.equivalent, report.summary()
+        assert RUNTIME.in_flight == 0
+    else:
+        assert reused, "the control reused no offloaded buffer: the test would not see the hazard"
