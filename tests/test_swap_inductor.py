@@ -23,9 +23,11 @@ from tests.test_replay import token_mlp
 
 def _offloads_and_reuses(code: str) -> tuple[set[str], set[str], set[str]]:
     """In Inductor's generated wrapper: the buffers offloads read, those of them handed to another
-    buffer (``bufB = bufA; del bufA  # reuse``), and those of them deleted."""
+    buffer (``bufB = bufA; del bufA  # reuse``, or ``= reinterpret_tensor(bufA, ...)``), and those
+    of them deleted."""
     offloaded = set(re.findall(r"mutwo\.offload\.default\((?:reinterpret_tensor\()?(buf\d+)", code))
-    reused = {name for name in offloaded if re.search(rf"= {name}; del {name}  # reuse", code)}
+    reused = {name for name in offloaded
+              if re.search(rf"= (?:reinterpret_tensor\()?{name}\b[^\n]*; del {name}\b[^\n]*# reuse", code)}
     deleted = {name for name in offloaded if re.search(rf"\bdel {name}\b", code)}
     return offloaded, reused, deleted
 
@@ -33,8 +35,9 @@ def _offloads_and_reuses(code: str) -> tuple[set[str], set[str], set[str]]:
 @pytest.mark.parametrize("kept_from_reuse", [True, False])
 def test_offloaded_buffers_are_freed_but_not_reused(kept_from_reuse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """An MLP of equal-width layers swapping its activations: Inductor, left alone, hands offloaded
-    buffers to the next layers' outputs (the control); compiled as mutwo compiles a swap plan, each
-    offloaded buffer is deleted instead, and the step still trains within the tolerance."""
+    buffers to the next layers' outputs (the control: torch 2.14.1 reuses all five, 2.11.0 none of
+    them for this graph, and then the control is skipped); compiled as mutwo compiles a swap plan,
+    each offloaded buffer is deleted instead, and the step still trains within the tolerance."""
     workload = token_mlp(depth=4)
     optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
     planned = optimize_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
@@ -53,5 +56,5 @@ def test_offloaded_buffers_are_freed_but_not_reused(kept_from_reuse: bool, monke
                                        tolerance=compiled.tolerance)  # fmt: skip
         assert report.equivalent, report.summary()
         assert RUNTIME.in_flight == 0
-    else:
-        assert reused, "the control reused no offloaded buffer: the test would not see the hazard"
+    elif not reused:
+        pytest.skip(f"torch {torch.__version__}'s Inductor reuses no offloaded buffer of this graph by itself")
