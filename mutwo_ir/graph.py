@@ -84,6 +84,10 @@ class Graph:
         except KeyError:
             raise GraphError(f"{node!r} is not in this graph") from None
 
+    def node_at(self, position: int) -> Node:
+        """The node at ``position`` in execution order (what :meth:`position` returns)."""
+        return self._nodes[position]
+
     @property
     def placeholders(self) -> list[Node]:
         return [n for n in self._nodes if n.op == "placeholder"]

@@ -36,6 +36,9 @@ _LIBRARY = torch.library.Library("mutwo", "FRAGMENT")
 _LIBRARY.define("offload(Tensor x, int tag) -> Tensor")
 _LIBRARY.define("prefetch(Tensor host, Device device, int tag) -> Tensor")
 _LIBRARY.define("wait(Tensor(a) x, int tag) -> Tensor(a)")
+# ``offload`` as compiled backends run it: Inductor may place ``x`` inside a larger buffer (a slice
+# of a cat's output), so this copies ``x``'s elements rather than requiring it to own its storage.
+_LIBRARY.define("offload_elements(Tensor x, int tag) -> Tensor")
 # ``wait`` as compiled backends run it: writes nothing, but declared as writing ``x`` so that
 # functionalization orders its readers after it (a custom op returning an alias of its input
 # cannot be functionalized); Inductor's reinplacing then calls it on ``x`` itself.
@@ -45,6 +48,7 @@ OFFLOAD = torch.ops.mutwo.offload.default
 PREFETCH = torch.ops.mutwo.prefetch.default
 WAIT = torch.ops.mutwo.wait.default
 WAIT_IN_PLACE = torch.ops.mutwo.wait_.default
+OFFLOAD_ELEMENTS = torch.ops.mutwo.offload_elements.default
 SWAP_OPS = (OFFLOAD, PREFETCH, WAIT)
 
 
@@ -61,6 +65,11 @@ def _prefetch_fake(host: torch.Tensor, device: torch.device, tag: int) -> torch.
 @torch.library.register_fake("mutwo::wait")
 def _wait_fake(x: torch.Tensor, tag: int) -> torch.Tensor:
     return x
+
+
+@torch.library.register_fake("mutwo::offload_elements")
+def _offload_elements_fake(x: torch.Tensor, tag: int) -> torch.Tensor:
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
 
 
 @torch.library.register_fake("mutwo::wait_")

@@ -166,14 +166,26 @@ class TimeModel:
 def fused_clone(node: Node) -> bool:
     """Whether ``node``, a recompute clone in a rewritten graph, is one Inductor fuses into the clone
     that produces its operand: the rule of :meth:`TimeModel.fused_away` read off the rewritten
-    graph (a pointwise clone reading, through clones of views and getitems, a pointwise clone, a
-    batch norm replayed from its statistics or a dropout replayed from its mask)."""
+    graph (a pointwise clone reading, through clones of views and getitems, a pointwise clone of
+    its block, a batch norm replayed from its statistics or a dropout replayed from its mask). A
+    block's clones are inserted together, before one node: a producer of the same block is one
+    reached from ``node`` through clones only; a clone of an earlier block, inserted elsewhere, was
+    written to memory and is read back."""
     if node.origin is None or node.op != "call_function" or not is_pointwise(node.target):
         return False
 
     def fuses_into(chain: tuple[Node, ...]) -> bool:
         producer = chain[-1]
-        return all(n.origin is not None for n in chain) and (
+        return all(n.origin is not None for n in chain) and _same_block(producer, node) and (
             is_pointwise(producer.target) or producer.target in (batch_norm_from_stats, dropout_from_mask))
 
     return any(map(fuses_into, producer_chains(node)))
+
+
+def _same_block(producer: Node, clone: Node) -> bool:
+    """Whether only clones run between ``producer`` and ``clone`` (so they were inserted together)."""
+    graph = clone.graph
+    if graph is None or producer.graph is not graph:
+        return False
+    start, end = graph.position(producer), graph.position(clone)
+    return start < end and all(graph.node_at(index).origin is not None for index in range(start + 1, end))

@@ -118,12 +118,19 @@ def blocked(candidate: SwapCandidate, recomps: list[SwapCandidate]) -> bool:
         candidate.key in r.sources and not candidate.live_again_when(r) for r in recomps)
 
 
+def reads_dropped(candidate: SwapCandidate, swaps: list[SwapCandidate]) -> bool:
+    """Whether recomputing ``candidate`` would read a chosen swap's tensor outside its swapped-in
+    window, which it would then have to recompute too, and that tensor cannot be recomputed (the
+    converse of :func:`blocked`: here the swap was chosen first)."""
+    return any(s.key in candidate.sources and not s.recomputable and not s.live_again_when(candidate) for s in swaps)
+
+
 def choose(remaining: list[SwapCandidate], timeline: Timeline, peak_rank: int) -> SwapCandidate | None:
     """One choice of Algorithm B at the peak ``peak_rank``: the cheaper of the best swap and the best
     recomputation among the candidates idle there (its ``action``, ``prompt`` and ``overhead`` set)."""
     useful = [c for c in remaining if c.idle_at(peak_rank)]
     swaps = [c for c in useful if c.swappable and not blocked(c, timeline.recomps)]
-    recomps = [c for c in useful if c.recomputable]
+    recomps = [c for c in useful if c.recomputable and not reads_dropped(c, timeline.swaps)]
     swap = max(swaps, key=lambda c: (c.inactive_time, c.memory), default=None)
     recompute = max(recomps, key=lambda c: (c.ratio, c.memory), default=None)
     swap_price = (math.inf, None) if swap is None else swap_overhead(timeline, swap, peak_rank)

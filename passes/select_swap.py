@@ -98,12 +98,16 @@ def evaluate(graph: Graph, liveness: Liveness, sites: dict[StorageKey, SwapSite]
              workspace: dict[int, int], seconds: Callable[[Node], float],
              transfer: TransferModel, mask_replay: bool = False) -> Evaluation:  # fmt: skip
     """Rewrite a copy of ``graph`` for ``chosen`` and simulate it: the predictions of the plan
-    (``mask_replay``: dropouts are recomputed from their masks, as for a compiled backend)."""
+    (``mask_replay``: for a compiled backend, which recomputes dropouts from their masks and
+    cannot replay a generator state: a plan that needs one is :class:`NotRecomputable`)."""
     rewritten = graph.copy()
     nodes = graph.nodes
     placements = [Placement(sites[c.key], nodes[c.prompt].id) for c in chosen if c.action == SWAP]
     result = rewrite(rewritten, liveness, placements, [c.key for c in chosen if c.action == RECOMPUTE],
                      mask_replay=mask_replay)  # fmt: skip
+    if mask_replay and any(node.target is rng_state for node in rewritten):
+        raise NotRecomputable("it recomputes a random op through a swapped-out tensor, which needs the generator "
+                              "state this backend cannot replay")  # fmt: skip
     clone_workspace = dict(workspace)
     clone_workspace.update({n.id: workspace[n.origin] for n in rewritten if n.origin in workspace})
     simulation = simulate(rewritten, workspace=clone_workspace)
@@ -207,9 +211,6 @@ class SelectSwapPass(Pass):
                 ctx.log(f"select-swap: refined: {turned} recomputations turned into swaps, predicted "
                         f"{best.timeline.seconds * 1e3:.1f} -> {refined.timeline.seconds * 1e3:.1f} ms")  # fmt: skip
                 best, sites = refined, swap_sites
-        if not replay_random and any(node.target is rng_state for node in best.graph):
-            raise PassFailure("select-swap planned a random op's replay from a saved generator state, which this "
-                              "backend cannot run; plan with select,rewrite or use --backend eager")  # fmt: skip
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)
         plan.alternative = alternative
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")

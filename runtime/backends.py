@@ -38,7 +38,7 @@ from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.equivalence import Tolerance
 from mutwo.runtime.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
-from mutwo.runtime.swap_inductor import functionalizable_swap_waits, offloaded_buffers_kept_from_reuse
+from mutwo.runtime.swap_inductor import SWAP_RULE_VERSION, compiled_swap_ops, offloaded_buffers_kept_from_reuse
 from mutwo.runtime.tracing import quiet_torch_errors
 
 #: Inputs the step updates in place and keeps at their address from call to call.
@@ -190,7 +190,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
         refuse_uncapturable(module, inputs, [label for _, label in slots])
     if backend.startswith("inductor"):
         functionalizable_host_calls(module)
-        functionalizable_swap_waits(module)
+        compiled_swap_ops(module)
         mark_phases(module, graph)
         run, cache_hit = compile_inductor(module, inputs, swaps=swaps)
     if graphed:
@@ -245,7 +245,8 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
     on_gpu = CUDA_INDUCTOR_OPTIONS if any(t.is_cuda for t in inputs) else {}
     swapping = offloaded_buffers_kept_from_reuse() if swaps else nullcontext()
     try:
-        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": phases_arrived()}), swapping, \
+        rules = phases_arrived(SWAP_RULE_VERSION if swaps else "")
+        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": rules}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
                 quiet_torch_errors():
             compiled = compile_fx(module, fakes)

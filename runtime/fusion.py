@@ -81,10 +81,11 @@ def _has_clone(node: Any) -> bool:
 RULE_VERSION = "mutwo-phase-bounded-fusion-3-kernel-per-node"
 
 
-def phases_arrived() -> Any:
+def phases_arrived(more_rules: str = "") -> Any:
     """A post-grad pass for Inductor that fails the compile when no node of the graph Inductor
     lowers carries a phase (a torch whose AOTAutograd does not copy ``meta["custom"]`` would make
-    the fusion rule silently do nothing); its ``uuid`` puts :data:`RULE_VERSION` in the cache key."""
+    the fusion rule silently do nothing); its ``uuid`` puts :data:`RULE_VERSION` (and
+    ``more_rules``, the version of other rules the compile applies) in the cache key."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class PhasesArrived(CustomGraphPass):
@@ -94,7 +95,7 @@ def phases_arrived() -> Any:
                                    "phases on this torch version")  # fmt: skip
 
         def uuid(self) -> str:
-            return RULE_VERSION
+            return RULE_VERSION + (f"+{more_rules}" if more_rules else "")
 
     return PhasesArrived()
 

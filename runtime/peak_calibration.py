@@ -180,13 +180,13 @@ def calibration_refusal(rounds: int | None, backend: str, passes: Sequence[Pass]
     if backend != "inductor":
         return (f"{option} re-plans for the measured peak of an Inductor-compiled step; use the inductor backend "
                 "(the eager executor's peak is the simulated one)")  # fmt: skip
-    select = next((p for p in passes if p.name == "select"), None)
+    select = next((p for p in passes if p.name in ("select", "select-swap")), None)
     if select is None:
-        return (f"{option} re-plans select's budget, and the pipeline runs no select pass; add one "
+        return (f"{option} re-plans select's (or select-swap's) budget, and the pipeline runs neither; add one "
                 "(profile,select,rewrite)")  # fmt: skip
     if getattr(select, "budget", None) is not None:
-        return (f"{option} moves the run's budget, which select{{budget=...}} overrides; give the budget with "
-                f"{budget_option}")  # fmt: skip
+        return (f"{option} moves the run's budget, which {select.name}{{budget=...}} overrides; give the budget "
+                f"with {budget_option}")  # fmt: skip
     return None
 
 

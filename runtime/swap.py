@@ -45,6 +45,20 @@ def covers_storage(tensor: torch.Tensor) -> bool:
     return True
 
 
+def strided_span(tensor: torch.Tensor) -> int | None:
+    """How many elements, from ``tensor``'s first, its strides reach (its numel when dense), or
+    None when two of its elements share memory (a stride-0 or otherwise overlapping view)."""
+    if tensor.numel() == 0:
+        return 0
+    reach = 1
+    for size, stride in sorted(((s, t) for s, t in zip(tensor.shape, tensor.stride(), strict=True) if s != 1),
+                               key=lambda pair: pair[1]):  # fmt: skip
+        if stride < reach:
+            return None
+        reach = stride * (size - 1) + reach
+    return reach
+
+
 class HostBuffers:
     """Host buffers of exact sizes, kept and reused; pinned when they feed CUDA copies.
 
@@ -82,6 +96,7 @@ class SwapRuntime:
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._copied_out: dict[int, tuple[torch.Tensor, Any]] = {}  # host data_ptr -> (buffer, copy-out event)
         self._copying_in: dict[int, Any] = {}  # device data_ptr -> copy-in event (None on CPU)
+        self.offloads = 0  #: copies out started so far
 
     def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """The copy-out and copy-in streams of a GPU."""
@@ -98,7 +113,22 @@ class SwapRuntime:
         if not covers_storage(x):
             raise RuntimeError(f"mutwo.offload (tag {tag}): the tensor does not span its storage densely from offset "
                                "0; the swap plan must offload the tensor that allocated the storage")  # fmt: skip
-        buffer, last_reader = self.buffers.take(x.untyped_storage().nbytes(), pinned=x.is_cuda)
+        return self._copy_out(x, x.untyped_storage().nbytes())
+
+    def offload_elements(self, x: torch.Tensor, tag: int) -> torch.Tensor:
+        """``offload`` as a compiled step calls it (``mutwo::offload_elements``): Inductor may have
+        placed ``x`` inside a larger buffer (a slice of a ``cat``'s output it wrote in place), so
+        this copies the elements ``x`` spans, with its strides, whatever its storage holds besides."""
+        span = strided_span(x)
+        if span is None:
+            raise RuntimeError(f"mutwo.offload (tag {tag}): the tensor's elements overlap in memory (an expanded "
+                               "view); a swap copies distinct elements only")  # fmt: skip
+        return self._copy_out(x, span * x.element_size())
+
+    def _copy_out(self, x: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Start copying ``x`` into a host buffer of ``nbytes`` (laid out with ``x``'s strides)."""
+        self.offloads += 1
+        buffer, last_reader = self.buffers.take(nbytes, pinned=x.is_cuda)
         host = buffer.view(x.dtype).as_strided(x.shape, x.stride())
         done = None
         if x.is_cuda:
@@ -158,6 +188,7 @@ RUNTIME = SwapRuntime()
 
 _IMPL = torch.library.Library("mutwo", "IMPL")
 _IMPL.impl("offload", RUNTIME.offload, "CompositeExplicitAutograd")
+_IMPL.impl("offload_elements", RUNTIME.offload_elements, "CompositeExplicitAutograd")
 _IMPL.impl("prefetch", RUNTIME.prefetch, "CompositeExplicitAutograd")
 _IMPL.impl("wait", RUNTIME.wait, "CompositeExplicitAutograd")
 _IMPL.impl("wait_", RUNTIME.wait_in_place, "CompositeExplicitAutograd")

@@ -12,6 +12,9 @@ import torch
 
 import mutwo
 import mutwo.runtime.peak_calibration as peak_calibration
+from mutwo.ir.budget import parse_budget
+from mutwo.ir.swap import OFFLOAD
+from mutwo.runtime.api import optimize_graph
 from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, next_budget
 from mutwo.tools.experiment import run_configuration
 from mutwo.tools.mutwo_opt import EXIT_OK, EXIT_USAGE, main
@@ -120,19 +123,16 @@ def test_negative_rounds_are_refused() -> None:
         calibrate(1000, -1, compiled_step_keeping(1.0)[0])
 
 
-@pytest.mark.parametrize("swap", [False, True])
 def test_an_inductor_step_on_the_cpu_is_replanned_and_the_kept_plan_reported(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: bool) -> None:  # fmt: skip
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The whole loop on a tiny MLP compiled by Inductor on the CPU: its measured peak is scaled down
     by 20% (as BERT's compiled steps peaked under their plans on the H100), so calibration must plan
-    again with a larger budget, compile again, and report the kept round's plan; a swap plan
-    (select-swap, insert-swap) is calibrated the same way."""
+    again with a larger budget, compile again, and report the kept round's plan."""
     real = peak_calibration.measured_peak
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: int(real(run, inputs) * 0.8))
     row = run_configuration(TINY_MLP, 512, "0.9", tmp_path, device="cpu", warmup=0, iterations=1,
-                            backend="inductor", calibrate_peak=2, swap=swap)  # fmt: skip
+                            backend="inductor", calibrate_peak=2)  # fmt: skip
     assert "error" not in row, row.get("error")
-    assert ("swapped_tensors" in row) == swap
     rounds = row["calibration"]["rounds"]
     assert len(rounds) >= 2 and rounds[1]["budget_bytes"] > rounds[0]["budget_bytes"]
     kept = rounds[row["calibration"]["chosen_round"]]
@@ -173,8 +173,10 @@ def test_mutwo_opt_keeps_the_calibrated_plan(tmp_path: Path, monkeypatch: pytest
     (["--backend", "inductor", "--calibrate-peak", "0"], "1 or more"),
     (["--backend", "inductor", "--calibrate-peak", "2", "-p", "profile,select{budget=0.5},rewrite"],
      "give the budget with --budget"),
-    (["--backend", "inductor", "--calibrate-peak", "2", "-p", "profile"], "runs no select pass"),
-], ids=["eager-backend", "zero-rounds", "select-budget-option", "no-select"])  # fmt: skip
+    (["--backend", "inductor", "--calibrate-peak", "2", "-p", "profile,select-swap{budget=0.5},insert-swap"],
+     "select-swap{budget=...} overrides"),
+    (["--backend", "inductor", "--calibrate-peak", "2", "-p", "profile"], "the pipeline runs neither"),
+], ids=["eager-backend", "zero-rounds", "select-budget-option", "select-swap-budget-option", "no-select"])  # fmt: skip
 def test_calibrate_peak_refusals(argv: list[str], words: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     out = tmp_path / "out"
@@ -183,6 +185,24 @@ def test_calibrate_peak_refusals(argv: list[str], words: str, tmp_path: Path,
     assert code == EXIT_USAGE and len(err.splitlines()) == 1 and "Traceback" not in err
     assert "--calibrate-peak" in err and words in err
     assert not out.exists()
+
+
+def test_a_swap_plan_is_calibrated_like_a_recompute_plan() -> None:
+    """``optimize(passes="profile,select-swap{allow=swap},insert-swap", backend="inductor",
+    calibrate_peak=2)``: select-swap plans again at a budget moved by the compiled step's measured
+    gap to the first budget, the kept plan swaps, and its graph passes the check."""
+    work = models.cnn(batch_size=32)
+    optimized = optimize_graph(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch,
+                               work.loss_fn, passes="profile{runs=1,warmup=0},select-swap{allow=swap},insert-swap",
+                               budget=parse_budget("0.9"), backend="inductor", calibrate_peak=2,
+                               check=True)  # fmt: skip
+    calibration = optimized.calibration
+    assert calibration is not None and len(calibration.rounds) >= 2
+    first, second = calibration.rounds[:2]
+    assert second.budget_bytes != first.budget_bytes
+    assert (second.budget_bytes > first.budget_bytes) == (first.measured_peak_bytes < first.budget_bytes)
+    assert optimized.plan.of("swap") and any(node.target is OFFLOAD for node in optimized.graph)
+    assert optimized.report is not None and optimized.report.equivalent, optimized.report
 
 
 def test_the_api_keeps_the_calibrated_plan_and_trains_with_it(monkeypatch: pytest.MonkeyPatch) -> None:

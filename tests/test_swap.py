@@ -144,6 +144,26 @@ def test_the_scheduler_takes_the_cheaper_of_the_best_swap_and_the_best_recomputa
     assert chosen is not None and chosen.action == SWAP
 
 
+def test_no_recomputation_reads_a_swapped_tensor_that_cannot_be_recomputed() -> None:
+    """Algorithm F's converse: with a swap chosen of a tensor that cannot be recomputed (a random
+    op's output, under a compiled backend), a recomputation that would read it outside its
+    swapped-in window must not be chosen (it would have to recompute the swapped tensor); one
+    inside the window may."""
+    swapped = _candidate("mask", recompute_time=math.inf, first_bw=6)  # swapped in for 6..7
+    outside = dataclasses.replace(_candidate("late", recompute_time=0.1, first_bw=9, swappable=False),
+                                  sources={"mask"})  # fmt: skip
+    inside = dataclasses.replace(_candidate("early", recompute_time=0.1, first_bw=7, swappable=False),
+                                 sources={"mask"})  # fmt: skip
+    timeline = Timeline([1.0] * 12, overlap=False, swaps=[swapped])
+    assert choose([outside], timeline, peak_rank=4) is None
+    chosen = choose([inside], timeline, peak_rank=4)
+    assert chosen is not None and (chosen.key, chosen.action) == ("early", RECOMPUTE)
+    # A swapped tensor that can be recomputed does not stand in the way (the block recomputes it).
+    recomputable = dataclasses.replace(swapped, recompute_time=1.0)
+    chosen = choose([outside], Timeline([1.0] * 12, overlap=False, swaps=[recomputable]), peak_rank=4)
+    assert chosen is not None and (chosen.key, chosen.action) == ("late", RECOMPUTE)
+
+
 def test_inherited_lineages_never_cost_more_than_replaying_the_forward_pass() -> None:
     # "b" is recomputed from "a"; once "a" is swapped out, b's lineage runs through a's (Algorithm F),
     # whose Capuchin estimate (sums over every path) may exceed replaying the whole forward pass.

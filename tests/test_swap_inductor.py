@@ -9,6 +9,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from torch import nn
 from torch._inductor import config
 from torch._inductor.utils import run_and_get_code
 
@@ -18,6 +19,7 @@ from mutwo.runtime import backends
 from mutwo.runtime.api import optimize_graph
 from mutwo.runtime.equivalence import check_graphs
 from mutwo.runtime.swap import RUNTIME
+from tests import models
 from tests.test_replay import token_mlp
 
 
@@ -25,7 +27,7 @@ def _offloads_and_reuses(code: str) -> tuple[set[str], set[str], set[str]]:
     """In Inductor's generated wrapper: the buffers offloads read, those of them handed to another
     buffer (``bufB = bufA; del bufA  # reuse``, or ``= reinterpret_tensor(bufA, ...)``), and those
     of them deleted."""
-    offloaded = set(re.findall(r"mutwo\.offload\.default\((?:reinterpret_tensor\()?(buf\d+)", code))
+    offloaded = set(re.findall(r"mutwo\.offload_elements\.default\((?:reinterpret_tensor\()?(buf\d+)", code))
     reused = {name for name in offloaded
               if re.search(rf"= (?:reinterpret_tensor\()?{name}\b[^\n]*; del {name}\b[^\n]*# reuse", code)}
     deleted = {name for name in offloaded if re.search(rf"\bdel {name}\b", code)}
@@ -58,3 +60,41 @@ def test_offloaded_buffers_are_freed_but_not_reused(kept_from_reuse: bool, monke
         assert RUNTIME.in_flight == 0
     elif not reused:
         pytest.skip(f"torch {torch.__version__}'s Inductor reuses no offloaded buffer of this graph by itself")
+
+
+class _Concatenating(nn.Module):
+    """A linear layer's output through a ReLU and a tanh, concatenated: Inductor writes both
+    pointwise results straight into slices of the ``cat``'s output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.head = nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        joined = torch.cat([torch.relu(hidden), torch.tanh(hidden)], 0)
+        return self.head(torch.relu(self.second(joined)))[: x.shape[0]]
+
+
+def test_an_offloaded_tensor_inside_a_larger_buffer_is_copied_element_by_element() -> None:
+    """A swapped ReLU or tanh output lives in a slice of the ``cat``'s buffer under Inductor: the
+    compiled offload copies that slice (``mutwo::offload_elements``), where the eager executor's
+    offload would refuse a tensor that does not own its storage, and the step passes the check."""
+    torch.manual_seed(0)
+    net = _Concatenating()
+    workload = models.Workload(models.Classifier(net), (torch.randn(512, 64), torch.randint(0, 10, (512,))),
+                               models.cross_entropy)  # fmt: skip
+    swap_only = "profile{runs=1,warmup=0},select-swap{allow=swap,bandwidth=2},insert-swap"
+    planned = optimize_graph(workload.model, torch.optim.SGD(net.parameters(), lr=0.1), workload.batch,
+                             workload.loss_fn, budget=parse_budget("min"), passes=swap_only)  # fmt: skip
+    assert {e["op"] for e in planned.plan.of("swap")} & {"aten.relu.default", "aten.tanh.default"}
+    with config.patch({"force_disable_caches": True}):
+        compiled, codes = run_and_get_code(lambda: backends.compile_graph(planned.graph, planned.inputs, "inductor"))
+    code = "\n".join(codes)
+    offloaded, _, _ = _offloads_and_reuses(code)
+    inside = [name for name in offloaded if re.search(rf"\b{name} = reinterpret_tensor\(buf\d+,[^\n]*# alias", code)]
+    assert inside, "no offload of a slice: the test would not exercise a tensor inside a larger buffer"
+    report = check_graphs(planned.graph, planned.graph, planned.inputs, candidate_run=compiled.run,
+                          tolerance=compiled.tolerance)  # fmt: skip
+    assert report.equivalent, report.summary()
+    assert RUNTIME.in_flight == 0

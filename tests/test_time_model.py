@@ -160,6 +160,38 @@ def test_fused_pricing_of_a_rewritten_graph_node_by_node_agrees_with_the_blocks(
     assert sum(map(fused, rewritten)) - sum(map(fused, graph)) == pytest.approx(sum(map(fused.block_seconds, blocks)))
 
 
+class _SharedSigmoid(nn.Module):
+    """A sigmoid read by a tanh and by a second linear layer: recomputing both, the tanh's block
+    reads the sigmoid's clone from the sigmoid's own, earlier block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(8, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.first(x))
+        return self.second(torch.tanh(shared)) + self.third(shared)
+
+
+def test_a_clone_reading_another_blocks_clone_is_not_fused_into_it() -> None:
+    """The tanh's clone reads the sigmoid's clone of an earlier block, which was written to memory:
+    priced clone by clone in the rewritten graph it costs its time, as the block prices it."""
+    torch.manual_seed(0)
+    net = _SharedSigmoid()
+    workload = models.Workload(models.Classifier(net), (torch.randn(4, 8), torch.randint(0, 3, (4,))),
+                               models.cross_entropy)  # fmt: skip
+    graph = capture_graph(workload.model, torch.optim.SGD(net.parameters(), lr=0.1), workload.batch,
+                          workload.loss_fn).graph  # fmt: skip
+    forward = {n.name: n for n in graph if n.phase is Phase.FORWARD and n.op == "call_function"}
+    chosen = [forward["sigmoid"].tensors[0].storage, forward["tanh"].tensors[0].storage]
+    blocks = Recompute(graph, compute_liveness(graph)).plan(chosen)
+    assert any(block.from_clones for block in blocks), "no block reads another's clone: nothing exercised"
+    fused = TimeModel.of(graph, synthetic_profile(graph, "cpu", iteration=None), fused=True)
+    rewritten = graph.copy()
+    clones = [rewritten.node(c) for ids in insert_blocks(rewritten, blocks).values() for c in ids]
+    assert sum(map(fused, clones)) == pytest.approx(sum(map(fused.block_seconds, blocks)))
+
+
 def test_in_place_ops_are_pointwise_by_their_own_tag_or_their_out_of_place_forms() -> None:
     assert is_pointwise(aten.relu_.default) and torch.Tag.pointwise in aten.relu_.default.tags
     assert torch.Tag.pointwise not in aten.gelu_.default.tags and is_pointwise(aten.gelu_.default)
