@@ -131,6 +131,11 @@ class Block:
     #: dropouts replayed from the mask they drew (:mod:`mutwo.ir.mask_replay`): id -> mask holder
     from_mask: dict[int, int] = field(default_factory=dict)
 
+    def generator_replays(self, graph: Graph) -> list[int]:
+        """The block's random ops (ids in ``graph``) replayed with a generator state: those not
+        replayed from their masks, which only the eager backend can run."""
+        return [n for n in self.nodes if graph.node(n).is_random and n not in self.from_mask]
+
     def to_json(self) -> dict[str, Any]:
         return {"storage": str(self.storage), "insert_before": self.insert_before, "nodes": self.nodes,
                 "redirect": self.redirect, "sources": self.sources,

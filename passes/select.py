@@ -406,7 +406,7 @@ class SelectPass(Pass):
             except NotRecomputable:
                 continue
             # Random ops the block replays with a generator state (a dropout replayed from its mask needs none).
-            stateful = [n for n in block.nodes if graph.node(n).is_random and n not in block.from_mask]
+            stateful = block.generator_replays(graph)
             if stateful and not replay_random:
                 continue
             start = record.last_forward_use if record.last_forward_use is not None else record.created

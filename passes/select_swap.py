@@ -356,9 +356,7 @@ class SelectSwapPass(Pass):
                     block = recompute.plan_block(record.key, set(), {})
                 except NotRecomputable:
                     pass
-                stateful = block is not None and any(graph.node(n).is_random and n not in block.from_mask
-                                                     for n in block.nodes)  # fmt: skip
-                if stateful and not replay_random:
+                if block is not None and block.generator_replays(graph) and not replay_random:
                     block = None
             # A copy that takes mostly latency (batch-norm statistics, say) frees next to nothing
             # for what it occupies the copy streams: only tensors whose copy is mostly bytes swap.
