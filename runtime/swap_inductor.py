@@ -12,9 +12,11 @@ a step that swaps activations to host memory can be compiled (docs/swap.md, "Und
   any other, so the allocator hands their block out again once the copy has read it, but neither
   reused by Inductor for a later buffer nor written in place by a kernel. The host buffers offloads
   return belong to the swap runtime's pool: Inductor does not reuse them either. Every other
-  buffer keeps Inductor's reuse (which keeps the compiled step's peak where the plan put it:
-  turning reuse off for the whole graph raised a swapping CNN's peak on the CPU from 1.57 to
-  2.10 MB, the eager executor's).
+  buffer keeps Inductor's reuse. (Whether that keeps a GPU step's peak under what reuse off for
+  the whole graph would give is not measured; on the CPU, where host buffers are memory of the
+  same device, a swapping CNN peaked at 2.10 MB either way, and at 1.57 MB without the rule only
+  because Inductor wrote later outputs into the swap runtime's host buffers:
+  bench/results/cpu_dry_runs/swap_inductor/reuse_peak.log.)
 """
 
 from __future__ import annotations
