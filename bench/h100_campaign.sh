@@ -20,6 +20,8 @@
 #                the target is <= 1.05x eager-cl, 123.5 ms) (start it)                     ~13 min
 #   inductor-cl  again: does fused pricing close the 1.1% to torch.compile 0.5 (119.9 vs 118.6 ms)?
 #                (start it)                                                                 ~16 min
+#   inductor-cl-mutwo  inductor-cl's mutwo row at compile-0.5's peak alone, planned at the peak
+#                measured on 2026-11-24 (--reference; when device time is short)            ~7 min
 #   swap-inductor-bert  BERT-base b64 at checkpointing's peak: recompute-only against swap+recompute,
 #                both Inductor, calibrated (recompute-only was 634.9 ms on 2026-11-24; the
 #                target of issue 17 is <= 594.7 ms) (start it)                               ~16 min
@@ -76,7 +78,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, swap-inductor-cl-half, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, swap-inductor-cl-half, inductor-cl-mutwo, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -151,6 +153,9 @@ case "$section" in
       --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
   inductor-resnet) inductor_rows resnet152 resnet152:128 ;;
   inductor-cl) inductor_rows resnet152_cl resnet152-cl:128 ;;
+  inductor-cl-mutwo)
+    timeout 900 python3 bench/compare.py --out "$OUT/inductor_cl_mutwo_resnet152.json" --models resnet152-cl:128 \
+      --timeout 850 --variants mutwo@inductor-compile0.5 --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
   inductor-cl-half)
     timeout 900 python3 bench/compare.py --out "$OUT/inductor_cl_half_resnet152.json" --models resnet152-cl:128 \
       --timeout 850 --variants mutwo@inductor-eager0.5 --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
