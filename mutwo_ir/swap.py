@@ -280,6 +280,12 @@ def rewrite(graph: Graph, liveness: Liveness, placements: Sequence[Placement],
     storage too (μ-TWO's Algorithm F for swaps). ``mask_replay``: dropouts are recomputed from
     the masks they drew (a compiled backend's plan).
     """
+    for placement in placements:
+        site, at = placement.site, liveness.rank.get(placement.prefetch_before, -1)
+        if not site.last_forward_use < at <= site.first_backward_use:
+            raise NotSwappable(f"{site.storage}: its prefetch (before rank {at}) must come after its last forward use "
+                               f"(rank {site.last_forward_use}) and by its first backward use (rank "
+                               f"{site.first_backward_use}); re-run select-swap to plan it again")  # fmt: skip
     swapped = {p.site.storage for p in placements}
     windows = {holder: (*p.site.window, p.site.storage) for p in placements for holder in p.site.chains}
     blocks = Recompute(graph, liveness, mask_replay=mask_replay).plan(recompute, dropped=swapped, live_clones=windows)

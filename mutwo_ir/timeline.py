@@ -79,7 +79,12 @@ _OUT, _IN, _WAIT = 0, 1, 2  # at one position, copies out are issued first, then
 
 def schedule_transfers(clock: Sequence[float], transfers: Sequence[Transfer], overlap: bool) -> StreamSchedule:
     """Simulate the copy streams: ``clock[p]`` is when the node at position ``p`` starts if nothing
-    stalls (``clock[-1]`` the end of the iteration)."""
+    stalls (``clock[-1]`` the end of the iteration). A transfer out of order (a prefetch before its
+    offload or after its wait) is a ValueError: priced, it would cost nothing."""
+    for t in transfers:
+        if not t.offload_at <= t.prefetch_at <= t.wait_at:
+            raise ValueError(f"a swap out of order: offload at {t.offload_at}, prefetch at {t.prefetch_at}, "
+                             f"wait at {t.wait_at}")  # fmt: skip
     events = sorted(itertools.chain.from_iterable(
         ((t.offload_at, _OUT, k), (t.prefetch_at, _IN, k), (t.wait_at, _WAIT, k)) for k, t in enumerate(transfers)))
     schedule = StreamSchedule([(0.0, 0.0)] * len(transfers), [(0.0, 0.0)] * len(transfers), [0.0] * len(transfers))

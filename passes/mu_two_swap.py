@@ -99,7 +99,12 @@ class Timeline:
 def swap_overhead(timeline: Timeline, candidate: SwapCandidate, peak_rank: int) -> tuple[float, int]:
     """Algorithm C: the stall ``candidate``'s swap adds, and its prompt (see the module docstring)."""
     clock = timeline.clock()
-    earliest, latest = peak_rank + 1, candidate.first_backward_use
+    # The prompt falls after the offload and no later than the wait, wherever ``peak_rank`` is:
+    # refinement passes the whole plan's peak, which may lie outside the candidate's idle window
+    # (after its first backward use in a plan that mostly recomputes; an unclamped prompt there put
+    # the prefetch after its wait, ResNet-152 on the H100, 2026-11-24).
+    latest = candidate.first_backward_use
+    earliest = min(max(peak_rank, candidate.inactive_start) + 1, latest)
     if timeline.overlap:
         just_in_time = bisect.bisect_right(clock, clock[latest] - candidate.h2d_seconds) - 1
         prompts = sorted({min(max(just_in_time, earliest), latest), earliest}, reverse=True)

@@ -13,6 +13,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import PassManager
 from mutwo.ir.registry import PassRegistry
+from mutwo.ir.timeline import TransferModel
 from mutwo.runtime.capture import capture
 from mutwo.runtime.profiler import profile_graph
 from mutwo.runtime.transfer import measure_transfers
@@ -35,10 +36,13 @@ def lower(workload: models.Workload) -> tuple[Graph, list[torch.Tensor]]:
     return graph, binding.flat_inputs(workload.batch) + list(captured.constants.values())
 
 
-def rewrite(workload: models.Workload, pipeline: str, budget: str, profile: Any = None) -> Rewritten:
+def rewrite(workload: models.Workload, pipeline: str, budget: str, profile: Any = None,
+            transfer: TransferModel | None = None) -> Rewritten:  # fmt: skip
     """Run ``pipeline`` over the iteration of ``workload`` with the runtime's services; with
     ``profile`` (another rewrite's, of the same graph), the pipeline plans from it and must not
-    profile again (so that two plans' predictions compare without timing noise between them)."""
+    profile again (so that two plans' predictions compare without timing noise between them); with
+    ``transfer``, select-swap plans for that copy model instead of the one measured here (a GPU's,
+    whose copies overlap the compute, on a CPU)."""
     graph, inputs = lower(workload)
     original = graph.copy()
     device = inputs[0].device
@@ -47,6 +51,8 @@ def rewrite(workload: models.Workload, pipeline: str, budget: str, profile: Any 
     ctx.services["transfer"] = lambda: measure_transfers(device)
     ctx.services["budget"] = parse_budget(budget)
     available = set()
+    if transfer is not None:
+        ctx.artifacts["transfer"] = transfer
     if profile is not None:
         ctx.artifacts["profile"], available = profile, {"profile"}
     PassManager(PassRegistry().build_pipeline(pipeline, available)).run(graph, ctx)

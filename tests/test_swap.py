@@ -128,6 +128,44 @@ def test_the_prefetch_is_issued_as_late_as_the_copy_in_can_still_be_hidden() -> 
     assert prompt == 8 and overhead == pytest.approx(3.0)
 
 
+def test_the_prefetch_stays_inside_the_window_whatever_peak_it_is_priced_at() -> None:
+    """The refinement prices a swap at the whole plan's peak, which may lie after the tensor's first
+    backward use or before its offload: the prompt still falls after the offload and by the wait
+    (it once fell after the wait, priced at no stall; ResNet-152 on the H100, 2026-11-24)."""
+    timeline = Timeline([1.0] * 12, overlap=True)
+    candidate = _candidate("a", start=2, first_bw=6, copy=0.5)
+    for peak in (0, 4, 6, 8, 11):
+        _, prompt = swap_overhead(timeline, candidate, peak_rank=peak)
+        assert candidate.inactive_start < prompt <= candidate.first_backward_use, (peak, prompt)
+
+
+def test_the_stream_model_refuses_a_swap_out_of_order() -> None:
+    for order in ((3, 7, 6), (3, 2, 6)):
+        with pytest.raises(ValueError, match="out of order"):
+            schedule_transfers(CLOCK, [Transfer(*order, out_seconds=1.0, in_seconds=1.0)], overlap=True)
+
+
+def test_rewrite_refuses_a_prefetch_outside_the_window() -> None:
+    """A plan (data a user may edit) that prefetches after the first backward read, or before the
+    offload, is refused with the reason, not rewritten into a graph the verifier rejects."""
+    graph, _ = swapping.lower(models.mlp(batch_size=4))
+    liveness = compute_liveness(graph)
+    analysis = SwapAnalysis(graph, liveness)
+    site = next(analysis.site(s.key) for s in liveness.activations() if _swappable(analysis, s.key))
+    nodes = graph.nodes
+    for rank in (site.first_backward_use + 1, site.last_forward_use):
+        with pytest.raises(NotSwappable, match="must come after its last forward use"):
+            rewrite(graph.copy(), liveness, [Placement(site, nodes[rank].id)], [])
+
+
+def _swappable(analysis: SwapAnalysis, key: Any) -> bool:
+    try:
+        analysis.site(key)
+    except NotSwappable:
+        return False
+    return True
+
+
 def test_the_scheduler_takes_the_cheaper_of_the_best_swap_and_the_best_recomputation() -> None:
     timeline = Timeline([1.0] * 10, overlap=False)
     cheap_copy = [_candidate("idle", copy=0.1, inactive=7.0), _candidate("dense", recompute_time=2.0, inactive=1.0)]
@@ -364,11 +402,8 @@ def test_the_better_plan_meets_the_budget_first_then_is_faster() -> None:
     assert better(plan(80, 3.0), plan(90, 1.0), 100, minimum=True)  # at min: the lower peak
 
 
-def test_the_refinement_turns_recomputations_into_swaps_when_that_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A scheduler that recomputed what could have been swapped (here it is made to prefer
-    recomputation) leaves the refinement work: with copies nearly free, it turns recomputations of
-    the plan into swaps, the plan is predicted faster than without it, fits the budget, and the
-    rewritten iteration stays bitwise equal to the original."""
+def _recompute_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes the scheduler recompute whatever it could also swap, leaving the refinement work."""
     from mutwo.passes import mu_two_swap
 
     choose = mu_two_swap.choose
@@ -384,6 +419,31 @@ def test_the_refinement_turns_recomputations_into_swaps_when_that_is_faster(monk
                 c.swappable = True
 
     monkeypatch.setattr(mu_two_swap, "choose", recompute_first)
+
+
+def test_refined_swaps_with_overlapping_copies_are_placed_inside_their_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refinement under a copy model whose copies overlap the compute (a GPU's, given on a
+    CPU, where the measured one does not overlap): it prices each turn at the plan's peak, after
+    the recomputed tensors' first backward use; every prefetch must still land after its offload
+    and by its wait. Before the prompt was clamped to the window, this plan failed insert-swap's
+    topological-order check, as ResNet-152's did on the H100 (2026-11-24)."""
+    _recompute_first(monkeypatch)
+    transfer = TransferModel(1e11, 1e11, 0.0, overlap=True, device="cpu")
+    rewritten = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0},select-swap{keep_faster=false},"
+                                 "insert-swap", "0.8", transfer=transfer)  # fmt: skip
+    plan: SwapPlan = rewritten.ctx.artifacts["swap-plan"]
+    assert plan.of(SWAP) and not plan.of(RECOMPUTE)  # every recomputation turned into a swap
+    _check_placement(rewritten)
+    report = compare_graphs(rewritten.original, rewritten.graph, rewritten.inputs)
+    assert report.bitwise and report.equivalent, report.summary()
+
+
+def test_the_refinement_turns_recomputations_into_swaps_when_that_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler that recomputed what could have been swapped (here it is made to prefer
+    recomputation) leaves the refinement work: with copies nearly free, it turns recomputations of
+    the plan into swaps, the plan is predicted faster than without it, fits the budget, and the
+    rewritten iteration stays bitwise equal to the original."""
+    _recompute_first(monkeypatch)
     pipeline = "select-swap{bandwidth=100000,keep_faster=false%s},insert-swap"
     plain = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0}," + pipeline % ",refine=0", "0.75")
     # The same profile: the two predictions differ by the plans alone, not by timing noise.
