@@ -20,6 +20,11 @@
 #                the target is <= 1.05x eager-cl, 123.5 ms) (start it)                     ~13 min
 #   inductor-cl  again: does fused pricing close the 1.1% to torch.compile 0.5 (119.9 vs 118.6 ms)?
 #                (start it)                                                                 ~16 min
+#   swap-inductor-cl-half-swap  swap-inductor-cl-half's swap row alone (it failed in insert-swap on
+#                2026-11-24, a prompt past its wait, fixed since; the recompute-only row ran)    ~7 min
+#   fused-ab     why mutwo@inductor-compile0.5 ran 123.6-125.5 ms after fused pricing and the
+#                batch_norm_elemt decomposition landed (119.9 before): the row at compile-0.5's
+#                peak with neither, with the decomposition only, with both (bench/fused_pricing_ab.py) ~14 min
 #   inductor-cl-mutwo  inductor-cl's mutwo row at compile-0.5's peak alone, planned at the peak
 #                measured on 2026-11-24 (--reference; when device time is short)            ~7 min
 #   swap-inductor-bert  BERT-base b64 at checkpointing's peak: recompute-only against swap+recompute,
@@ -78,7 +83,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, swap-inductor-cl-half, inductor-cl-mutwo, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -156,6 +161,12 @@ case "$section" in
   inductor-cl-mutwo)
     timeout 900 python3 bench/compare.py --out "$OUT/inductor_cl_mutwo_resnet152.json" --models resnet152-cl:128 \
       --timeout 850 --variants mutwo@inductor-compile0.5 --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
+  swap-inductor-cl-half-swap)
+    timeout 900 python3 bench/compare.py --out "$OUT/swap_inductor_cl_half_swap_resnet152.json" --models resnet152-cl:128 \
+      --timeout 850 --variants mutwo-swap@inductor-eager0.5 --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
+  fused-ab)
+    timeout 1200 python3 bench/fused_pricing_ab.py --out "$OUT/fused_pricing_ab_resnet152_cl.json" --model resnet152-cl:128 \
+      --budget-bytes 15766076416 --configs eager-priced,eager-priced+decomposed,fused+decomposed --timeout 500 ;;
   inductor-cl-half)
     timeout 900 python3 bench/compare.py --out "$OUT/inductor_cl_half_resnet152.json" --models resnet152-cl:128 \
       --timeout 850 --variants mutwo@inductor-eager0.5 --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
