@@ -1,11 +1,11 @@
 """A/B of the two changes of 2026-11-24 to mutwo's Inductor plans, on one GPU in one run: fused
-pricing of recomputes (``select`` charging nothing for a pointwise clone fused into its producer)
-and ``batch_norm_elemt`` decomposed for Inductor (a batch norm replayed from its statistics fused
-with the ReLU after it). Both are on in mutwo; this script switches them off in the worker process
-of a ``bench/compare.py`` row, so that the rows differ by them alone (same budget, same machine):
+pricing of recomputes (``select{fused=true}``: a pointwise clone fused into its producer charged
+nothing) and ``batch_norm_elemt`` decomposed for Inductor (a batch norm replayed from its statistics
+fused with the ReLU after it). This script sets them in the worker process of a
+``bench/compare.py`` row, so that the rows differ by them alone (same budget, same machine):
 
-- ``fused+decomposed``: mutwo as it is;
-- ``eager-priced+decomposed``: every recompute clone priced at its eager time;
+- ``fused+decomposed``: both (fused pricing was the default under Inductor when this ran first);
+- ``eager-priced+decomposed``: every recompute clone priced at its eager time (the default since);
 - ``eager-priced``: neither (mutwo's Inductor plans before 2026-11-24).
 
 Why: after both landed, ResNet-152 channels-last b128 at torch.compile 0.5's peak ran 123.6 and
@@ -30,13 +30,19 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("fused+decomposed", "eager-priced+decomposed", "eager-priced")
 
 
-def switch_off(config: str) -> None:
-    """In this process, turn off what ``config`` leaves out (before compare.py's worker runs)."""
+def configure(config: str) -> None:
+    """In this process, set what ``config`` names (before compare.py's worker plans): fused pricing
+    on for both planning passes, the decomposition off unless named."""
+    from mutwo.passes import select, select_swap
     from mutwo.runtime import backends
 
-    if "fused" not in config:
-        services = backends.backend_services
-        backends.backend_services = lambda backend: {**services(backend), "fused_recompute": False}  # type: ignore[assignment]
+    if "fused" in config:
+        priced = select.recompute_time_model
+
+        def fused(graph: Any, profile: Any, ctx: Any, who: str, _: bool) -> Any:
+            return priced(graph, profile, ctx, who, True)
+
+        select.recompute_time_model = select_swap.recompute_time_model = fused  # type: ignore[assignment]
     if "decomposed" not in config:
         backends.batch_norm_elemt_decomposed = nullcontext  # type: ignore[assignment]
 
@@ -54,8 +60,8 @@ def main() -> None:
     for config in args.configs.split(","):
         if config not in CONFIGS:
             parser.error(f"--configs: {config!r} is not one of {', '.join(CONFIGS)}")
-        code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.fused_pricing_ab import switch_off; "
-                f"switch_off({config!r}); import runpy; runpy.run_path({str(ROOT / 'bench/compare.py')!r}, "
+        code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.fused_pricing_ab import configure; "
+                f"configure({config!r}); import runpy; runpy.run_path({str(ROOT / 'bench/compare.py')!r}, "
                 "run_name='__main__')")  # fmt: skip
         # compare.py's variant name sets the backend; the budget is given in bytes.
         command = [sys.executable, "-c", code, "--worker", name, batch, "mutwo@inductor-x",

@@ -130,10 +130,19 @@ class Start:
     budget_bytes: int
 
 
-def recompute_time_model(graph: Graph, profile: Any, ctx: PassContext, who: str) -> TimeModel:
-    """How a planning pass (``who``) prices recomputation: as Inductor fuses the clones when the
-    backend says it compiles them so (``fused_recompute``), else each clone at its measured time."""
-    fused = bool(ctx.services.get("fused_recompute", False))
+#: The ``fused`` option of the planning passes: why it is off by default.
+FUSED_OPTION = ("price recomputes as Inductor fuses them (a pointwise clone fed by a pointwise clone of its block "
+                "costs nothing); needs an Inductor backend. Off by default: measured on the H100, its ResNet-152 "
+                "plans ran no faster (docs/backends.md)")  # fmt: skip
+
+
+def recompute_time_model(graph: Graph, profile: Any, ctx: PassContext, who: str, fused: bool) -> TimeModel:
+    """How a planning pass (``who``) prices recomputation: each clone at its measured time, or with
+    ``fused`` (the pass's option) as Inductor fuses the clones, for a backend that compiles them so
+    (``fused_recompute``); asked under another backend, a :class:`PassFailure`."""
+    if fused and not ctx.services.get("fused_recompute", False):
+        raise PassFailure(f"{who}{{fused=true}} prices recomputes as Inductor fuses them, but this run's "
+                          "backend does not compile with Inductor: run with --backend inductor, or drop fused=true")
     if fused:
         ctx.log(f"{who}: pricing recomputes as Inductor fuses them: a pointwise clone fed by a pointwise clone "
                 "of its block costs nothing")  # fmt: skip
@@ -253,10 +262,10 @@ class SelectPass(Pass):
     regenerates it for good where the exact curve has room below the plan's peak, so later blocks
     read it instead of replaying its chain again (as a checkpointed segment serves all its
     backward uses from one replay); taken only when the exact simulation confirms the peak.
-    Under the inductor backends a recompute block is priced as Inductor fuses it: a pointwise clone
-    fed by another pointwise clone of its block (or by a batch norm or dropout replayed from what
-    it saved) costs nothing of its own; dropouts are replayed from their kept masks, since a
-    compiled step cannot replay a generator state.
+    Under the inductor backends dropouts are replayed from their kept masks, since a compiled step
+    cannot replay a generator state; with ``fused`` a recompute block is priced as Inductor fuses
+    it: a pointwise clone fed by another pointwise clone of its block (or by a batch norm or
+    dropout replayed from what it saved) costs nothing of its own.
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
     mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv. When the budget
     is out of reach, the greedy goes on to the lowest peak it can reach and the failure says what
@@ -272,6 +281,7 @@ class SelectPass(Pass):
     lowest: bool = option(True, "when the budget is out of reach, go on to the lowest reachable peak, which the "
                                 "failure reports (false: fail at once, even before simulating exactly when the "
                                 "greedy's estimate cannot reach the budget, as --fit's search does)")
+    fused: bool = option(False, FUSED_OPTION)
     share: bool = option(False, "regenerate a chosen activation once, in the first block that clones it anyway, and "
                                 "keep it for its own backward uses while the exact curve stays at or below the "
                                 "plan's peak; plans are compared by that peak (false: every block replays its whole "
@@ -295,7 +305,7 @@ class SelectPass(Pass):
         if not replay_random:
             ctx.log("select: the backend cannot replay random ops from a generator state; dropouts are replayed "
                     "from the masks they drew, other random ops' outputs are not recomputed")  # fmt: skip
-        time_model = recompute_time_model(graph, profile, ctx, self.name)
+        time_model = recompute_time_model(graph, profile, ctx, self.name, self.fused)
         candidates = self._candidates(graph, liveness, recompute, time_model, base.device, replay_random)
         refused = refused_random_ops(graph)
         if refused:

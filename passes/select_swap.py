@@ -25,7 +25,7 @@ from mutwo.ir.time_model import TimeModel
 from mutwo.ir.timeline import GraphTimeline, TransferModel, graph_timeline
 from mutwo.passes.mu_two import GreedyResult, search
 from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule, swap_overhead
-from mutwo.passes.select import PlanData, recompute_time_model, start
+from mutwo.passes.select import FUSED_OPTION, PlanData, recompute_time_model, start
 
 MIB = 2**20
 ACTIONS = ("swap", "recompute")
@@ -146,6 +146,7 @@ class SelectSwapPass(Pass):
     bandwidth: float | None = option(None, "host-device GB/s (both directions, no latency) instead of measuring it")
     keep_faster: bool = option(True, "with swap and recompute allowed, also plan recompute only and keep whichever "
                                      "plan is predicted faster at the budget (the plan records the other)")  # fmt: skip
+    fused: bool = option(False, FUSED_OPTION)
     refine: int = option(32, "with swap allowed, then try turning this many of the plan's costliest recomputations "
                              "into swaps, one at a time, keeping each that the exact simulation predicts faster "
                              "within the budget (0: off)")  # fmt: skip
@@ -167,7 +168,7 @@ class SelectSwapPass(Pass):
         profile, liveness, base = begin.profile, begin.liveness, begin.base
         budget, budget_bytes = begin.budget, begin.budget_bytes
         transfer = self._transfer(ctx, base.device)
-        seconds = recompute_time_model(graph, profile, ctx, self.name)
+        seconds = recompute_time_model(graph, profile, ctx, self.name, self.fused)
         allowed = {a.strip() for a in self.allow.split(",") if a.strip()}
         # A compiled backend replays dropouts from their masks and no random op from a generator
         # state (as select plans for it).

@@ -169,13 +169,13 @@ def test_inductor_runs_a_swap_plan_and_cuda_graphs_refuse_it() -> None:
 @pytest.mark.parametrize("options", ["allow=recompute", "keep_faster=false,bandwidth=2"])
 def test_select_swap_plans_for_inductor_without_generator_replays(options: str) -> None:
     """Planning swaps for Inductor (optimize(..., backend="inductor")) on an MLP whose dropouts
-    return their masks: select-swap prices recomputes as fused, recomputes dropouts only from their
+    return their masks: select-swap prices recomputes as fused (asked to), recomputes dropouts only from their
     masks (no generator state; with recompute only at min it does), never swaps a mask out (with
     cheap copies at min it swaps), and the plan compiles and passes the check within the tolerance."""
     workload = dropout_tanh_mlp()
     messages: list[str] = []
     planned = optimize_graph(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn,
-                             passes=f"profile{{runs=1,warmup=0}},select-swap{{{options}}},insert-swap",
+                             passes=f"profile{{runs=1,warmup=0}},select-swap{{{options},fused=true}},insert-swap",
                              budget=parse_budget("min"), backend="inductor", check=True,
                              log=messages.append)  # fmt: skip
     assert any("select-swap: pricing recomputes as Inductor fuses them" in m for m in messages)

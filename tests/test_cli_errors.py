@@ -422,6 +422,16 @@ def test_a_swap_plan_for_a_compiled_backend(pipeline: str, workdir: Path, capsys
     assert "use --backend eager or inductor, or plan with select,rewrite instead of swap" in line
 
 
+@pytest.mark.parametrize("pipeline", ["profile,select{fused=true},rewrite",
+                                      "profile,select-swap{fused=true},insert-swap"])
+def test_fused_pricing_for_a_backend_that_does_not_fuse(pipeline: str, workdir: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--budget", "0.9", "-p", pipeline,
+                              good_config(workdir))  # fmt: skip
+    assert "{fused=true} prices recomputes as Inductor fuses them, but --backend is eager" in line
+    assert "use --backend inductor, or drop fused=true" in line
+
+
 def test_fit_with_a_compiled_backend(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "inductor", "--fit", "1GiB",
                               good_config(workdir))  # fmt: skip

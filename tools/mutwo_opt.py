@@ -285,6 +285,10 @@ class MutwoOpt:
         """Backend choices that cannot work here, refused before anything is captured."""
         if config.backend not in SWAPPING_BACKENDS and any(p.name == "insert-swap" for p in manager.passes):
             raise UsageError(swap_refusal(config.backend))
+        fused = next((p.name for p in manager.passes if getattr(p, "fused", False)), None)
+        if fused is not None and not backend_services(config.backend)["fused_recompute"]:
+            raise UsageError(f"{fused}{{fused=true}} prices recomputes as Inductor fuses them, but --backend is "
+                             f"{config.backend}: use --backend inductor, or drop fused=true")  # fmt: skip
         if config.backend.endswith("cudagraphs") and device.type != "cuda":
             raise UsageError(f"--backend {config.backend} needs a CUDA device, this run is on {device}; use --backend "
                              "eager or inductor")  # fmt: skip
