@@ -8,25 +8,11 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Still owed, in order (issues 17 and 18; built on 2026-11-24 after the runs below, unmeasured):
-# fused pricing of recomputes under Inductor, batch_norm_elemt decomposed for Inductor, dropouts
-# replayed from their masks under compiled backends, swap plans compiled by Inductor
-# (docs/backends.md, docs/swap.md). Their CPU tests also passed under torch 2.11.0 (the H100's).
-#   tests        the CUDA tests: the compiled-backend checks now compile CUDA batch-norm replays
-#                through the decomposition; a swap plan compiled by Inductor              ~3 min
-#   swap-inductor-cl-half  issue 18's operating point: ResNet-152-cl b128 at half of eager-cl's
-#                peak, recompute-only against swap+recompute, both Inductor, side by side (the
-#                recompute-only row is inductor-cl-half again: 131.0 ms, 1.11x on 2026-11-24;
-#                the target is <= 1.05x eager-cl, 123.5 ms) (start it)                     ~13 min
-#   inductor-cl  again: does fused pricing close the 1.1% to torch.compile 0.5 (119.9 vs 118.6 ms)?
-#                (start it)                                                                 ~16 min
-#   swap-inductor-cl-half-swap  swap-inductor-cl-half's swap row alone (it failed in insert-swap on
-#                2026-11-24, a prompt past its wait, fixed since; the recompute-only row ran)    ~7 min
-#   fused-ab     why mutwo@inductor-compile0.5 ran 123.6-125.5 ms after fused pricing and the
-#                batch_norm_elemt decomposition landed (119.9 before): the row at compile-0.5's
-#                peak with neither, with the decomposition only, with both (bench/fused_pricing_ab.py) ~14 min
-#   inductor-cl-mutwo  inductor-cl's mutwo row at compile-0.5's peak alone, planned at the peak
-#                measured on 2026-11-24 (--reference; when device time is short)            ~7 min
+# Still owed, in order (issues 17 and 18):
+#   swap-trace   why the swap+recompute plan under Inductor ran 140.4 ms where it was predicted at
+#                124.9 ms (2026-11-24): the swap study's per-stream trace of that row (compare.py
+#                --trace --variants mutwo@inductor-eager0.5,mutwo-swap@inductor-eager0.5, one run,
+#                side by side as issue 18 asks; ~15 min, start it)
 #   swap-inductor-bert  BERT-base b64 at checkpointing's peak: recompute-only against swap+recompute,
 #                both Inductor, calibrated (recompute-only was 634.9 ms on 2026-11-24; the
 #                target of issue 17 is <= 594.7 ms) (start it)                               ~16 min
@@ -34,6 +20,15 @@
 #   isolate      GPT-2 b8 recompute plans profiled with and without isolated op times
 #                (profile{isolate=true}); does the predicted time come within 10%, and does the
 #                plan get faster at checkpointing's peak?                                    ~5 min
+# Done on 2026-11-24, third session (bench/results/issue18_h100_swap_inductor/; docs/benchmarks.md
+# "Swap and fused pricing under Inductor"):
+#   tests        the CUDA tests, with a swap plan compiled by Inductor: 32 passed            ~3 min
+#   swap-inductor-cl-half  ResNet-152-cl b128 at half of eager-cl's peak, recompute-only against
+#                swap+recompute, both Inductor (the swap row failed while planning, fixed since) ~13 min
+#   swap-inductor-cl-half-swap  its swap row alone, after the fix                            ~7 min
+#   inductor-cl-mutwo  inductor-cl's mutwo row at compile-0.5's peak alone (--reference)      ~7 min
+#   fused-ab     mutwo@inductor-compile0.5 with fused pricing and the batch_norm_elemt
+#                decomposition each on or off (bench/fused_pricing_ab.py)                   ~14 min
 # Done on 2026-11-24, before those builds (issue 17; bench/results/issue17_h100_cl/; docs/benchmarks.md
 # "Channels-last ResNet-152 and calibrated BERT"):
 #   inductor-cl  issue 17's ResNet-152 b128 rows trained channels-last (examples/resnet152_channels_last.yaml,
@@ -83,7 +78,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -164,6 +159,10 @@ case "$section" in
   swap-inductor-cl-half-swap)
     timeout 900 python3 bench/compare.py --out "$OUT/swap_inductor_cl_half_swap_resnet152.json" --models resnet152-cl:128 \
       --timeout 850 --variants mutwo-swap@inductor-eager0.5 --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
+  swap-trace)
+    timeout 1700 python3 bench/compare.py --out "$OUT/swap_trace_cl_half_resnet152.json" --models resnet152-cl:128 \
+      --timeout 850 --trace --variants mutwo@inductor-eager0.5,mutwo-swap@inductor-eager0.5 \
+      --reference bench/results/issue17_h100_cl/inductor_resnet152_cl.json ;;
   fused-ab)
     timeout 1200 python3 bench/fused_pricing_ab.py --out "$OUT/fused_pricing_ab_resnet152_cl.json" --model resnet152-cl:128 \
       --budget-bytes 15766076416 --configs eager-priced,eager-priced+decomposed,fused+decomposed --timeout 500 ;;
