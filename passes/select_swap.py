@@ -215,6 +215,10 @@ class SelectSwapPass(Pass):
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)
         plan.alternative = alternative
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
+        if plan.of(SWAP) and ctx.services.get("fused_recompute", False):
+            ctx.log("select-swap: this plan swaps under Inductor, where its predicted time is not validated: on the "
+                    "H100 a ResNet-152 swap plan ran 12% over its prediction and slower than recompute only "
+                    "(docs/swap.md); measure it against select,rewrite")  # fmt: skip
         if not plan.met:
             raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak "
                               f"select-swap reaches with {self.allow} is {plan.predicted_peak / MIB:.1f} MiB "
