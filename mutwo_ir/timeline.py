@@ -9,6 +9,13 @@ the remainder. Copies take ``latency + bytes / bandwidth`` in their direction (t
 directions of PCIe are independent). Where copies cannot overlap compute (on CPU the swap ops
 copy on the calling thread), each copy adds its whole time where it is issued.
 
+Copies beside compute are not free either: they take HBM bandwidth the kernels would use. On the
+H100 kernels ran 1.10x longer while a copy was in flight (stream traces of BERT-base's swap plans,
+docs/benchmarks.md, "Swap and recompute"), and a ResNet-152 swap plan compiled by Inductor ran 12%
+over a prediction without that. ``TransferModel.compute_slowdown`` is that fraction: the
+schedule's *contention* is it times the time a copy is in flight while the compute stream runs
+(the union of the copies' intervals less the stalls), added to the iteration like a stall.
+
 :func:`schedule_transfers` works on plain positions and times, so the selection pass uses it on
 its estimate as :func:`graph_timeline` uses it on a rewritten graph.
 """
@@ -24,6 +31,11 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.node import Node
 from mutwo.ir.swap import swap_nodes
 
+#: ``TransferModel.compute_slowdown`` for copies beside compute on CUDA: kernels ran 1.10x longer
+#: while a copy was in flight on the H100 (the stream traces of 2026-11-23). Measured on that GPU
+#: only; select-swap's ``contention`` option sets another.
+CUDA_COMPUTE_SLOWDOWN = 0.10
+
 
 @dataclass(frozen=True)
 class TransferModel:
@@ -34,6 +46,8 @@ class TransferModel:
     latency_seconds: float
     overlap: bool  #: copies run beside compute (CUDA streams) rather than on its timeline (CPU)
     device: str = ""
+    #: how much longer compute runs while a copy is in flight (0.10: 10% longer); see the module docstring
+    compute_slowdown: float = 0.0
 
     def d2h_seconds(self, nbytes: int) -> float:
         return self.latency_seconds + nbytes / self.d2h_bytes_per_second
@@ -68,19 +82,37 @@ class StreamSchedule:
     copy_in: list[tuple[float, float]]
     stalls: list[float]  #: per transfer: time the compute stream lost to it
     delays: list[tuple[int, float]] = field(default_factory=list)  #: (position, seconds added before it)
+    contention: float = 0.0  #: what the compute loses to copies in flight beside it (module docstring)
 
     @property
     def stall(self) -> float:
         return sum(self.stalls)
 
+    @property
+    def cost(self) -> float:
+        """All the copies add to the iteration: stalls and contention."""
+        return self.stall + self.contention
+
+
+def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals``."""
+    total, reach = 0.0, -float("inf")
+    for begin, end in sorted(intervals):
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total
+
 
 _OUT, _IN, _WAIT = 0, 1, 2  # at one position, copies out are issued first, then copies in, then waits
 
 
-def schedule_transfers(clock: Sequence[float], transfers: Sequence[Transfer], overlap: bool) -> StreamSchedule:
+def schedule_transfers(clock: Sequence[float], transfers: Sequence[Transfer], overlap: bool,
+                       compute_slowdown: float = 0.0) -> StreamSchedule:  # fmt: skip
     """Simulate the copy streams: ``clock[p]`` is when the node at position ``p`` starts if nothing
-    stalls (``clock[-1]`` the end of the iteration). A transfer out of order (a prefetch before its
-    offload or after its wait) is a ValueError: priced, it would cost nothing."""
+    stalls (``clock[-1]`` the end of the iteration); ``compute_slowdown`` prices the contention of
+    copies beside compute. A transfer out of order (a prefetch before its offload or after its
+    wait) is a ValueError: priced, it would cost nothing."""
     for t in transfers:
         if not t.offload_at <= t.prefetch_at <= t.wait_at:
             raise ValueError(f"a swap out of order: offload at {t.offload_at}, prefetch at {t.prefetch_at}, "
@@ -109,6 +141,9 @@ def schedule_transfers(clock: Sequence[float], transfers: Sequence[Transfer], ov
             schedule.stalls[k] += added
             schedule.delays.append((position, added))
             stalled += added
+    if overlap and compute_slowdown and transfers:
+        in_flight = busy_seconds([i for i in schedule.copy_out + schedule.copy_in if i[1] > i[0]])
+        schedule.contention = compute_slowdown * max(0.0, in_flight - schedule.stall)
     return schedule
 
 
@@ -121,14 +156,16 @@ class GraphTimeline:
     swaps: list[dict[str, Any]]  #: per swap: tag, bytes, copy-out and copy-in intervals, stall
     seconds: float  #: the whole iteration
     stalled: list[tuple[float, float]] = field(default_factory=list)  #: (start, seconds) the compute stream waits
+    contention: float = 0.0  #: included in ``seconds``: compute slowed by copies beside it
 
     @property
     def stall(self) -> float:
         return sum(s["stall"] for s in self.swaps)
 
     def to_json(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "stall_seconds": self.stall, "swaps": self.swaps, "stalled": self.stalled,
-                "node_start": self.start, "node_end": self.end}  # fmt: skip
+        return {"seconds": self.seconds, "stall_seconds": self.stall, "contention_seconds": self.contention,
+                "swaps": self.swaps, "stalled": self.stalled, "node_start": self.start,
+                "node_end": self.end}  # fmt: skip
 
 
 def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: TransferModel | None) -> GraphTimeline:
@@ -146,7 +183,8 @@ def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: Transf
         assert model is not None
         transfers.append(Transfer(graph.position(offload), graph.position(prefetch), graph.position(wait),
                                   model.d2h_seconds(nbytes), model.h2d_seconds(nbytes)))  # fmt: skip
-    schedule = schedule_transfers(clock, transfers, model.overlap if model is not None else True)
+    schedule = schedule_transfers(clock, transfers, model.overlap if model is not None else True,
+                                  model.compute_slowdown if model is not None else 0.0)  # fmt: skip
     shift = [0.0] * (len(nodes) + 1)
     stalled: list[tuple[float, float]] = []
     total = 0.0
@@ -161,4 +199,5 @@ def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: Transf
                 "offload": offload.id, "prefetch": prefetch.id, "wait": wait.id,
                 "copy_out": schedule.copy_out[k], "copy_in": schedule.copy_in[k], "stall": schedule.stalls[k]}
                for k, (offload, prefetch, wait) in enumerate(swaps)]  # fmt: skip
-    return GraphTimeline(start, end, records, clock[-1] + shift[-1], stalled)
+    return GraphTimeline(start, end, records, clock[-1] + shift[-1] + schedule.contention, stalled,
+                         schedule.contention)  # fmt: skip

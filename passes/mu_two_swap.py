@@ -64,6 +64,7 @@ class Timeline:
     ceiling: float = math.inf
     recomps: list[SwapCandidate] = field(default_factory=list)
     swaps: list[SwapCandidate] = field(default_factory=list)
+    compute_slowdown: float = 0.0  #: the transfer model's (mutwo.ir.timeline)
     _clock: list[float] | None = None
     _base: StreamSchedule | None = None
 
@@ -86,14 +87,15 @@ class Timeline:
         pairs = [(s, s.prompt) for s in self.swaps] + ([extra] if extra else [])
         transfers = [Transfer(c.inactive_start + 1, prompt, c.first_backward_use, c.d2h_seconds, c.h2d_seconds)
                      for c, prompt in pairs if prompt is not None]  # fmt: skip
-        result = schedule_transfers(self.clock(), transfers, self.overlap)
+        result = schedule_transfers(self.clock(), transfers, self.overlap, self.compute_slowdown)
         if extra is None:
             self._base = result
         return result
 
     @property
     def stall(self) -> float:
-        return self.schedule().stall
+        """What the chosen swaps add to the iteration: stalls and contention."""
+        return self.schedule().cost
 
 
 def swap_overhead(timeline: Timeline, candidate: SwapCandidate, peak_rank: int) -> tuple[float, int]:
@@ -111,7 +113,7 @@ def swap_overhead(timeline: Timeline, candidate: SwapCandidate, peak_rank: int) 
     else:  # copies run on the compute timeline: nothing hides them, so bring the tensor back last
         prompts = [latest]
     base = timeline.stall
-    priced = [(timeline.schedule((candidate, p)).stall - base, p) for p in prompts]
+    priced = [(timeline.schedule((candidate, p)).cost - base, p) for p in prompts]
     overhead, prompt = min(priced, key=lambda pair: pair[0])  # ties: the later prompt, listed first
     return max(0.0, overhead), prompt
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mutwo.ir.timeline import TransferModel
+from mutwo.ir.timeline import CUDA_COMPUTE_SLOWDOWN, TransferModel
 
 MIB = 2**20
 CUDA_SIZES = (1 * MIB, 128 * MIB)
@@ -79,4 +79,5 @@ def measure_transfers(device: torch.device, *, sizes: Sequence[int] = CUDA_SIZES
     timed = [_time_cuda(device, n, repeats) for n in sizes]
     d2h, d2h_latency = _fit(sizes, [t[0] for t in timed])
     h2d, h2d_latency = _fit(sizes, [t[1] for t in timed])
-    return TransferModel(d2h, h2d, (d2h_latency + h2d_latency) / 2, overlap=True, device=str(device))
+    return TransferModel(d2h, h2d, (d2h_latency + h2d_latency) / 2, overlap=True, device=str(device),
+                         compute_slowdown=CUDA_COMPUTE_SLOWDOWN)  # fmt: skip
