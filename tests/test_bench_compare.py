@@ -115,3 +115,19 @@ def test_a_cpu_dry_run_of_the_swap_study_plans_and_runs_every_variant_once(
     swap = rows["mutwo-swap-eager0.5"]
     assert swap["stand_in_budget"] == "0.9" and "swapped_tensors" in swap and swap["alternative_plan"] is not None
     assert swap["profile_seconds"] == rows["mutwo-none"]["profile_seconds"]  # the profile was reused
+
+
+def test_the_fused_pricing_ab_runs_each_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/fused_pricing_ab.py on the tiny config (CPU, Inductor's C++ backend): a row per
+    configuration, each planned and compiled in a worker with its switches set, none failing."""
+    spec = importlib.util.spec_from_file_location("fused_pricing_ab", _PATH.parent / "fused_pricing_ab.py")
+    assert spec is not None and spec.loader is not None
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(sys, "argv", ["fused_pricing_ab.py", "--out", str(out), "--model", "tiny:4",
+                                      "--budget-bytes", str(10**9), "--timeout", "300"])  # fmt: skip
+    ab.main()
+    rows = json.loads(out.read_text())["runs"]
+    assert [row["config"] for row in rows] == list(ab.CONFIGS)
+    assert all("error" not in row and row["backend"] == "inductor" for row in rows), rows
