@@ -26,6 +26,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("fused+decomposed", "eager-priced+decomposed", "eager-priced")
 
@@ -75,8 +77,6 @@ def main() -> None:
         row.update(config=config, model=name, batch_size=int(batch))
         print(json.dumps({k: v for k, v in row.items() if k != "iteration_ms_all"}), flush=True)
         rows.append(row)
-        import torch
-
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

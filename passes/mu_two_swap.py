@@ -93,7 +93,7 @@ class Timeline:
         return result
 
     @property
-    def stall(self) -> float:
+    def cost(self) -> float:
         """What the chosen swaps add to the iteration: stalls and contention."""
         return self.schedule().cost
 
@@ -112,7 +112,7 @@ def swap_overhead(timeline: Timeline, candidate: SwapCandidate, peak_rank: int) 
         prompts = sorted({min(max(just_in_time, earliest), latest), earliest}, reverse=True)
     else:  # copies run on the compute timeline: nothing hides them, so bring the tensor back last
         prompts = [latest]
-    base = timeline.stall
+    base = timeline.cost
     priced = [(timeline.schedule((candidate, p)).cost - base, p) for p in prompts]
     overhead, prompt = min(priced, key=lambda pair: pair[0])  # ties: the later prompt, listed first
     return max(0.0, overhead), prompt

@@ -371,7 +371,6 @@ class SelectPass(Pass):
         search(budget_bytes, max(4, len(candidates) // 8), grow, lambda: best.simulation.peak_bytes, self.lowest)
         return best, state.chosen[0].key if state.chosen else None
 
-
     @staticmethod
     def _sharing(time_model: TimeModel, realized: Realized) -> str:
         """What sharing blocks changed, in one line: clones, predicted recompute time and peak."""
