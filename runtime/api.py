@@ -35,7 +35,7 @@ from mutwo.runtime import distributed
 from mutwo.runtime.backends import BackendError, CompiledStep, backend_services, check_backend
 from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.distributed import DataParallel
-from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.equivalence import EquivalenceReport, check_graphs, random_stream_kept
 from mutwo.runtime.peak_calibration import (
     Calibrated,
     Calibration,
@@ -167,37 +167,39 @@ def optimize_graph(
     refusal = calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
     if refusal is not None:
         raise ValueError(refusal)
-    lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
-    original = lowered.graph.copy()
-    context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
-    context.services.update(backend_services(backend))
-    result = PassManager(pipeline).run(lowered.graph, context)
-    optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result, lowered.inputs)
-    if data_parallel is not None:
-        distributed.require_same_graph(lowered.graph, data_parallel, "optimized")
-    steps: dict[int, GraphStep] = {}
-
-    def compiled_for(graph: Graph) -> CompiledStep:
-        steps[id(graph)] = GraphStep(graph, lowered.captured, lowered.binding, backend)
-        return steps[id(graph)].compile(lowered.inputs)
-
-    compiled = compiled_for(lowered.graph)
-    optimized.step = steps[id(lowered.graph)]
-    if backend != "eager":
-        log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
-            + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
-    if calibrate_peak:
-        first = Calibrated(lowered.graph, compiled, context)
-        kept = calibrated_step(calibrate_peak, PassManager(pipeline), lowered, original, first, compiled_for, out_dir,
-                               log)  # fmt: skip
-        optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
-        optimized.step, compiled = steps[id(kept.graph)], kept.compiled
-    if check:
-        optimized.report = check_graphs(original, optimized.graph, lowered.inputs, candidate_run=compiled.checked_run,
-                                        tolerance=compiled.tolerance)  # fmt: skip
+    with random_stream_kept(model):  # planning runs the graph; the caller's training draws what eager's would
+        lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
+        original = lowered.graph.copy()
+        context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
+        context.services.update(backend_services(backend))
+        result = PassManager(pipeline).run(lowered.graph, context)
+        optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result,
+                              lowered.inputs)
         if data_parallel is not None:
-            optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
-    return optimized
+            distributed.require_same_graph(lowered.graph, data_parallel, "optimized")
+        steps: dict[int, GraphStep] = {}
+
+        def compiled_for(graph: Graph) -> CompiledStep:
+            steps[id(graph)] = GraphStep(graph, lowered.captured, lowered.binding, backend)
+            return steps[id(graph)].compile(lowered.inputs)
+
+        compiled = compiled_for(lowered.graph)
+        optimized.step = steps[id(lowered.graph)]
+        if backend != "eager":
+            log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
+                + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
+        if calibrate_peak:
+            first = Calibrated(lowered.graph, compiled, context)
+            kept = calibrated_step(calibrate_peak, PassManager(pipeline), lowered, original, first, compiled_for,
+                                   out_dir, log)  # fmt: skip
+            optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
+            optimized.step, compiled = steps[id(kept.graph)], kept.compiled
+        if check:
+            optimized.report = check_graphs(original, optimized.graph, lowered.inputs,
+                                            candidate_run=compiled.checked_run, tolerance=compiled.tolerance)
+            if data_parallel is not None:
+                optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
+        return optimized
 
 
 @dataclass

@@ -174,6 +174,17 @@ def generator_states(device: torch.device) -> list[torch.Tensor]:
     return states
 
 
+@contextlib.contextmanager
+def random_stream_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Leave torch's default generators (the CPU's and those of the GPUs ``model`` is on) where
+    they were: planning runs the graph (profiling, checks, calibration) and reseeds for its
+    checks, and the caller's training must draw the random numbers eager training would."""
+    gpus = {t.device.index if t.device.index is not None else torch.cuda.current_device()
+            for t in (*model.parameters(), *model.buffers()) if t.is_cuda}  # fmt: skip
+    with torch.random.fork_rng(devices=sorted(gpus)):
+        yield
+
+
 def replays_exact(graph: Graph, device: str) -> bool:
     """Whether every replay in ``graph`` reproduces its original bit for bit on ``device``."""
     return exact_on(device) or not any(n.target is batch_norm_from_stats for n in graph)

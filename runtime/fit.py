@@ -36,6 +36,7 @@ from mutwo.ir.budget import BudgetError, parse_bytes
 from mutwo.passes.select import Plan
 from mutwo.runtime.api import CapturedGraph, capture_graph
 from mutwo.runtime.capture import LossFn
+from mutwo.runtime.equivalence import random_stream_kept
 from mutwo.runtime.fit_search import (
     ASSUMPTIONS,
     Attempt,
@@ -270,8 +271,9 @@ def fit_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, make_bat
     """
     log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)
     limit = parse_limit(memory)
-    fitted = fit(lambda n: capture_graph(model, optimizer, make_batch(n), loss_fn), start, limit, margin=margin,
-                 max_slowdown=max_slowdown, measure=measure, log=log)  # fmt: skip
+    with random_stream_kept(model):  # the caller's training draws what it would have without the search
+        fitted = fit(lambda n: capture_graph(model, optimizer, make_batch(n), loss_fn), start, limit, margin=margin,
+                     max_slowdown=max_slowdown, measure=measure, log=log)  # fmt: skip
     if fitted.result.failure:
         raise FitError(fitted.result.failure)
     return fitted.result

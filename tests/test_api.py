@@ -4,6 +4,7 @@ and batches of another shape."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from mutwo.runtime.api import optimize
+from mutwo.runtime.fit import fit_batch
 from tests import models
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +54,55 @@ def test_fifty_iterations_with_a_scheduler_are_bitwise_equal_to_eager(name: str)
     assert my_opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"] < 1e-2
     assert _equal_states(mine.model.state_dict(), eager.model.state_dict())
     assert _equal_states(my_opt.state_dict()["state"], eager_opt.state_dict()["state"])
+
+
+class _DropoutClassifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                          torch.nn.Linear(32, 4))  # fmt: skip
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _cross_entropy(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output, batch[1])
+
+
+def test_planning_leaves_the_random_stream_to_training() -> None:
+    """Seeded once, as users seed: profiling, the check and the capture again for the last
+    micro-batch of gradient accumulation run the graph and reseed, and still every dropout mask
+    is the one eager training draws."""
+    torch.manual_seed(0)
+    mine = _DropoutClassifier()
+    eager = copy.deepcopy(mine)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(4)]
+    my_opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (mine, eager))
+    torch.manual_seed(1)
+    step = optimize(mine, my_opt, batches[0], _cross_entropy, check=True, accumulation_steps=2)
+    losses = [step(batch) for batch in batches]
+    torch.manual_seed(1)
+    expected = []
+    for index, batch in enumerate(batches):
+        loss = _cross_entropy(eager(*batch), batch)
+        (loss / 2).backward()
+        expected.append(loss.detach())
+        if index % 2 == 1:
+            eager_opt.step()
+            eager_opt.zero_grad()
+    assert step.last is not None and "profile" in step.last.context.artifacts, "the plan should profile"
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    assert _equal_states(mine.state_dict(), eager.state_dict())
+
+
+def test_fitting_a_batch_leaves_the_random_stream_where_it_was() -> None:
+    torch.manual_seed(3)
+    model = _DropoutClassifier()
+    state = torch.get_rng_state()
+    fit_batch(model, torch.optim.SGD(model.parameters(), lr=0.1),
+              lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,))), _cross_entropy, "64KiB", start=8)  # fmt: skip
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 CONTINUE = textwrap.dedent("""
