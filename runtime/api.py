@@ -16,6 +16,7 @@ another shape (a smaller last batch) is captured and optimized again, and the st
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from mutwo.runtime.backends import BackendError, CompiledStep, backend_services,
 from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs, random_stream_kept
+from mutwo.runtime.optim import scheduled_kinds
 from mutwo.runtime.peak_calibration import (
     Calibrated,
     Calibration,
@@ -253,8 +255,13 @@ class MutwoStep:
         if reasons:
             self.log(f"mutwo: {reasons[0]}: capturing and optimizing the iteration again")
         elif len(self.steps) > 1:
-            self.log(f"mutwo: {_describe_change(self.steps, key, batch)}: capturing and optimizing the iteration "
-                     "again for it")  # fmt: skip
+            change = _describe_change(self.steps, key, batch)
+            self.log(f"mutwo: {change}: capturing and optimizing the iteration again for it")
+            if change.startswith(HYPERPARAMETERS_CHANGED):  # silent, a per-step schedule would cost a capture a step
+                warnings.warn(f"mutwo: {change}, which the captured step reads as a constant: capturing and "
+                              "optimizing the iteration again; changed at every step, each step pays for a capture "
+                              "(only the learning rate, momentum and betas are read at every call)",
+                              stacklevel=3)  # fmt: skip
         optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, micro=self.micro,
                                    accumulated=self.accumulated, **self.options)  # fmt: skip
         if optimized.report is not None and not optimized.report.equivalent:
@@ -294,15 +301,26 @@ def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     every module's ``training`` flag (train and eval iterations differ: batch norm statistics,
     dropout), and each param group's hyperparameters except the learning rate (a graph input)."""
     modes = tuple(module.training for module in model.modules())
-    hyper = tuple(tuple(sorted((k, _frozen(v)) for k, v in group.items() if k not in ("params", "lr")))
-                  for group in optimizer.param_groups)  # fmt: skip
+    hyper = tuple(_hyperparameters(group) for group in optimizer.param_groups)
     return ("batch", _signature(batch), "modes", modes, "hyperparameters", hyper)
+
+
+def _hyperparameters(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """What a graph is specific to in a param group: each hyperparameter's value, but only the
+    type of those the graph takes as inputs (the learning rate, and momentum or betas, which
+    schedulers change at every step: :data:`mutwo.runtime.optim.SCHEDULED`)."""
+    inputs = scheduled_kinds(group)
+    return tuple(sorted((key, ("graph input", inputs[key]) if key in inputs else _frozen(value))
+                        for key, value in group.items() if key != "params"))  # fmt: skip
 
 
 def _frozen(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(v) for v in value)
     return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
+
+
+HYPERPARAMETERS_CHANGED = "the optimizer's"
 
 
 def _describe_change(steps: dict[tuple[Any, ...], Any], key: tuple[Any, ...], batch: Any) -> str:
@@ -314,7 +332,9 @@ def _describe_change(steps: dict[tuple[Any, ...], Any], key: tuple[Any, ...], ba
         return "the model is in another mode (model.train() / model.eval())"
     if previous[7] != key[7]:
         return f"the {key[7]} micro-batch of gradient accumulation"
-    return "the optimizer's hyperparameters changed"
+    changed = sorted({name for before, now in zip(map(dict, previous[5]), map(dict, key[5]), strict=False)
+                      for name in before.keys() | now.keys() if before.get(name) != now.get(name)})  # fmt: skip
+    return f"{HYPERPARAMETERS_CHANGED} {', '.join(changed) or 'hyperparameters'} changed"
 
 
 def optimize(

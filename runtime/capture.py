@@ -139,7 +139,9 @@ class StepBinding:
         if self.training.scaler is not None:
             slots += [InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:scale"),
                       InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:growth_tracker")]  # fmt: skip
-        slots += [InputSlot(NodeKind.OTHER, f"lr:group{i}") for i in range(len(self.optimizer.param_groups))]
+        slots += [InputSlot(NodeKind.OTHER, functional_optim.scheduled_label(entry, i))
+                  for i, group in enumerate(self.optimizer.param_groups)
+                  for entry in functional_optim.scheduled_entries(group)]  # fmt: skip
         leaves, _ = pytree.tree_flatten_with_path(batch)
         slots += [InputSlot(NodeKind.INPUT, "batch" + pytree.keystr(path)) for path, leaf in leaves
                   if isinstance(leaf, torch.Tensor)]  # fmt: skip
@@ -157,7 +159,7 @@ class StepBinding:
             flat += [tensor for (owner, _), tensor in self.fresh.items() if owner == name]
         flat += list(self.accumulated_inputs().values())
         flat += self.training.scaler_state(params[self.trainable[0]].device)
-        flat += [functional_optim.learning_rate(g) for g in self.optimizer.param_groups]
+        flat += [value for group in self.optimizer.param_groups for value in functional_optim.scheduled_inputs(group)]
         flat += [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
         return flat
 
@@ -199,7 +201,7 @@ class StepBinding:
         n_state = sum(len(s) for _, s in state_layout) + len(accumulated_names) + n_scaler
         in_optimizer_order = [name for names in self.group_names for name in names]
         k = self.training.accumulation_steps
-        n_groups = len(self.optimizer.param_groups)
+        n_scheduled = sum(len(functional_optim.scheduled_entries(g)) for g in self.optimizer.param_groups)
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
             forbid_value_dependent_shapes()
@@ -214,9 +216,9 @@ class StepBinding:
             cursor += len(accumulated_names)
             scaler_state = flat[cursor:cursor + n_scaler]  # the scale and the growth tracker
             cursor += n_scaler
-            lrs = list(flat[cursor:cursor + n_groups])
+            scheduled = list(flat[cursor:cursor + n_scheduled])
             batch_leaves = list(leaves)
-            for position, tensor in zip(tensor_positions, flat[n_params + n_buffers + n_state + n_groups:],
+            for position, tensor in zip(tensor_positions, flat[n_params + n_buffers + n_state + n_scheduled:],
                                         strict=True):  # fmt: skip
                 batch_leaves[position] = tensor
             traced_batch = pytree.tree_unflatten(batch_leaves, batch_spec)
@@ -264,7 +266,7 @@ class StepBinding:
                 skipped = (self.training.skipped_on_inf(found_inf, written) if scaler_state
                            else contextlib.nullcontext())  # fmt: skip
                 with skipped:
-                    functional_optim.traced_step(self.optimizer, self.group_names, params, grad_of, states, lrs,
+                    functional_optim.traced_step(self.optimizer, self.group_names, params, grad_of, states, scheduled,
                                                  decide, fresh)  # fmt: skip
                 if scaler_state:
                     self.training.update_scale(scaler_state[0], scaler_state[1], found_inf)

@@ -23,8 +23,9 @@ whose every argument is a list with one entry per position; its text says which 
 argument of the torch function. When the graph runs, the op reads those
 tensors with ``.item()``, evaluates each expression with Python numbers — the very operations eager
 torch.optim performs, in the same order, so the result is identical bit for bit — and calls the
-original function. Step counts and learning rates stay graph inputs, and a step count on the CPU
-costs no device synchronisation (eager torch.optim reads it the same way).
+original function. Step counts, learning rates, momentum and betas
+(:data:`mutwo.runtime.optim.SCHEDULED`) stay graph inputs, and a step count on the CPU costs no
+device synchronisation (eager torch.optim reads it the same way).
 
 A branch on such a number (``if rho_t > 5``: RAdam) is decided with the values the tensors hold
 while tracing and recorded as a guard (:mod:`mutwo.runtime.guards`); the step

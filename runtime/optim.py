@@ -6,8 +6,9 @@ param groups and ``optimizer.state`` are pointed at the traced tensors for the d
 What torch.optim computes on the host from the step count and the learning rate (``lr / (1 -
 beta1 ** step)``) stays symbolic (:mod:`mutwo.runtime.host_scalars`), so step counts and learning
 rates are inputs of the graph, never constants, and the captured update is bitwise equal to eager
-``optimizer.step()`` on every device: it performs the same operations with the same numbers. The
-other hyperparameters (betas, eps, momentum, weight decay) are read when the step is captured.
+``optimizer.step()`` on every device: it performs the same operations with the same numbers. So are
+the other hyperparameters schedulers change (:data:`SCHEDULED`: OneCycleLR and CyclicLR cycle
+``momentum`` or ``betas``); the rest (eps, weight decay) are read when the step is captured.
 
 State is created before capture as the optimizer's first step would create it (its own
 ``_init_group``). What an optimizer only creates inside ``step`` (SGD's momentum buffer, which
@@ -38,6 +39,17 @@ REFUSED = {
              "cannot express; use another optimizer, or train eagerly",
     "SparseAdam": "needs sparse gradients, which the captured backward does not produce; use torch.optim.Adam",
 }  # fmt: skip
+
+
+#: The hyperparameters schedulers change while training: every learning-rate scheduler changes
+#: ``lr``; OneCycleLR and CyclicLR with ``cycle_momentum`` (their default) change ``momentum``, or the
+#: first of ``betas``, at every step. Each, when a Python number, is an input of the graph read from
+#: ``param_groups`` at every call, so a change captures nothing again. In a ``capturable`` group (a
+#: step replayed as a CUDA graph, which cannot read host numbers) only ``lr`` is, as a device tensor.
+SCHEDULED = ("lr", "momentum", "betas")
+
+#: (key, index into a tuple of numbers or None): one scheduled hyperparameter's input.
+ScheduledEntry = tuple[str, int | None]
 
 
 class UnsupportedOptimizerError(ValueError):
@@ -119,13 +131,75 @@ def state_names(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
     return tuple(key for key, value in state.items() if isinstance(value, torch.Tensor))
 
 
-def learning_rate(group: dict[str, Any]) -> torch.Tensor:
-    """A param group's learning rate as the 0-dim tensor fed to the graph: a Python number as a
-    float64 CPU tensor (whose ``.item()`` is that very number), a tensor as it is."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        return lr.detach().reshape(()).clone()
-    return torch.tensor(float(lr), dtype=torch.float64)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def scheduled_entries(group: dict[str, Any]) -> list[ScheduledEntry]:
+    """The graph inputs of ``group``'s scheduled hyperparameters (:data:`SCHEDULED`), in order:
+    the learning rate always; ``momentum`` (unless 0: SGD without momentum, whose graph has no
+    use for it; a scheduler that turns it on captures once more) and each of ``betas`` when the
+    group has them as Python numbers and is not ``capturable``."""
+    entries: list[ScheduledEntry] = [("lr", None)]
+    if group.get("capturable"):
+        return entries
+    if _is_number(group.get("momentum")) and group["momentum"] != 0:
+        entries.append(("momentum", None))
+    betas = group.get("betas")
+    if isinstance(betas, tuple) and all(_is_number(beta) for beta in betas):
+        entries += [("betas", index) for index in range(len(betas))]
+    return entries
+
+
+def scheduled_label(entry: ScheduledEntry, group_index: int) -> str:
+    """The input's label: ``lr:group0``, ``momentum:group0``, ``betas[0]:group0``."""
+    key, index = entry
+    return f"{key}:group{group_index}" if index is None else f"{key}[{index}]:group{group_index}"
+
+
+def scheduled_inputs(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The 0-dim tensors fed to the graph for ``group``'s scheduled hyperparameters: a Python
+    number as a CPU tensor whose ``.item()`` is that very number (float64 for a float, int64 for
+    an int: the step computes with the number eager would), a tensor learning rate as it is."""
+    values = []
+    for key, index in scheduled_entries(group):
+        value = group[key] if index is None else group[key][index]
+        if isinstance(value, torch.Tensor):
+            values.append(value.detach().reshape(()).clone())
+        else:
+            values.append(torch.tensor(value, dtype=torch.float64 if key == "lr" or isinstance(value, float)
+                                       else torch.int64))  # fmt: skip
+    return values
+
+
+def scheduled_kinds(group: dict[str, Any]) -> dict[str, str]:
+    """For the hyperparameters of ``group`` that are graph inputs, the Python type of their values
+    (a graph is specific to those types, not to the values)."""
+    kinds: dict[str, list[str]] = {}
+    for key, index in scheduled_entries(group):
+        value = group[key] if index is None else group[key][index]
+        kinds.setdefault(key, []).append(type(value).__name__)
+    return {key: ",".join(names) for key, names in kinds.items()}
+
+
+def _traced_values(optimizer: torch.optim.Optimizer, inputs: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """Per group, the values the traced step reads for its scheduled hyperparameters: a Python
+    number read from its input (a host number of the graph, like a step count), a tensor learning
+    rate (capturable groups only) as the tensor, as torch.optim computes with it."""
+    values: list[dict[str, Any]] = []
+    position = 0
+    for group in optimizer.param_groups:
+        read: dict[str, Any] = {}
+        for key, index in scheduled_entries(group):
+            tensor = inputs[position]
+            position += 1
+            value = tensor if isinstance(group[key], torch.Tensor) else tensor.item()
+            if index is None:
+                read[key] = value
+            else:
+                read[key] = (*read.get(key, ()), value)
+        values.append(read)
+    return values
 
 
 def _step_function(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
@@ -135,27 +209,29 @@ def _step_function(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Op
 
 
 @contextlib.contextmanager
-def _pointed_at(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], lrs: list[Any],
+def _pointed_at(optimizer: torch.optim.Optimizer, groups: list[list[torch.Tensor]], scheduled: list[dict[str, Any]],
                 state: dict[torch.Tensor, dict[str, Any]]) -> Iterator[None]:  # fmt: skip
-    """Point the param groups and the state at traced tensors, and back afterwards.
+    """Point the param groups and the state at traced tensors and the scheduled hyperparameters at
+    their traced values, and back afterwards.
 
     A group that leaves ``foreach`` to torch.optim gets the form eager would pick for its real
     parameters (multi-tensor on a GPU): torch.optim decides from the tensors' types, and would
     pick the single-tensor form for traced ones, whose kernels round differently on a GPU.
     """
-    saved = [(group["params"], group["lr"], group.get("foreach")) for group in optimizer.param_groups]
+    saved = [({key: group[key] for key in ("params", *values)}, group.get("foreach"))
+             for group, values in zip(optimizer.param_groups, scheduled, strict=True)]  # fmt: skip
     saved_state = optimizer.state
     try:
-        for group, params, lr in zip(optimizer.param_groups, groups, lrs, strict=True):
+        for group, params, values in zip(optimizer.param_groups, groups, scheduled, strict=True):
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                 group["foreach"] = _eager_foreach(group)
-            group["params"], group["lr"] = params, lr
+            group.update(values, params=params)
         # Copies: what step() writes must not show in ``state``, which says what existed before.
         optimizer.state = defaultdict(dict, {param: dict(entries) for param, entries in state.items()})
         yield
     finally:
-        for group, (params, lr, foreach) in zip(optimizer.param_groups, saved, strict=True):
-            group["params"], group["lr"] = params, lr
+        for group, (entries, foreach) in zip(optimizer.param_groups, saved, strict=True):
+            group.update(entries)
             if "foreach" in group:
                 group["foreach"] = foreach
         optimizer.state = saved_state
@@ -174,25 +250,23 @@ def traced_step(
     params: dict[str, torch.Tensor],
     grads: dict[str, torch.Tensor],
     states: dict[str, dict[str, torch.Tensor]],
-    lrs: list[torch.Tensor],
+    scheduled: list[torch.Tensor],
     decide: Callable[[HostScalar], bool],
     fresh: dict[tuple[str, str], torch.Tensor],
 ) -> None:
     """Run ``optimizer.step()`` on traced tensors: ``group_names`` names each group's parameters,
-    ``grads`` holds the gradient of every parameter that has one, ``lrs`` each group's learning-rate
-    input. ``fresh`` maps (parameter, state name) to the input that receives state the step creates;
-    state it creates otherwise raises :class:`FreshStateCreated`."""
+    ``grads`` holds the gradient of every parameter that has one, ``scheduled`` the inputs of the
+    groups' scheduled hyperparameters (:func:`scheduled_entries`, group after group). ``fresh``
+    maps (parameter, state name) to the input that receives state the step creates; state it
+    creates otherwise raises :class:`FreshStateCreated`."""
     hidden = {(name, key) for name, key in fresh}
     traced_state = {
         params[name]: {key: value for key, value in states.get(name, {}).items() if (name, key) not in hidden}
         for names in group_names for name in names
     }
     with HostScalarMode(decide), not_compiling():
-        # A Python-number learning rate is read like a step count: a host number of the graph. A
-        # tensor one (capturable groups only) stays a tensor, as torch.optim computes with it.
-        group_lrs = [lr if isinstance(group["lr"], torch.Tensor) else lr.item()
-                     for lr, group in zip(lrs, optimizer.param_groups, strict=True)]  # fmt: skip
-        with _pointed_at(optimizer, [[params[n] for n in names] for names in group_names], group_lrs, traced_state):
+        values = _traced_values(optimizer, scheduled)
+        with _pointed_at(optimizer, [[params[n] for n in names] for names in group_names], values, traced_state):
             for name, grad in grads.items():
                 params[name].grad = grad
             try:

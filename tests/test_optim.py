@@ -3,8 +3,9 @@
 Each run trains two parameters of odd sizes (so vectorised CPU kernels also run their scalar
 tail) through ``mutwo.optimize`` and through eager ``loss.backward(); optimizer.step()`` side by
 side, from identical state, with a fresh random batch every step, and compares the loss, the
-parameters and every optimizer state tensor bitwise after every step. The learning rate changes
-between steps as a scheduler would change it, and ends up different from where it started.
+parameters and every optimizer state tensor bitwise after every step. The learning rate, and
+momentum or the first of betas where the optimizer has them, change between steps as a scheduler
+would change them (OneCycleLR cycles both), and end up different from where they started.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from mutwo.ir import NodeKind
+from mutwo.runtime import api
 from mutwo.runtime.api import optimize
 from mutwo.runtime.optim import UnsupportedOptimizerError
 
@@ -93,18 +95,32 @@ def _lr_for(step: int) -> float:
     return 1.0 if step < STEPS // 2 else 0.37  # a scheduler's change, half way
 
 
+def _momentum_for(step: int) -> float:
+    return 1.0 if step < STEPS // 2 else 0.95  # OneCycleLR's change of momentum or betas[0], half way
+
+
+def _schedule(optimizer: torch.optim.Optimizer, base: list[dict[str, object]], step: int) -> None:
+    """Set each group's hyperparameters as schedulers would at ``step``, from their ``base`` values."""
+    for group, start in zip(optimizer.param_groups, base, strict=True):
+        group["lr"] = start["lr"] * _lr_for(step)
+        if start.get("momentum"):
+            group["momentum"] = start["momentum"] * _momentum_for(step)
+        if "betas" in start:
+            beta1, beta2 = start["betas"]
+            group["betas"] = (beta1 * _momentum_for(step), beta2)
+
+
 def train_side_by_side(make: MakeOptimizer, steps: int = STEPS, **kw: object) -> str | None:
     torch.manual_seed(0)
     mine = _Dots()
     eager = copy.deepcopy(mine)
     my_opt, eager_opt = make(mine.parameters(), **kw), make(eager.parameters(), **kw)
-    base = [g["lr"] for g in my_opt.param_groups]
+    base = [{key: g[key] for key in ("lr", "momentum", "betas") if key in g} for g in my_opt.param_groups]
     generator = torch.Generator().manual_seed(1234)
     step = optimize(mine, my_opt, _batch(torch.Generator().manual_seed(0)), _loss, passes="stats")
     for index in range(steps):
         for opt in (my_opt, eager_opt):
-            for group, lr in zip(opt.param_groups, base, strict=True):
-                group["lr"] = lr * _lr_for(index)
+            _schedule(opt, base, index)
         batch = _batch(generator)
         loss = step(batch)
         eager_opt.zero_grad(set_to_none=True)
@@ -228,6 +244,52 @@ def test_a_scheduler_drives_the_captured_step() -> None:
     assert first_difference(mine, my_opt, eager, eager_opt) is None
 
 
+@pytest.mark.parametrize("make", [lambda p: optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+                                  lambda p: optim.AdamW(p, lr=1e-2)], ids=["sgd-nesterov", "adamw"])  # fmt: skip
+def test_one_cycle_changes_momentum_every_step_without_a_capture_again(make: MakeOptimizer,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """OneCycleLR cycles momentum (SGD) or betas[0] (AdamW) at every step: they are graph inputs
+    like the learning rate, so the step is captured once and stays bitwise equal to eager."""
+    captures = []
+    planning = api.optimize_graph
+    monkeypatch.setattr(api, "optimize_graph", lambda *a, **k: captures.append(1) or planning(*a, **k))
+    torch.manual_seed(0)
+    mine = _Dots()
+    eager = copy.deepcopy(mine)
+    my_opt, eager_opt = make(mine.parameters()), make(eager.parameters())
+    schedulers = [optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=8) for o in (my_opt, eager_opt)]
+    step = optimize(mine, my_opt, _batch(torch.Generator().manual_seed(0)), _loss, passes="stats")
+    generator = torch.Generator().manual_seed(5)
+    seen = set()
+    for _ in range(7):
+        batch = _batch(generator)
+        step(batch)
+        schedulers[0].step()
+        eager_opt.zero_grad()
+        eager(*batch).backward()
+        eager_opt.step()
+        schedulers[1].step()
+        group = my_opt.param_groups[0]
+        seen.add(group.get("momentum", group.get("betas", (None,))[0]))
+    assert len(seen) >= 5, f"the scheduler should change the momentum at nearly every step: {sorted(seen)}"
+    assert len(captures) == 1, f"captured {len(captures)} times"
+    assert first_difference(mine, my_opt, eager, eager_opt) is None
+
+
+def test_a_hyperparameter_read_at_capture_warns_when_it_changes() -> None:
+    """Weight decay is a constant of the graph: changing it captures again, and says which one."""
+    torch.manual_seed(0)
+    model = _Dots()
+    optimizer = optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(5)
+    step = optimize(model, optimizer, _batch(generator), _loss, passes="stats")
+    step(_batch(generator))
+    optimizer.param_groups[0]["weight_decay"] = 0.05
+    with pytest.warns(UserWarning, match="the optimizer's weight_decay changed, which the captured step reads as a "
+                                         "constant: capturing and optimizing the iteration again"):  # fmt: skip
+        step(_batch(generator))
+
+
 # -- what is refused ---------------------------------------------------------------------------
 
 
@@ -267,3 +329,4 @@ def test_a_tensor_learning_rate_is_refused_naming_the_fix() -> None:
     model = _Dots()
     message = _refusal(optim.Adam(model.parameters(), lr=torch.tensor(1e-3)), model)
     assert "Python float" in message
+
