@@ -209,12 +209,13 @@ class MutwoStep:
     """A training step made by :func:`optimize`; call it with a batch, it returns the loss.
 
     ``steps`` keeps the optimized graphs by what a graph is specific to (:func:`capture_key`): the
-    batch's shapes and dtypes, every module's training flag, the optimizer's hyperparameters other
-    than the learning rate. A graph is also dropped when a branch the optimizer took on its step
-    count goes the other way (RAdam) or when the optimizer created its state in it (SGD's first
-    momentum buffer). ``last`` is the graph used by the latest call. With ``keep_grads``, each
-    parameter's ``.grad`` is set to the step's gradient, as ``loss.backward()`` would (this keeps
-    the gradients alive until the next step, like eager training without ``zero_grad``).
+    batch's shapes and dtypes, every module's training flag, which parameters require grad, the
+    optimizer's hyperparameters other than those it reads at every call. A graph is also dropped
+    when a branch the optimizer took on its step count goes the other way (RAdam) or when the
+    optimizer created its state in it (SGD's first momentum buffer). ``last`` is the graph used by
+    the latest call. With ``keep_grads``, each parameter's ``.grad`` is set to the step's gradient,
+    as ``loss.backward()`` would (this keeps the gradients alive until the next step, like eager
+    training without ``zero_grad``).
     """
 
     model: torch.nn.Module
@@ -257,7 +258,7 @@ class MutwoStep:
         elif len(self.steps) > 1:
             change = _describe_change(self.steps, key, batch)
             self.log(f"mutwo: {change}: capturing and optimizing the iteration again for it")
-            if change.startswith(HYPERPARAMETERS_CHANGED):  # silent, a per-step schedule would cost a capture a step
+            if HYPERPARAMETERS_CHANGED in change:  # silent, a per-step schedule would cost a capture a step
                 warnings.warn(f"mutwo: {change}, which the captured step reads as a constant: capturing and "
                               "optimizing the iteration again; changed at every step, each step pays for a capture "
                               "(only the learning rate, momentum and betas are read at every call)",
@@ -299,10 +300,13 @@ class MutwoStep:
 def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> tuple[Any, ...]:
     """What a captured graph is specific to: the batch's structure, shapes, dtypes and devices,
     every module's ``training`` flag (train and eval iterations differ: batch norm statistics,
-    dropout), and each param group's hyperparameters except the learning rate (a graph input)."""
+    dropout), which parameters require grad (the graph computes and applies the gradients of
+    those only: freezing or unfreezing a layer changes the step), and each param group's
+    hyperparameters except those the graph reads at every call (:func:`_hyperparameters`)."""
     modes = tuple(module.training for module in model.modules())
+    trainable = tuple((name, p.requires_grad) for name, p in model.named_parameters())
     hyper = tuple(_hyperparameters(group) for group in optimizer.param_groups)
-    return ("batch", _signature(batch), "modes", modes, "hyperparameters", hyper)
+    return ("batch", _signature(batch), "modes", modes, "trainable", trainable, "hyperparameters", hyper)
 
 
 def _hyperparameters(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -324,17 +328,36 @@ HYPERPARAMETERS_CHANGED = "the optimizer's"
 
 
 def _describe_change(steps: dict[tuple[Any, ...], Any], key: tuple[Any, ...], batch: Any) -> str:
-    """What differs from the graphs captured before, in words."""
-    previous = next(k for k in steps if k != key)
-    if previous[1] != key[1]:
-        return f"a batch of another shape ({_describe(batch)})"
-    if previous[3] != key[3]:
-        return "the model is in another mode (model.train() / model.eval())"
-    if previous[7] != key[7]:
-        return f"the {key[7]} micro-batch of gradient accumulation"
-    changed = sorted({name for before, now in zip(map(dict, previous[5]), map(dict, key[5]), strict=False)
-                      for name in before.keys() | now.keys() if before.get(name) != now.get(name)})  # fmt: skip
-    return f"{HYPERPARAMETERS_CHANGED} {', '.join(changed) or 'hyperparameters'} changed"
+    """What differs from the nearest graph captured before (the one that differs in fewest of
+    :func:`capture_key`'s fields), in words."""
+    fields = dict(zip(key[::2], key[1::2], strict=True))
+
+    def differing(other: tuple[Any, ...]) -> list[str]:
+        before = dict(zip(other[::2], other[1::2], strict=True))
+        return [name for name, value in fields.items() if before.get(name) != value]
+
+    previous_key = min((k for k in steps if k != key), key=lambda k: len(differing(k)))
+    previous, changed = dict(zip(previous_key[::2], previous_key[1::2], strict=True)), differing(previous_key)
+    said = []
+    if "batch" in changed:
+        said.append(f"a batch of another shape ({_describe(batch)})")
+    if "modes" in changed:
+        said.append("the model is in another mode (model.train() / model.eval())")
+    if "micro" in changed:
+        said.append(f"the {fields['micro']} micro-batch of gradient accumulation")
+    if "trainable" in changed:
+        flipped = [name for (name, now), (_, then) in zip(fields["trainable"], previous["trainable"], strict=False)
+                   if now != then]  # fmt: skip
+        shown = ", ".join(flipped[:3]) + (f" and {len(flipped) - 3} more" if len(flipped) > 3 else "")
+        said.append(f"requires_grad changed for {len(flipped) or 'some'} parameters ({shown or 'one was added'})")
+    groups, groups_before = fields["hyperparameters"], previous["hyperparameters"]
+    if len(groups) != len(groups_before):
+        said.append(f"the optimizer has {len(groups)} param groups, not {len(groups_before)} (add_param_group)")
+    elif "hyperparameters" in changed:
+        names = sorted({name for before, now in zip(map(dict, groups_before), map(dict, groups), strict=True)
+                        for name in before.keys() | now.keys() if before.get(name) != now.get(name)})  # fmt: skip
+        said.append(f"{HYPERPARAMETERS_CHANGED} {', '.join(names)} changed")
+    return "; ".join(said)
 
 
 def optimize(

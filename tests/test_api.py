@@ -105,6 +105,60 @@ def test_fitting_a_batch_leaves_the_random_stream_where_it_was() -> None:
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_freezing_and_unfreezing_layers_captures_again_and_trains_like_eager(
+        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The fine-tuning recipe: the first layer frozen, unfrozen at step 2, frozen again at step 4.
+    The graph computes and applies the gradients of the parameters that require grad only, so each
+    change captures again, says so, and every step stays bitwise equal to eager."""
+    mine = models.mlp()
+    eager = models.Workload(copy.deepcopy(mine.model), mine.batch, mine.loss_fn)
+    my_opt, eager_opt = (torch.optim.Adam(w.model.parameters(), lr=1e-2) for w in (mine, eager))
+    first_layer = [name for name, _ in mine.model.named_parameters()][:2]
+
+    def freeze(workload: models.Workload, frozen: bool) -> None:
+        for name, parameter in workload.model.named_parameters():
+            if name in first_layer:
+                parameter.requires_grad_(not frozen)
+
+    for workload in (mine, eager):
+        freeze(workload, True)
+    step = optimize(mine.model, my_opt, mine.batch, mine.loss_fn, budget="min", verbose=True)
+    torch.manual_seed(1)
+    losses = []
+    for index in range(6):
+        freeze(mine, index not in (2, 3))
+        losses.append(step(mine.batch))
+    torch.manual_seed(1)
+    expected = []
+    for index in range(6):
+        freeze(eager, index not in (2, 3))
+        expected.append(models.eager_step(eager, eager_opt))
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    assert _equal_states(mine.model.state_dict(), eager.model.state_dict())
+    assert _equal_states(my_opt.state_dict()["state"], eager_opt.state_dict()["state"])
+    said = [line for line in capsys.readouterr().err.splitlines() if "capturing and optimizing" in line]
+    assert said == [f"mutwo: requires_grad changed for 2 parameters ({', '.join(first_layer)}): capturing and "
+                    "optimizing the iteration again for it"], said  # fmt: skip
+
+
+def test_a_param_group_added_captures_again_and_says_so_without_a_warning(
+        capsys: pytest.CaptureFixture[str], recwarn: pytest.WarningsRecorder) -> None:  # fmt: skip
+    workload = models.mlp()
+    parameters = list(workload.model.parameters())
+    optimizer = torch.optim.SGD(parameters[2:], lr=0.1)
+    for parameter in parameters[:2]:
+        parameter.requires_grad_(False)
+    step = optimize(workload.model, optimizer, workload.batch, workload.loss_fn, passes="stats", verbose=True)
+    step(workload.batch)
+    for parameter in parameters[:2]:
+        parameter.requires_grad_(True)
+    optimizer.add_param_group({"params": parameters[:2], "lr": 0.01})
+    step(workload.batch)
+    assert ("mutwo: requires_grad changed for 2 parameters (net.0.weight, net.0.bias); the optimizer has 2 param "
+            "groups, not 1 (add_param_group): capturing") in capsys.readouterr().err  # fmt: skip
+    assert not [w for w in recwarn if "mutwo" in str(w.message)], "only a hyperparameter read at capture warns"
+
+
 CONTINUE = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {repo!r})
