@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import MemorySimulation
-from mutwo.ir.node import Node
+from mutwo.ir.node import Node, NodeKind, Phase
 from mutwo.ir.optimizer_updates import Item, OptimizerUpdates, analyse, schedule
 from mutwo.ir.pass_base import PassContext, option
 from mutwo.passes.optimizer_schedule import ScheduleOutcome, SchedulingPass, check_when, mib, parse_bytes, try_schedule
@@ -72,6 +72,15 @@ class OptimizerInBackwardPass(SchedulingPass):
         if why:
             return ScheduleOutcome(False, why)
         anchors = _parameter_anchors(updates)
+        # Gradient-norm clipping computed in the backward phase scales every gradient by a factor
+        # read from all of them: each update then waits for the backward's last computation.
+        last = max((rank for rank, node in enumerate(graph.nodes)
+                    if node.phase is Phase.BACKWARD and node.kind is not NodeKind.GRADIENT), default=-1)  # fmt: skip
+        if anchors and min(anchors.values()) >= last:
+            node = graph.nodes[last]
+            return ScheduleOutcome(False, f"no gradient is final before the backward's last computation (%{node.id}, "
+                                          f"{node.op_name}), as with gradient-norm clipping or a GradScaler inf "
+                                          "check: no update can run earlier")  # fmt: skip
         groups = _merge(updates, anchors, limit)
         group_anchor = {key: max(anchors[p] for p in members) for key, members in groups.items()}
         group_of = {p: key for key, members in groups.items() for p in members}

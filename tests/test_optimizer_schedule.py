@@ -18,6 +18,7 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.passes.optimizer_in_backward import OptimizerInBackwardPass
 from mutwo.runtime.api import Optimized, optimize_graph
 from mutwo.runtime.step import GraphStep
+from mutwo.runtime.training import TrainingOptions
 from mutwo.tools.mutwo_opt import main
 from tests import models
 
@@ -120,6 +121,21 @@ def test_optimizer_in_backward_says_why_a_global_gradient_dependence_stops_it() 
     outcome = OptimizerInBackwardPass(when="always").run(graph, PassContext())
     assert not outcome.applied
     assert "combines the gradients of 2 parameters" in outcome.reason and "clipping" in outcome.reason
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single-tensor", "foreach"])
+def test_optimizer_in_backward_does_not_apply_under_gradient_norm_clipping(foreach: bool) -> None:
+    """Clipping scales every gradient by a factor read from all of them, in the backward phase:
+    no gradient is final before the backward ends, and the pass says so rather than "moving"
+    updates that free nothing."""
+    workload = models.mlp()
+    optimizer = _optimizer(workload, "adam", foreach)
+    optimized = optimize_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
+                               passes="optimizer-in-backward{when=always}",
+                               training=TrainingOptions(max_grad_norm=1.0))  # fmt: skip
+    outcome = optimized.context.artifacts["optimizer-in-backward"]
+    assert not outcome.applied
+    assert "gradient-norm clipping" in outcome.reason or "combines the gradients" in outcome.reason, outcome.reason
 
 
 @pytest.mark.parametrize(("passes", "message"), [
