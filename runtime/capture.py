@@ -18,6 +18,7 @@ The iteration is traced with ``make_fx`` over fake tensors into a single fx grap
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -310,7 +311,27 @@ def _call_model(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers
         args, kwargs = tuple(batch), {}
     else:
         args, kwargs = (batch,), {}
+    _check_call(model, args, kwargs)
     return torch.func.functional_call(model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
+
+
+def _check_call(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse, naming the rule and the fix, a batch the model's ``forward`` cannot take: the usual
+    ``(inputs, labels)`` batch handed to a model whose forward takes the inputs only."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: let the call say what it says
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as mismatch:
+        given = f"a dict with keys {sorted(kwargs)}" if kwargs else f"a {len(args)}-element tuple or list"
+        raise CaptureError(
+            f"{type(model).__name__}.forward{signature} cannot take the batch ({mismatch}): the batch is "
+            f"{given}, and mutwo calls the model with it as model(*batch) (a dict as model(**batch)); pass "
+            "what forward takes, or wrap the model in a module whose forward takes the whole batch (for "
+            "(inputs, labels): forward(self, inputs, labels) returning model(inputs)) and read the labels in "
+            "loss_fn(output, batch)") from None
 
 
 def _check_loss(loss: Any) -> None:
