@@ -42,14 +42,15 @@ def main() -> None:
                 row = {"config": config, "batch_size": batch, "budget": budget, "exit": done.returncode,
                        "wall_seconds": round(time.perf_counter() - start, 1), "stderr": done.stderr.strip()[-600:]}
                 summary_path, plan_path = Path(out) / "summary.json", Path(out) / "plan.json"
+                plan = json.loads(plan_path.read_text()) if plan_path.exists() else None
                 if summary_path.exists():
                     summary = json.loads(summary_path.read_text())
                     row.update({k: summary.get(k) for k in (
                         "peak_bytes_before", "peak_bytes_after", "measured_peak_bytes_before",
                         "measured_peak_bytes_after", "iteration_seconds_before", "iteration_seconds_after",
                         "recomputed", "equivalent", "pass_seconds", "peak_phase_after", "torch_version")})
-                if plan_path.exists():
-                    plan = json.loads(plan_path.read_text())
+                    plan = plan or summary.get("unmet_plan")  # a budget out of reach writes no plan.json
+                if plan is not None:
                     row.update(budget_bytes=plan["budget_bytes"], predicted_peak=plan["predicted_peak"],
                                predicted_added_seconds=plan["added_seconds"], planned=len(plan["entries"]))
                 if row.get("measured_peak_bytes_after") and row.get("budget_bytes"):

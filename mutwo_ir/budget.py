@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNKNOWN_UNIT = "{!r} has unknown unit {!r}; use B, KiB, MiB, GiB, KB, MB or GB"
 _PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -52,7 +53,7 @@ def parse_budget(value: float | int | str) -> Budget:
         raise BudgetError(f"budget {value!r} is neither a fraction like 0.5, bytes like '6GiB', nor 'min'")
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in _UNITS:
-        raise BudgetError(f"budget {value!r} has unknown unit {match.group(2)!r}; use B, KiB, MiB, GiB, KB, MB or GB")
+        raise BudgetError("budget " + _UNKNOWN_UNIT.format(value, match.group(2)))
     return _fraction_or_bytes(number, unit, str(value))
 
 
@@ -69,8 +70,34 @@ def _fraction_or_bytes(number: float, unit: str, text: str) -> Budget:
 
 
 def parse_bytes(text: str) -> int:
-    """A memory size given with a unit (``16GiB``, ``64MiB``) in bytes; BudgetError otherwise."""
-    value = parse_budget(text)
+    """A memory size given with a unit (``16GiB``, ``64MiB``) in bytes; BudgetError otherwise,
+    whose message speaks of a memory size (not of a budget: a fraction or ``min`` is no size)."""
+    match = _PATTERN.match(str(text))
+    if match is not None and match.group(2).lower() not in _UNITS:
+        raise BudgetError(_UNKNOWN_UNIT.format(text, match.group(2)))
+    try:
+        value = parse_budget(text)
+    except BudgetError:
+        value = Budget()  # negative, infinite, ambiguous: all answered below
     if value.bytes is None:
         raise BudgetError(f"{text!r} is not a memory size: give bytes with a unit, like 16GiB")
     return value.bytes
+
+
+def sizes(*values: int) -> list[str]:
+    """Byte counts written for one message: in MiB with one decimal, or, where two different
+    counts would read the same that way, in KiB, then in bytes."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        texts = [f"{value / scale:.1f} {unit}" for value in values]
+        if len(set(texts)) == len(set(values)):
+            return texts
+    return [f"{value} B" for value in values]
+
+
+def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:
+    """The fix for a budget under ``lowest`` (bytes, out of an ``unoptimized`` peak), worded for
+    the command line and Python alike: ``ask for budget 'min' or a budget of at least 0.65 (6.4 MiB)``."""
+    hundredths = math.ceil(round(100 * lowest / unoptimized, 9))
+    while hundredths < 100 and int(hundredths / 100 * unoptimized) < lowest:  # as Budget.resolve rounds
+        hundredths += 1
+    return f"ask for budget 'min' or a budget of at least {hundredths / 100:g} ({lowest_text})"

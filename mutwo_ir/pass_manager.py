@@ -7,10 +7,16 @@ pipeline so far and the node involved.
 
 from __future__ import annotations
 
+import linecache
+import os
+import sysconfig
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from mutwo.ir.dot import write_dot
 from mutwo.ir.graph import Graph
@@ -18,19 +24,53 @@ from mutwo.ir.pass_base import Pass, PassContext, PassFailure, write_atomic
 from mutwo.ir.printer import format_node, print_graph
 from mutwo.ir.verifier import VerificationError, verify
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def library_file(path: str) -> bool:
+    """Whether a file is torch's or Python's own (an installed package is neither): never the
+    line worth naming as where an error was raised."""
+    return path.startswith(_TORCH_DIR) or (path.startswith(_STDLIB_DIR) and not any(p in path for p in _INSTALLED))
+
+
+def innermost_frame(error: BaseException, skip: Callable[[str], bool] = library_file) -> traceback.FrameSummary | None:
+    """The innermost frame of ``error``'s traceback whose absolute path ``skip`` does not refuse
+    (nor a ``<string>``); None if there is none."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if "<" not in frame.filename and not skip(os.path.abspath(frame.filename)):
+            return frame
+    return None
+
+
+def describe_frame(frame: traceback.FrameSummary) -> str:
+    """``file:line in function: code``."""
+    code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+    return f"{frame.filename}:{frame.lineno} in {frame.name}" + (f": {code}" if code else "")
+
 
 class PipelineFailure(RuntimeError):
-    """A pass failed, or the graph failed verification after it."""
+    """A pass failed, or the graph failed verification after it.
+
+    ``crashed`` tells an exception a pass did not mean to raise (a bug: its message names the
+    exception's type and the innermost line outside torch and Python that raised it) from a
+    :class:`PassFailure` or a :class:`VerificationError`, which say what is wrong themselves."""
 
     def __init__(self, pass_name: str, pipeline_so_far: list[str], cause: BaseException) -> None:
         self.pass_name = pass_name
         self.pipeline_so_far = pipeline_so_far
         self.cause = cause
+        self.crashed = not isinstance(cause, (PassFailure, VerificationError))
         node = getattr(cause, "node", None)
         where = f" at {format_node(node)}" if node is not None and node.graph is not None else ""
-        first_line = (str(cause).splitlines() or [type(cause).__name__])[0]
+        first_line = (str(cause).splitlines() or [""])[0]
+        if self.crashed:
+            frame = innermost_frame(cause) or innermost_frame(cause, lambda path: False)
+            raised = f" (raised at {describe_frame(frame)})" if frame is not None else ""
+            first_line = f"{type(cause).__name__}{': ' if first_line else ''}{first_line}{raised}"
         after = f"after [{','.join(pipeline_so_far)}]" if pipeline_so_far else "as the first pass"
-        super().__init__(f"pass '{pass_name}' failed {after}: {first_line}{where}")
+        super().__init__(f"pass '{pass_name}' failed {after}: {first_line or type(cause).__name__}{where}")
 
 
 @dataclass

@@ -9,13 +9,22 @@ Fields: id, kind, phase, the value's type (``f32[2,64,8,8]``, a tuple as ``(f32[
 to another node (``@host`` after the bytes of a copy swapped out to host memory),
 ``clone-of(%id)`` for recompute clones, then the op and its operands.
 Placeholders show their label: ``= placeholder "fc.weight"``.
+
+A torch.optim call recorded with numbers computed from tensors (``mutwo::host_call*``, see
+:mod:`mutwo.runtime.host_scalars`) shows the call it runs, each number as its expression over the
+0-dim tensors it reads: ``= mutwo.host_call_one_ Tensor.add_(%0, %21, alpha=-%2)`` (``%2`` being
+the learning rate); ``mutwo::host_scalar`` shows its expression: ``= mutwo.host_scalar(1 - %25)``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
+import json
 from typing import Any
+
+from torch.utils import _pytree as pytree
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import HOST, Node, TensorMeta
@@ -63,9 +72,104 @@ def format_node(node: Node) -> str:
         head += f" clone-of(%{node.origin})"
     if node.op == "placeholder":
         return f'{head} = placeholder "{node.label}"'
+    recorded = _recorded_call(node)
+    if recorded is not None:
+        return f"{head} = {recorded}"
     operands = [format_operand(a) for a in node.args]
     operands += [f"{k}={format_operand(v)}" for k, v in node.kwargs.items()]
     return f"{head} = {node.op_name}({', '.join(operands)})"
+
+
+# -- torch.optim calls recorded with numbers computed from tensors --------------------------------
+# mutwo.runtime.host_scalars defines these ops and the JSON text each carries; the IR does not
+# import the runtime, so the text is read here, for printing only. Each op's operands, in order:
+# host_call(call, tensors, sources), host_call_(mutated list, call, tensors, sources),
+# host_call_one_(mutated, call, tensors, sources), host_scalar(expression, sources),
+# foreach_host_call(call, t0..t4) and foreach_host_call_(written list, call, t0..t4).
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
+           "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}  # fmt: skip
+_UNARY = {"neg": "-", "pos": "+"}
+
+
+def _recorded_call(node: Node) -> str | None:
+    """A ``mutwo::host_call*``, ``foreach_host_call*`` or ``host_scalar`` node as the call it runs
+    (None for any other node, or one whose text cannot be read: it then prints as any op)."""
+    name = node.op_name.removesuffix(".default")
+    if not name.startswith("mutwo.") or "host_" not in name:
+        return None
+    args = node.args
+    try:
+        if name == "mutwo.host_scalar":
+            return f"{name}({_expression(json.loads(args[0])['scalar'], args[1])})"
+        if name in ("mutwo.host_call", "mutwo.host_call_", "mutwo.host_call_one_"):
+            mutated = [] if name == "mutwo.host_call" else list(args[0]) if name == "mutwo.host_call_" else [args[0]]
+            call, tensors, sources = args[len(args) - 3:]
+            return f"{name} {_host_call(json.loads(call), mutated, tensors, sources)}"
+        if name in ("mutwo.foreach_host_call", "mutwo.foreach_host_call_"):
+            written = args[0] if name.endswith("_") else None
+            call = json.loads(args[1] if written is not None else args[0])
+            lists = args[2:] if written is not None else args[1:]
+            return f"{name} {_foreach_call(call, written, lists)}"
+    except (LookupError, TypeError, ValueError):
+        return None
+    return None
+
+
+def _expression(encoded: Any, sources: list[Any], outer: bool = True) -> str:
+    """An encoded number (``["neg", ["src", 0]]``) as Python text over its sources: ``-%2``."""
+    if not isinstance(encoded, list):
+        return repr(encoded)
+    op = encoded[0]
+    if op == "src":
+        return format_operand(sources[encoded[1]])
+    if len(encoded) == 2:
+        inner = _expression(encoded[1], sources, outer=False)
+        return f"abs({inner})" if op == "abs" else f"{_UNARY[op]}{inner}"
+    text = f"{_expression(encoded[1], sources, False)} {_BINARY[op]} {_expression(encoded[2], sources, False)}"
+    return text if outer else f"({text})"
+
+
+@functools.lru_cache(maxsize=256)
+def _treespec(text: str) -> Any:
+    return pytree.treespec_loads(text)
+
+
+def _host_call(call: dict[str, Any], mutated: list[Any], tensors: list[Any], sources: list[Any]) -> str:
+    """``Tensor.add_(%0, %21, alpha=-%2)``: the function with its arguments put back."""
+    leaves = []
+    for leaf in call["leaves"]:
+        if "scalar" in leaf:
+            leaves.append(_expression(leaf["scalar"], sources))
+        elif "mutated" in leaf:
+            leaves.append(format_operand(mutated[leaf["mutated"]]))
+        elif "tensor" in leaf:
+            leaves.append(format_operand(tensors[leaf["tensor"]]))
+        elif "torch" in leaf:
+            leaves.append(f"torch.{leaf['torch']}")
+        else:
+            leaves.append(repr(leaf["value"]))
+    args, kwargs = pytree.tree_unflatten(leaves, _treespec(call["spec"]))
+    return _arguments(call["func"], args, kwargs)
+
+
+def _foreach_call(call: dict[str, Any], written: Any, lists: tuple[Any, ...]) -> str:
+    """``torch._foreach_lerp_([%7, %10], [%67, %68], %71)``: each argument from the lists it names."""
+
+    def value(entry: dict[str, Any]) -> Any:
+        if "written" in entry:
+            return written
+        if "list" in entry or "scalars" in entry:
+            return lists[entry.get("list", entry.get("scalars"))]
+        if "one" in entry or "scalar" in entry:  # one tensor or number, the same at every position
+            return lists[entry.get("one", entry.get("scalar"))][0]
+        return repr(entry["value"])
+
+    return _arguments(call["func"], [value(a) for a in call["args"]], {k: value(v) for k, v in call["kwargs"].items()})
+
+
+def _arguments(func: str, args: list[Any], kwargs: dict[str, Any]) -> str:
+    operands = [format_operand(a) for a in args] + [f"{k}={format_operand(v)}" for k, v in kwargs.items()]
+    return f"{func}({', '.join(operands)})"
 
 
 def print_graph(graph: Graph) -> str:

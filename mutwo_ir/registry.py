@@ -57,6 +57,7 @@ class PassRegistry:
         self._loaders: dict[str, Callable[[], type[Pass]]] = {}
         self._classes: dict[str, type[Pass]] = {}
         self.aliases: dict[str, tuple[str, ...]] = dict(BUILTIN_ALIASES) if builtins else {}
+        self._loaded_files: dict[Path, list[str]] = {}  #: resolved path -> the passes it registered
         if builtins:
             for name, target in BUILTIN_PASSES.items():
                 self._loaders[name] = _lazy(target)
@@ -74,6 +75,10 @@ class PassRegistry:
                                 "like 'my-pass'")  # fmt: skip
         existing = self._classes.get(cls.name)
         if (existing is not None and existing is not cls) or (existing is None and cls.name in self._loaders):
+            source = _source_file(cls)
+            if existing is not None and source is not None and source == _source_file(existing):
+                raise RegistryError(f"pass '{cls.name}' was loaded twice from {source}, as {existing.__module__} "
+                                    f"and as {cls.__module__}; give it once to --load-passes")  # fmt: skip
             where = existing.__module__ if existing is not None else "a built-in or installed pass"
             raise RegistryError(f"two passes are named '{cls.name}': {where} and {cls.__module__}; rename yours")
         self._classes[cls.name] = cls
@@ -81,12 +86,15 @@ class PassRegistry:
         return cls
 
     def load(self, module_or_file: str) -> list[str]:
-        """Import a module (``pkg.mod``) or a Python file and register the passes it defines."""
+        """Import a module (``pkg.mod``) or a Python file and register the passes it defines.
+        A file loaded before (the same file under any path) is not loaded again."""
         path = Path(module_or_file)
         try:
             if module_or_file.endswith(".py") or path.exists():
                 if not path.is_file():
                     raise RegistryError(f"--load-passes: no such file: {module_or_file}")
+                if path.resolve() in self._loaded_files:
+                    return self._loaded_files[path.resolve()]
                 spec = importlib.util.spec_from_file_location(f"mutwo_user_passes_{path.stem}", path)
                 assert spec is not None and spec.loader is not None
                 module = importlib.util.module_from_spec(spec)
@@ -97,13 +105,25 @@ class PassRegistry:
         except RegistryError:
             raise
         except Exception as error:
+            hint = ""
+            if isinstance(error, ModuleNotFoundError) and error.name == module_or_file.split(".")[0]:
+                file = module_file(module_or_file, [Path.cwd()])
+                hint = (f"; to load the file {file}, give its path: --load-passes {file}" if file is not None else
+                        "; give the path of a .py file (--load-passes my_passes.py) or a module installed in this "
+                        "environment")  # fmt: skip
             raise RegistryError(f"--load-passes {module_or_file}: importing it failed: "
-                                f"{type(error).__name__}: {error}") from None  # fmt: skip
+                                f"{type(error).__name__}: {error}{hint}") from None  # fmt: skip
+        file = Path(module.__file__).resolve() if getattr(module, "__file__", None) else None
+        if file in self._loaded_files:  # a module already loaded as a file, or the other way round
+            return self._loaded_files[file]
         found = [obj for obj in vars(module).values()
                  if inspect.isclass(obj) and issubclass(obj, Pass) and obj.__module__ == module.__name__ and obj.name]
         if not found:
             raise RegistryError(f"--load-passes {module_or_file}: it defines no Pass subclass with a name")
-        return [self.register(cls).name for cls in found]
+        names = [self.register(cls).name for cls in found]
+        if file is not None:
+            self._loaded_files[file] = names
+        return names
 
     # -- lookup ----------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -198,6 +218,28 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
     PassRegistry().register(cls)
     _DECORATED[cls.name] = cls
     return cls
+
+
+def module_file(module: str, folders: list[Path]) -> Path | None:
+    """The file ``pkg/mod.py`` that a dotted module name would be, in the first of ``folders``
+    holding it (as written, relative to the current folder where it is under it); None if none does.
+    What to suggest when a module name is given where a file path is expected."""
+    for folder in folders:
+        candidate = folder / (module.replace(".", "/") + ".py")
+        if candidate.is_file():
+            try:
+                return candidate.relative_to(Path.cwd())
+            except ValueError:
+                return candidate
+    return None
+
+
+def _source_file(cls: type) -> Path | None:
+    try:
+        source = inspect.getsourcefile(cls)
+    except TypeError:
+        return None
+    return Path(source).resolve() if source else None
 
 
 def _lazy(target: str) -> Callable[[], type[Pass]]:

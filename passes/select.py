@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, parse_budget
+from mutwo.ir.budget import Budget, parse_budget, reachable_budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import Headroom, MemorySimulation, allocation_size, describe_breakdown, simulate
@@ -39,6 +39,7 @@ class PlanData:
     predicted_peak_node: int
     predicted_peak_phase: str
     base_seconds: float  #: the unoptimized iteration (measured on CUDA, summed over nodes on CPU)
+    met: bool  #: whether the predicted peak is within the budget (always, for ``min``)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -51,16 +52,25 @@ class PlanData:
         raise NotImplementedError
 
     def table(self) -> str:
+        """One row per chosen activation under a header; empty when the plan chose none."""
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        """What the plan does and predicts, in one line."""
         raise NotImplementedError
 
     def publish(self, ctx: PassContext, artifact: str, stem: str, title: str) -> None:
         """Hand the plan to later passes as ``ctx.artifacts[artifact]``, write ``<stem>.json`` and
-        ``<stem>.csv``, and log its table under ``title``."""
+        ``<stem>.csv`` if it meets its budget, and log its summary and table under ``title``.
+        A plan that misses its budget is not written: the pass fails, and the failure, not a file
+        that reads like a plan to apply, is the record (mutwo-opt puts it in summary.json)."""
         ctx.artifacts[artifact] = self
-        ctx.save_json(f"{stem}.json", self.to_json())
-        if ctx.out_dir is not None:
-            write_atomic(ctx.out_dir / f"{stem}.csv", self.csv())
-        ctx.log(f"{title}:\n" + self.table())
+        if self.met:
+            ctx.save_json(f"{stem}.json", self.to_json())
+            if ctx.out_dir is not None:
+                write_atomic(ctx.out_dir / f"{stem}.csv", self.csv())
+        table = self.table()
+        ctx.log(f"{title}: {self.summary()}" + (f"\n{table}" if table else ""))
 
 
 @dataclass
@@ -69,7 +79,6 @@ class Plan(PlanData):
 
     added_seconds: float
     entries: list[dict[str, Any]]
-    met: bool
     #: random ops that cannot be replayed, so their outputs stay live: "%id (op): why"
     refused: list[str] = field(default_factory=list)
     predicted_breakdown: dict[str, int] = field(default_factory=dict)  #: bytes live at the predicted peak by kind
@@ -84,15 +93,21 @@ class Plan(PlanData):
                 for e in self.entries if e.get("regenerated_with")}  # fmt: skip
 
     def table(self) -> str:
+        if not self.entries:
+            return ""
         lines = [f"{'storage':>10} {'producer':<34} {'MiB':>8} {'count':>5} {'added ms':>9}  sources"]
         for e in self.entries:
             sources = " ".join(f"%{s}" for s in e["sources"][:6]) + (" ..." if len(e["sources"]) > 6 else "")
             lines.append(f"{e['storage']:>10} {e['op'][:34]:<34} {e['bytes'] / MIB:8.2f} {e['recompute_count']:5d} "
                          f"{e['seconds'] * 1e3:9.3f}  {sources}")  # fmt: skip
-        lines.append(f"recompute {len(self.entries)} activations: predicted peak {self.predicted_peak / MIB:.1f} MiB "
-                     f"(unoptimized {self.unoptimized_peak / MIB:.1f} MiB, budget {self.budget_bytes / MIB:.1f} MiB), "
-                     f"+{self.added_seconds * 1e3:.1f} ms per iteration, {self.clones} clones")  # fmt: skip
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        predicted, unoptimized, budget = sizes(self.predicted_peak, self.unoptimized_peak, self.budget_bytes)
+        count = len(self.entries)
+        return (f"recompute {count} activation{'' if count == 1 else 's'}: predicted peak {predicted} (unoptimized "
+                f"{unoptimized}, budget {budget}), +{self.added_seconds * 1e3:.1f} ms per iteration, "
+                f"{self.clones} clones")  # fmt: skip
 
     def csv(self) -> str:
         out = io.StringIO()
@@ -269,9 +284,9 @@ class SelectPass(Pass):
     Budget: a fraction of the unoptimized simulated peak (0.5), bytes (6GiB), or 'min'; default:
     mutwo-opt's --budget, else the device's memory. Writes plan.json and plan.csv. When the budget
     is out of reach, the greedy goes on to the lowest peak it can reach and the failure says what
-    that is; with ``lowest=false`` it stops there (the failure then reports the best plan it had),
-    and fails before any exact simulation if the estimate, recomputing every candidate it can,
-    stays above the budget.
+    that is and the budget that reaches it (no plan.json is written then); with ``lowest=false`` it
+    stops there (the failure then reports the best plan it had), and fails before any exact
+    simulation if the estimate, recomputing every candidate it can, stays above the budget.
     """
 
     name = "select"
@@ -394,11 +409,12 @@ class SelectPass(Pass):
         state = GreedyResult()
         greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
         if state.peak > budget_bytes:
-            raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is out of reach: recomputing every "
-                              f"activation idle at the peak, the estimate stays at {state.peak / MIB:.1f} MiB "
-                              f"({100 * state.peak / base.peak_bytes:.0f}% of the unoptimized "
-                              f"{base.peak_bytes / MIB:.1f} MiB), and recompute blocks only add to it (lowest=false: "
-                              "the lowest reachable peak was not searched)")  # fmt: skip
+            budget_text, estimate, unoptimized = sizes(budget_bytes, state.peak, base.peak_bytes)
+            raise PassFailure(f"budget {budget} ({budget_text}) is out of reach: recomputing every activation idle at "
+                              f"the peak, the estimate stays at {estimate} ({100 * state.peak / base.peak_bytes:.0f}% "
+                              f"of the unoptimized {unoptimized}), and recompute blocks only add to it (lowest=false: "
+                              "the lowest reachable peak was not searched); "
+                              + reachable_budget(state.peak, base.peak_bytes, estimate))  # fmt: skip
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, time_model: TimeModel,
                     device: str, replay_random: bool = True) -> list[Candidate]:  # fmt: skip
@@ -455,7 +471,7 @@ class SelectPass(Pass):
         added = sum(time_model.block_seconds(block) for block in blocks)
         iteration = time_model.profile.iteration_seconds()
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
-                    exact.peak_phase, iteration, added, entries, exact.peak_bytes <= budget_bytes or budget.minimum,
+                    exact.peak_phase, iteration, exact.peak_bytes <= budget_bytes or budget.minimum, added, entries,
                     predicted_breakdown=dict(exact.breakdown), clones=sum(len(b.nodes) for b in blocks))
 
     def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget,
@@ -463,11 +479,12 @@ class SelectPass(Pass):
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
-        share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {base.peak_bytes / MIB:.1f} MiB"
+        budget_text, lowest, unoptimized = sizes(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)
+        share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
+        fix = reachable_budget(plan.predicted_peak, base.peak_bytes, lowest)
         if not self.lowest:
-            return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is out of reach: the best plan peaks at "
-                    f"{plan.predicted_peak / MIB:.1f} MiB ({share}) {where} (lowest=false: the lowest reachable "
-                    "peak was not searched)")  # fmt: skip
+            return (f"budget {budget} ({budget_text}) is out of reach: the best plan peaks at {lowest} ({share}) "
+                    f"{where} (lowest=false: the lowest reachable peak was not searched); {fix}")  # fmt: skip
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
             if not optimizer_passes_ran:
@@ -477,6 +494,5 @@ class SelectPass(Pass):
             if plan.refused:
                 why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
                 why += ", ...)" if len(plan.refused) > 1 else ")"
-        return (f"budget {budget} ({plan.budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak recomputation "
-                f"reaches is {plan.predicted_peak / MIB:.1f} MiB ({share}) {where}, holding "
-                f"{describe_breakdown(plan.predicted_breakdown)}; {why}")
+        return (f"budget {budget} ({budget_text}) is unreachable: the lowest peak recomputation reaches is {lowest} "
+                f"({share}) {where}, holding {describe_breakdown(plan.predicted_breakdown)}; {why}; {fix}")

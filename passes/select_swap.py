@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, parse_budget
+from mutwo.ir.budget import Budget, parse_budget, reachable_budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.mask_replay import mask_holder
@@ -46,7 +46,6 @@ class SwapPlan(PlanData):
     transfer: dict[str, Any]
     entries: list[dict[str, Any]]
     kept: int  #: candidate activations kept on the device
-    met: bool
     #: the plan not kept when ``keep_faster`` compared swap+recompute with recompute only: its
     #: ``allow``, predicted seconds and peak, whether it met the budget, what it swapped and recomputed
     alternative: dict[str, Any] | None = None
@@ -55,6 +54,8 @@ class SwapPlan(PlanData):
         return [e for e in self.entries if e["action"] == action]
 
     def table(self) -> str:
+        if not self.entries:
+            return ""
         lines = [f"{'action':<9} {'storage':>10} {'producer':<34} {'MiB':>8} {'ms':>8}  detail"]
         for e in self.entries:
             if e["action"] == SWAP:
@@ -64,13 +65,15 @@ class SwapPlan(PlanData):
                 cost, detail = e["seconds"], f"x{e['recompute_count']} from {len(e['sources'])} sources"
             lines.append(f"{e['action']:<9} {e['storage']:>10} {e['op'][:34]:<34} {e['bytes'] / MIB:8.2f} "
                          f"{cost * 1e3:8.3f}  {detail}")  # fmt: skip
-        swapped = sum(e["bytes"] for e in self.of(SWAP)) / MIB
-        lines.append(f"swap {len(self.of(SWAP))} activations ({swapped:.1f} MiB), recompute {len(self.of(RECOMPUTE))}, "
-                     f"keep {self.kept}: predicted peak {self.predicted_peak / MIB:.1f} MiB (unoptimized "
-                     f"{self.unoptimized_peak / MIB:.1f} MiB, budget {self.budget_bytes / MIB:.1f} MiB), predicted "
-                     f"{self.predicted_seconds * 1e3:.1f} ms per iteration (+{self.recompute_seconds * 1e3:.1f} ms "
-                     f"recompute, +{self.stall_seconds * 1e3:.1f} ms stalled on copies)")  # fmt: skip
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        swapped = sum(e["bytes"] for e in self.of(SWAP)) / MIB
+        predicted, unoptimized, budget = sizes(self.predicted_peak, self.unoptimized_peak, self.budget_bytes)
+        return (f"swap {len(self.of(SWAP))} activations ({swapped:.1f} MiB), recompute {len(self.of(RECOMPUTE))}, "
+                f"keep {self.kept}: predicted peak {predicted} (unoptimized {unoptimized}, budget {budget}), "
+                f"predicted {self.predicted_seconds * 1e3:.1f} ms per iteration (+{self.recompute_seconds * 1e3:.1f} "
+                f"ms recompute, +{self.stall_seconds * 1e3:.1f} ms stalled on copies)")  # fmt: skip
 
     def csv(self) -> str:
         out = io.StringIO()
@@ -135,7 +138,8 @@ class SelectSwapPass(Pass):
     checked by applying it to a copy of the graph and simulating that exactly: those are its
     predictions. Host-device bandwidth and latency come from the runtime's measurement (or the
     bandwidth option); tensors whose copy would take mostly latency are not swapped. Budget as
-    for select. Writes swap_plan.json, swap_plan.csv, transfer.json. See docs/swap.md.
+    for select. Writes swap_plan.json, swap_plan.csv (not for a plan that misses its budget: the
+    failure says the lowest peak it reached), transfer.json. See docs/swap.md.
     """
 
     name = "select-swap"
@@ -228,11 +232,12 @@ class SelectSwapPass(Pass):
                     "H100 a ResNet-152 swap plan ran 12% over its prediction and slower than recompute only "
                     "(docs/swap.md); measure it against select,rewrite")  # fmt: skip
         if not plan.met:
-            raise PassFailure(f"budget {budget} ({budget_bytes / MIB:.1f} MiB) is unreachable: the lowest peak "
-                              f"select-swap reaches with {self.allow} is {plan.predicted_peak / MIB:.1f} MiB "
-                              f"({100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized "
-                              f"{base.peak_bytes / MIB:.1f} MiB), at %{plan.predicted_peak_node} in the "
-                              f"{plan.predicted_peak_phase} phase")  # fmt: skip
+            budget_text, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
+            raise PassFailure(f"budget {budget} ({budget_text}) is unreachable: the lowest peak select-swap reaches "
+                              f"with {self.allow} is {lowest} ({100 * plan.predicted_peak / base.peak_bytes:.0f}% of "
+                              f"the unoptimized {unoptimized}), at %{plan.predicted_peak_node} in the "
+                              f"{plan.predicted_peak_phase} phase; "
+                              + reachable_budget(plan.predicted_peak, base.peak_bytes, lowest))  # fmt: skip
         return plan
 
     @staticmethod
@@ -426,7 +431,8 @@ class SelectSwapPass(Pass):
         added = sum(seconds(best.graph.node(clone)) for clone in clones)
         iteration = seconds.profile.iteration_seconds()
         exact = best.simulation
+        met = exact.peak_bytes <= budget_bytes or budget.minimum
         return SwapPlan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes,
-                        exact.peak_node, exact.peak_phase, iteration, best.timeline.seconds, added,
-                        best.timeline.stall, seconds.scale, transfer.to_json(), entries, len(candidates) - len(entries),
-                        exact.peak_bytes <= budget_bytes or budget.minimum)  # fmt: skip
+                        exact.peak_node, exact.peak_phase, iteration, met, best.timeline.seconds, added,
+                        best.timeline.stall, seconds.scale, transfer.to_json(), entries,
+                        len(candidates) - len(entries))  # fmt: skip

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import linecache
 import logging
 import os
-import traceback
 from collections.abc import Iterator
 
 import torch
+
+from mutwo.ir.pass_manager import describe_frame, innermost_frame
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # mutwo's capturing machinery, wherever it is installed (the source folders in an editable install,
@@ -86,14 +86,8 @@ def is_data_dependent(error: BaseException) -> bool:
 
 def user_frame(error: BaseException) -> str:
     """``file:line in function: code`` of the innermost frame outside torch and mutwo."""
-    frames = traceback.extract_tb(error.__traceback__)
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or "<" in frame.filename:
-            continue
-        code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
-        return f"{frame.filename}:{frame.lineno} in {frame.name}: {code}"
-    return "an unknown line (no frame outside torch and mutwo)"
+    frame = innermost_frame(error, lambda path: path.startswith((_TORCH_DIR, *_OWN_DIRS)))
+    return describe_frame(frame) if frame is not None else "an unknown line (no frame outside torch and mutwo)"
 
 
 def explain_capture_failure(error: BaseException) -> CaptureError:

@@ -10,6 +10,7 @@ imported.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 import mutwo.ir.registry as registry_module
 from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
+from mutwo.tools.config import DEFAULT_PIPELINE
 from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,6 +201,12 @@ def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "pass the path of a YAML file" in line
 
 
+def test_config_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out", tmp_path)
+    assert f"config file '{tmp_path}' is a directory, not a file" in line
+    assert "pass the path of a YAML file" in line
+
+
 def test_no_config_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out")
     assert "no config file given" in line
@@ -289,6 +297,15 @@ MODEL_ERRORS = {
     "python-function-not-found": (
         "model: {source: python, name: tiny.py:nothere}\n",
         ["'tiny.py' has no function 'nothere'", "check model.name"],
+    ),
+    "python-file-named-as-a-module": (
+        "model: {source: python, name: tiny:make}\n",
+        ["cannot import model module 'tiny'", "a file is named with its .py: model.name: tiny.py:make"],
+    ),
+    "python-module-not-found": (
+        "model: {source: python, name: not_a_module_mutwo:make}\n",
+        ["cannot import model module 'not_a_module_mutwo'", "name an installed module, or a file as "
+         "'path/to/file.py:function'"],
     ),
     "python-factory-returns-a-model": (
         "model: {source: python, name: tiny.py:only_model}\n",
@@ -442,8 +459,18 @@ def test_output_folder_under_a_regular_file(workdir: Path, capsys: pytest.Captur
     blocker = workdir / "file.txt"
     blocker.write_text("keep me\n")
     line = expect_usage_error(capsys, blocker / "out", good_config(workdir))
-    assert f"output folder '{blocker / 'out'}' is not writable" in line
+    assert f"output folder '{blocker / 'out'}' is not writable (it is under the file '{blocker}')" in line
     assert "choose another with -o DIR" in line
+    assert blocker.read_text() == "keep me\n"
+
+
+def test_output_folder_that_is_a_regular_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = workdir / "afile"
+    blocker.write_text("keep me\n")
+    code, stdout, err = run_cli(capsys, "-q", "-o", blocker, good_config(workdir))
+    line = one_line(err)
+    assert code == EXIT_USAGE and stdout == ""
+    assert f"output folder '{blocker}' is a file, not a folder; choose another with -o DIR" in line
     assert blocker.read_text() == "keep me\n"
 
 
@@ -562,6 +589,42 @@ def test_load_passes_of_a_file_that_fails_to_import(workdir: Path, capsys: pytes
     assert "importing it failed" in line and "definitely_not_a_module_mutwo" in line
 
 
+def test_load_passes_of_a_module_name_that_is_a_file_here(workdir: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.chdir(workdir)
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", "test_cli_passes", good_config(workdir))
+    assert "No module named 'test_cli_passes'" in line
+    assert "to load the file test_cli_passes.py, give its path: --load-passes test_cli_passes.py" in line
+
+
+def test_load_passes_of_an_unknown_module(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--load-passes", "not_a_module_mutwo", good_config(workdir))
+    assert "No module named 'not_a_module_mutwo'" in line and "give the path of a .py file" in line
+
+
+def test_the_same_passes_file_given_twice_is_loaded_once(workdir: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.chdir(workdir)
+    out = workdir / "out"
+    code, _, err = run_cli(capsys, "-q", "-o", out, "--load-passes", "test_cli_passes.py", "--load-passes",
+                           workdir / "test_cli_passes.py", "-p", "counted{times=2}", good_config(workdir))  # fmt: skip
+    assert code == EXIT_OK, err
+    assert '"counted{times=2}"' in (out / "summary.json").read_text()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--budgte", "0.5"], ["unrecognized option '--budgte'; did you mean '--budget'?", "--help"]),
+    (["--budgte=0.5"], ["unrecognized option '--budgte'; did you mean '--budget'?"]),
+    (["--dump-dots"], ["unrecognized option '--dump-dots'; did you mean '--dump-dot'?"]),
+    (["--frobnicate"], ["unrecognized option '--frobnicate' (see mutwo-opt --help)"]),
+], ids=["spaced-value", "joined-value", "plural", "nothing-close"])  # fmt: skip
+def test_a_misspelt_option_gets_the_closest_one(argv: list[str], words: list[str], workdir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    line = expect_usage_error(capsys, workdir / "out", *argv, good_config(workdir))
+    for word in words:
+        assert word in line
+
+
 # -- reusing a profile or a plan ------------------------------------------------------------------
 TINY_MLP = REPO / "examples" / "tiny_mlp.yaml"
 
@@ -608,7 +671,19 @@ def test_a_plan_of_another_graph(planned: Path, tmp_path: Path, capsys: pytest.C
 def test_a_plan_file_that_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
                               "--plan-from", tmp_path / "nowhere.json", TINY_MLP)  # fmt: skip
-    assert "--plan-from: no such file" in line and "nowhere.json" in line
+    assert f"--plan-from: '{tmp_path / 'nowhere.json'}' does not exist; give the plan.json an earlier run wrote" in line
+
+
+@pytest.mark.parametrize("option", ["--plan-from", "--profile-from"])
+def test_a_reused_file_is_checked_before_the_capture(option: str, workdir: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    # The model's forward cannot be captured: an error about the file shows it was checked first.
+    config = write_config(workdir, "model: {source: python, name: tiny.py:branchy}\n")
+    pipeline = "rewrite" if option == "--plan-from" else "select,rewrite"
+    line = expect_usage_error(capsys, workdir / "out", "-p", pipeline, option, workdir / "nothere.json", config)
+    assert f"{option}: '{workdir / 'nothere.json'}' does not exist; give the " in line
+    line = expect_usage_error(capsys, workdir / "out", "-p", pipeline, option, workdir, config)
+    assert f"{option}: '{workdir}' is a directory, not a file" in line
 
 
 # -- failures (exit 1) ---------------------------------------------------------------------------
@@ -635,6 +710,89 @@ def test_a_pass_that_raises_exits_1_and_records_the_error(workdir: Path,
     summary = json.loads((out / "summary.json").read_text())
     assert summary["error"].startswith("pass 'refuses' failed after [stats]")
     assert summary["equivalent"] is None
+
+
+CRASHING_PASS = '''\
+from dataclasses import dataclass
+from mutwo.ir.pass_base import Pass, option
+
+@dataclass(frozen=True)
+class BigActs(Pass):
+    """Crashes on demand (test pass)."""
+    name = "big-acts"
+    crash: bool = option(False, "crash")
+
+    def run(self, graph, ctx):
+        if self.crash:
+            return {}["boom"]
+        return None
+'''
+
+
+def test_a_pass_that_crashes_names_the_exception_and_its_line(workdir: Path, capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("MUTWO_DEBUG", "")  # restored afterwards: --debug sets it for the process
+    crashing = workdir / "crashing_passes.py"
+    crashing.write_text(CRASHING_PASS)
+    lineno = CRASHING_PASS.splitlines().index('            return {}["boom"]') + 1
+    out = workdir / "out"
+    argv = ["-o", out, "--load-passes", crashing, "-p", "big-acts{crash=true}", good_config(workdir)]
+    code, _, err = run_cli(capsys, "-q", *argv)
+    line = one_line(err, "failed")
+    assert code == EXIT_FAILURE
+    assert (f"pass 'big-acts' failed as the first pass: KeyError: 'boom' (raised at {crashing}:{lineno} in run: "
+            'return {}["boom"]); run again with --debug for the traceback') in line
+    assert json.loads((out / "summary.json").read_text())["error"].startswith("pass 'big-acts' failed")
+    code, _, err = run_cli(capsys, "-q", "--debug", *argv)
+    assert code == EXIT_FAILURE
+    assert "Traceback" in err and 'KeyError: \'boom\'' in err and f"{crashing}\", line {lineno}" in err
+    assert "--debug" not in err.splitlines()[-1]
+
+
+def test_an_unreachable_budget_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    tiny = ["--device", "cpu", "--batch-size", "64"]
+    code, _, err = run_cli(capsys, "-q", "-p", "profile,select,rewrite", "--budget", "0.05", *tiny, "-o", out,
+                           TINY_MLP)  # fmt: skip
+    line = one_line(err, "failed")
+    assert code == EXIT_FAILURE
+    assert "budget 0.05 (" in line and "is unreachable" in line
+    suggested = re.search(r"; ask for budget 'min' or a budget of at least ([0-9.]+) \((.+)\)$", line)
+    assert suggested is not None, line
+    # No file reads like a result: summary.json records the failure and the plan that missed.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["error"] in line and summary["equivalent"] is None and summary["peak_bytes_after"] is None
+    plan = summary["unmet_plan"]
+    assert plan["met"] is False and plan["budget"] == "0.05"
+    written = {p.name for p in out.iterdir()}
+    assert set(summary["files"]) == written == {"summary.json", "input.ir.txt", "profile.json", "nodes.csv",
+                                                "activations.csv"}  # fmt: skip
+    # The budget it names is reached, from the same profile.
+    again = tmp_path / "again"
+    code, _, err = run_cli(capsys, "-q", "-p", "select,rewrite", "--profile-from", out / "profile.json", "--budget",
+                           suggested.group(1), *tiny, "-o", again, TINY_MLP)  # fmt: skip
+    assert code == EXIT_OK, err
+    reached = json.loads((again / "plan.json").read_text())
+    assert reached["met"] and reached["predicted_peak"] <= reached["budget_bytes"]
+
+
+def test_the_plan_is_logged_as_a_prefixed_line_then_rows(planned: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    tiny = ["--device", "cpu", "--batch-size", "64", "-p", "select,rewrite", "--profile-from",
+            planned / "profile.json", TINY_MLP]  # fmt: skip
+    for budget, rows in (("1", 0), ("min", len(json.loads((planned / "plan.json").read_text())["entries"]))):
+        code, _, err = run_cli(capsys, "--budget", budget, "-o", tmp_path / budget, *tiny)
+        assert code == EXIT_OK, err
+        lines = err.splitlines()
+        summary = [i for i, line in enumerate(lines) if line.startswith("mutwo-opt: select: recompute ")]
+        assert len(summary) == 1, err
+        at = summary[0]
+        noun = "activation" if rows == 1 else "activations"
+        assert lines[at].startswith(f"mutwo-opt: select: recompute {rows} {noun}: predicted peak "), lines[at]
+        table = lines[at + 1:at + 2 + rows] if rows else []
+        assert all(not line.startswith("mutwo-opt: ") for line in table) and len(table) == (rows + 1 if rows else 0)
+        assert all(line.startswith("mutwo-opt: ") for line in lines[:at] + lines[at + 1 + len(table):]), err
+        assert ("storage producer" in err) == bool(rows)
 
 
 # -- --list-passes and --help --------------------------------------------------------------------
@@ -687,8 +845,17 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     for flag in ("--passes", "--list-passes", "--load-passes", "--check", "--budget", "--dump-dot"):
         assert flag in out
     assert err == ""
+    text = " ".join(out.split())  # argparse wraps the help
+    assert "``" not in text and "mutwo-opt: capture a model's training iteration" in text
+    assert f"(default: the config's 'passes', else {DEFAULT_PIPELINE})" in text
+    assert "or 'min' (the lowest peak recomputation reaches); default: the config's 'budget', else" in text
 
 
 def test_unknown_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", "--frobnicate", "x.yaml")
-    assert "unrecognized arguments: --frobnicate" in line and "--help" in line
+    assert "unrecognized option '--frobnicate'" in line and "--help" in line
+
+
+def test_a_stray_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out", "x.yaml", "y.yaml")
+    assert "unrecognized arguments: y.yaml" in line and "--help" in line

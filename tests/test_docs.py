@@ -52,3 +52,20 @@ def test_documented_command_runs(page: str, command: str, tmp_path: Path, monkey
         assert len(data["top"]) == int(re.search(r"top=(\d+)", command).group(1))
     if any("recompute_pointwise" in f for f in loaded):
         assert "clone-of(%" in (Path(argv[out_index]) / "final.ir.txt").read_text()
+
+
+def _synopsis_options(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*|-[a-z])\b", text))
+
+
+def test_the_synopses_name_every_option_of_the_parser() -> None:
+    """README's mutwo-opt synopsis and the module's docstring list exactly the parser's options."""
+    from mutwo.tools import mutwo_opt
+
+    options = {o for action in mutwo_opt.build_parser()._actions for o in action.option_strings} - {"-h", "--help"}
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## mutwo-opt", 1)[1].split("```", 2)[1]
+    docstring = (mutwo_opt.__doc__ or "").split("\n\n")[1]
+    for where, text in (("README.md's synopsis", block), ("mutwo_opt's docstring", docstring)):
+        assert _synopsis_options(text) == options, f"{where}: missing {sorted(options - _synopsis_options(text))}, " \
+                                                   f"unknown {sorted(_synopsis_options(text) - options)}"

@@ -89,7 +89,8 @@ def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--fit", "0.5"], "--fit: memory limit: '0.5' is not a memory size: give bytes with a unit, like 16GiB"),
-    (["--fit", "lots"], "--fit:"),
+    (["--fit", "lots"], "--fit: memory limit: 'lots' is not a memory size: give bytes with a unit, like 16GiB"),
+    (["--fit", "16GiBs"], "--fit: memory limit: '16GiBs' has unknown unit 'GiBs'; use B, KiB, MiB"),
     (["--fit", "2MiB", "--budget", "0.5"], "drop --budget"),
     (["--fit", "2MiB", "--fit-margin", "1.5"], "--fit-margin: margin 1.5 is not a share of the limit"),
     (["--fit", "2MiB", "--fit-margin", "-0.1"], "--fit-margin: margin -0.1 is not a share of the limit"),

@@ -4,6 +4,7 @@ the pass manager's instrumentation, and ``mutwo-opt`` end to end on examples/tin
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import mutwo.ir.registry as registry_module
 from mutwo.ir import from_fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import Node, Phase
-from mutwo.ir.pass_base import Pass, PassContext, PassOptionError, option
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure, PassOptionError, option
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo.ir.pipeline import PipelineItem, PipelineSyntaxError, parse_pipeline
 from mutwo.ir.printer import print_graph
@@ -652,8 +653,27 @@ def test_an_analysis_that_changes_the_graph_is_reported(graph: Graph) -> None:
 def test_a_crashing_pass_is_reported_with_its_cause(graph: Graph) -> None:
     with pytest.raises(PipelineFailure) as error:
         run_pipeline(graph, Crashes())
-    assert isinstance(error.value.cause, KeyError)
-    assert str(error.value) == "pass 'crashes' failed as the first pass: 'missing-thing'"
+    assert isinstance(error.value.cause, KeyError) and error.value.crashed
+    # The exception's type and the line that raised it (this file's, the innermost outside torch and Python).
+    lineno = inspect.getsourcelines(Crashes.run)[1] + 1  # the line under ``def run``
+    assert str(error.value) == ("pass 'crashes' failed as the first pass: KeyError: 'missing-thing' (raised at "
+                                f"{__file__}:{lineno} in run: raise KeyError(\"missing-thing\"))")
+
+
+def test_a_pass_failure_is_reported_without_a_location(graph: Graph) -> None:
+    @dataclass(frozen=True)
+    class Refuses(Pass):
+        """Refuses (test pass)."""
+
+        name = "refuses"
+
+        def run(self, graph: Graph, ctx: PassContext) -> None:
+            raise PassFailure("no plan fits")
+
+    with pytest.raises(PipelineFailure) as error:
+        run_pipeline(graph, Refuses())
+    assert not error.value.crashed
+    assert str(error.value) == "pass 'refuses' failed as the first pass: no plan fits"
 
 
 def test_print_ir_after_all(graph: Graph, tmp_path: Path) -> None:
@@ -731,10 +751,14 @@ def test_cli_check_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     err = capsys.readouterr().err
     assert code == EXIT_OK, err
     assert "Traceback" not in err
-    assert err.splitlines()[-1] == f"mutwo-opt: wrote {out}/ (summary.json, input.ir.txt, final.ir.txt, final_graph.py)"
     assert {"summary.json", "input.ir.txt", "final.ir.txt", "final_graph.py", "stats.json"} <= {
         p.name for p in out.iterdir()}  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())
+    # The last line counts what was written and names the main files; summary.json lists them all.
+    files = summary["files"]
+    assert files == sorted(p.name for p in out.iterdir())
+    assert err.splitlines()[-1] == (f"mutwo-opt: wrote {out}/: {len(files)} files: summary.json, final.ir.txt, "
+                                    f"final_graph.py and {len(files) - 3} more (listed in summary.json)")
     assert SUMMARY_KEYS <= set(summary)
     assert summary["model"] == "models/tiny.py:mlp"
     assert summary["config"] == "examples/tiny_mlp.yaml"
@@ -796,17 +820,18 @@ from mutwo.ir.pass_base import Pass, PassFailure
 
 @dataclass(frozen=True)
 class SkewConstant(Pass):
-    """Change the constant of the first in-place multiply (a wrong transform, on purpose)."""
+    """Change the first constant the optimizer step computes with, 1e-08 to 1.0 (Adam's eps: a wrong
+    transform, on purpose; its learning rate, betas and step sizes are graph inputs, not constants)."""
 
     name = "skew-constant"
     is_transform = True
 
     def run(self, graph, ctx):
         for node in graph:
-            if node.op_name == "aten.mul_.Tensor" and isinstance(node.args[1], float):
-                node.set_operands((node.args[0], node.args[1] / 2), dict(node.kwargs))
+            if node.phase == "optimizer" and node.users and len(node.args) == 2 and isinstance(node.args[1], float):
+                node.set_operands((node.args[0], node.args[1] * 2 + 1), dict(node.kwargs))
                 return node.id
-        raise PassFailure("no in-place multiply by a constant")
+        raise PassFailure("no constant in the optimizer step")
 '''
 
 
@@ -827,5 +852,6 @@ def test_cli_check_finds_a_difference(tmp_path: Path, monkeypatch: pytest.Monkey
     assert summary["equivalent"] is False
     assert summary["error"] is None
     assert summary["pipeline"] == ["stats", "skew-constant"]
-    assert (out / "input.ir.txt").read_text() != (out / "final.ir.txt").read_text()
-    assert "aten.mul_.Tensor" in (out / "final.ir.txt").read_text()
+    before, after = (out / "input.ir.txt").read_text().splitlines(), (out / "final.ir.txt").read_text().splitlines()
+    changed = [(b, a) for b, a in zip(before, after, strict=True) if b != a]
+    assert len(changed) == 1 and changed[0][1] == changed[0][0].replace(", 1e-08)", ", 1.00000002)"), changed

@@ -96,6 +96,42 @@ def test_golden_fields_agree_with_the_graph() -> None:
             assert memory == f"{torch.Size(meta.shape).numel() * element_size}B"
 
 
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-parameter", "foreach"])
+def test_recorded_optimizer_calls_print_as_the_calls_they_run(foreach: bool) -> None:
+    """Adam's updates (``mutwo.host_call*``, ``host_scalar``, ``foreach_host_call*``) show torch's
+    call with its numbers as expressions, not the JSON they carry; every operand is still named."""
+    workload = models.mlp()
+    graph = _lower(workload, torch.optim.Adam(workload.model.parameters(), lr=1e-3, foreach=foreach))
+    recorded = [node for node in graph if node.op_name.startswith("mutwo.")]
+    assert recorded
+    for node in recorded:
+        line = format_node(node)
+        call = line.split(" = ", 1)[1]
+        assert "{" not in call and '"' not in call and len(line) < 400, line
+        assert call.startswith(node.op_name.removesuffix(".default") + ("(" if "host_scalar" in call else " ")), line
+        named = set(re.findall(r"%(\d+)\b", call))
+        assert named == {str(operand.id) for operand in node.operands}, line
+    text = print_graph(graph)
+    if foreach:
+        assert re.search(r"= mutwo\.host_scalar\(1 - %\d+\)\n", text)
+        assert re.search(r"= mutwo\.foreach_host_call_ torch\._foreach_addcdiv_\(\[%\d+(, %\d+)*\], ", text)
+    else:
+        # param.addcdiv_(exp_avg, denom, value=-step_size), step_size = lr / (1 - beta1 ** step)
+        assert re.search(r"= mutwo\.host_call_one_ Tensor\.addcdiv_\(%\d+, %\d+, %\d+, "
+                         r"value=-\(%\d+ / \(1 - \(%\d+ \*\* %\d+\)\)\)\)\n", text)  # fmt: skip
+
+
+def test_a_recorded_call_whose_text_cannot_be_read_prints_as_any_op() -> None:
+    import mutwo.runtime.host_scalars  # noqa: F401  (defines the mutwo ops)
+
+    graph = Graph()
+    meta = TensorMeta((2,), torch.float32, "cpu", StorageKey(-1), 8)
+    x = graph.create_node("placeholder", "x", name="x", kind=NodeKind.PARAMETER, tensors=(meta,), label="w")
+    node = graph.create_node("call_function", torch.ops.mutwo.host_call_one_.default, (x, "not json", [], []),
+                             name="update", tensors=(meta,))  # fmt: skip
+    assert format_node(node).endswith(f"= mutwo.host_call_one_.default(%{x.id}, not json, [], [])")
+
+
 def _chain(length: int) -> Graph:
     """A placeholder then ``length`` nodes alternating relu (a new storage) and t (a view of it).
 

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from mutwo.ir import from_fx
-from mutwo.ir.budget import parse_budget
+from mutwo.ir.budget import parse_budget, sizes
 from mutwo.ir.dot import HIGHLIGHT_COLOUR
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import Phase
@@ -49,7 +49,6 @@ from mutwo.tools.config import load_config
 from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
 from mutwo.tools.workloads import build_optimizer, build_workload
 
-MIB = 2**20
 PIPELINE = "profile{runs=1,warmup=0},select,rewrite"
 BUDGETS = ["0.9", "0.7", "0.5", "min"]
 
@@ -138,8 +137,9 @@ DOT_NODE = re.compile(r'^(n\d+) \[label="((?:[^"\\]|\\.)*)"(.*)\];$')
 DOT_EDGE = re.compile(r"^(n\d+) -> (n\d+)( \[(.*)\])?;$")
 DOT_COLOUR = re.compile(r'(?<![a-z])color="([^"]*)"')
 
-UNREACHABLE = re.compile(r"budget (\S+) \(([0-9.]+) MiB\) is unreachable: the lowest peak recomputation reaches is "
-                         r"([0-9.]+) MiB \((\d+)% of the unoptimized ([0-9.]+) MiB\)")  # fmt: skip
+UNREACHABLE = re.compile(r"budget (\S+) \(([0-9.]+ (?:MiB|KiB|B))\) is unreachable: the lowest peak recomputation "
+                         r"reaches is ([0-9.]+ (?:MiB|KiB|B)) \((\d+)% of the unoptimized ([0-9.]+ (?:MiB|KiB|B))\)"
+                         r".*; ask for budget 'min' or a budget of at least ([0-9.]+) \(\3\)$")  # fmt: skip
 
 
 @dataclass
@@ -160,6 +160,11 @@ class Run:
 
     @property
     def plan(self) -> dict[str, Any]:
+        """The plan select made: plan.json, or after a failure summary.json's unmet_plan."""
+        if self.code != EXIT_OK:
+            plan = self.summary["unmet_plan"]
+            assert plan is not None, f"no unmet_plan in summary.json: {self.describe()}"
+            return plan
         return json.loads((self.out / "plan.json").read_text(encoding="utf-8"))
 
     def describe(self) -> str:
@@ -232,17 +237,23 @@ def _assert_unreachable(run: Run) -> re.Match[str]:
     assert match is not None, line
     assert match.group(1) == run.budget
     before = summary["peak_bytes_before"]
-    assert match.group(2) == f"{plan['budget_bytes'] / MIB:.1f}"
-    assert match.group(3) == f"{plan['predicted_peak'] / MIB:.1f}", (line, plan["predicted_peak"])
+    budget_text, lowest_text, before_text = sizes(plan["budget_bytes"], plan["predicted_peak"], before)
+    assert match.group(2) == budget_text and match.group(2) != match.group(3)
+    assert match.group(3) == lowest_text, (line, plan["predicted_peak"])
     assert match.group(4) == f"{100 * plan['predicted_peak'] / before:.0f}"
-    assert match.group(5) == f"{before / MIB:.1f}"
+    assert match.group(5) == before_text
+    # The fix it names: the smallest budget in hundredths at or above the lowest peak.
+    suggested = float(match.group(6))
+    assert int(suggested * before) >= plan["predicted_peak"] > int((suggested - 0.01) * before)
     assert plan["met"] is False
     assert plan["predicted_peak"] > plan["budget_bytes"]  # really unreachable
     assert plan["predicted_peak"] <= before
-    # Nothing was rewritten: the outputs describe the captured graph.
+    # Nothing was rewritten, and nothing reads like a result: the failure is in summary.json.
     assert summary["error"] is not None and "is unreachable" in summary["error"]
-    assert summary["equivalent"] is None and summary["recomputed"] == 0 and summary["cloned_nodes"] == 0
-    assert summary["peak_bytes_after"] == before
+    assert summary["equivalent"] is None and summary["recomputed"] is None and summary["peak_bytes_after"] is None
+    for name in ("final.ir.txt", "final_graph.py", "plan.json", "plan.csv", "memory_timeline.png"):
+        assert not (run.out / name).exists(), name
+    assert {"summary.json", "input.ir.txt", "profile.json"} <= set(summary["files"])
     return match
 
 
@@ -446,10 +457,10 @@ def test_unreachable_budget_message(model: str, workdir: Path, capsys: pytest.Ca
                  str(workdir / f"{model}.yaml")])  # fmt: skip
     captured = capsys.readouterr()
     run = Run(model, "0.05", code, captured.err, out)
-    match = _assert_unreachable(run)
+    _assert_unreachable(run)
     assert captured.out == ""
     assert "Traceback" not in captured.err
-    assert float(match.group(3)) > float(match.group(2))
+    assert run.plan["predicted_peak"] > run.plan["budget_bytes"]
     assert "pass 'select' failed" in captured.err
     assert not (out / "clones.json").exists()  # nothing after select ran
 

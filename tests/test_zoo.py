@@ -44,7 +44,7 @@ def test_docs_table_is_rendered_from_the_committed_sweep() -> None:
     (["--only", "resnet9000"], ["unknown model 'resnet9000'", "resnet18"]),
     (["--render", "sweep.json"], ["--render needs --markdown"]),
     (["--render", "missing.json", "--markdown", "zoo.md"], ["cannot read 'missing.json'", "written by -o"]),
-    (["--frobnicate"], ["unrecognized arguments", "--help"]),
+    (["--frobnicate"], ["unrecognized option", "--help"]),
 ], ids=["unknown-model", "render-without-markdown", "render-missing-file", "unknown-flag"])  # fmt: skip
 def test_bad_usage_is_one_line_and_exit_2(argv: list[str], words: list[str], tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str],

@@ -3,7 +3,6 @@ did-you-mean. See the README's config reference."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ import yaml
 
 from mutwo.ir.budget import Budget, BudgetError, parse_budget
 from mutwo.runtime.backends import BACKENDS
+from mutwo.tools.cli import did_you_mean, unreadable
 
 #: The pipeline run when neither the config nor the command line names one.
 DEFAULT_PIPELINE = "profile,optimizer,select,rewrite"
@@ -119,8 +119,7 @@ class Config:
 def _check_keys(section: str, data: dict[str, Any], schema: dict[str, Key]) -> None:
     for key, value in data.items():
         if key not in schema:
-            close = difflib.get_close_matches(str(key), list(schema), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(schema)}"
+            hint = did_you_mean(str(key), schema) or f"valid keys: {', '.join(schema)}"
             raise ConfigError(f"unknown key '{section}{key}'; {hint}")
         spec = schema[key]
         if spec.types == _NUMBER and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
@@ -137,9 +136,9 @@ def _check_keys(section: str, data: dict[str, Any], schema: dict[str, Key]) -> N
 def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config file."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file "
-                          "such as examples/tiny_mlp.yaml")  # fmt: skip
+    problem = unreadable(path, "config file")
+    if problem is not None:
+        raise ConfigError(f"{problem}; pass the path of a YAML file such as examples/tiny_mlp.yaml")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:

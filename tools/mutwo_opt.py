@@ -1,9 +1,11 @@
 """``mutwo-opt``: capture a model's training iteration and run a pipeline of passes over it.
 
     mutwo-opt [-p/--passes LIST] [-o/--out DIR] [--device auto|cpu|cuda] [--batch-size N]
-              [--budget B] [--check] [--list-passes] [--load-passes M] [--no-verify]
-              [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot] [--time-passes]
-              [--bucket-cap-mb MB] [--fit MEMORY [--fit-margin SHARE] [--fit-max-slowdown FACTOR]]
+              [--budget B] [--seed N] [--precision P] [--memory-format F] [--check]
+              [--profile-from FILE] [--plan-from FILE] [--list-passes] [--load-passes M]
+              [--no-verify] [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot]
+              [--time-passes] [--fit MEMORY [--fit-margin SHARE] [--fit-max-slowdown FACTOR]]
+              [--calibrate-peak ROUNDS] [-q/--quiet] [--bucket-cap-mb MB] [--debug]
               [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
@@ -60,9 +62,9 @@ from mutwo.runtime.fit import FitError
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
-from mutwo.runtime.tracing import CaptureError
-from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback
-from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
+from mutwo.runtime.tracing import CaptureError, debug_enabled
+from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback, unreadable
+from mutwo.tools.config import DEFAULT_PIPELINE, Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
 from mutwo.tools.reports import memory_timeline, swap_timeline, write_reports
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device, training_options
@@ -73,13 +75,17 @@ class Failure(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="mutwo-opt", description=__doc__.split("\n\n")[0])
+    # The description is the docstring's first line, without its reStructuredText markup.
+    parser = Parser(prog="mutwo-opt", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("config", nargs="?", help="YAML config describing the model (see the README)")
-    parser.add_argument("-p", "--passes", help="pipeline, e.g. 'stats,dce' (default: the config's 'passes')")
+    parser.add_argument("-p", "--passes", help="pipeline, e.g. 'stats,dce' (default: the config's 'passes', else "
+                        f"{DEFAULT_PIPELINE})")
     parser.add_argument("-o", "--out", help="output folder (default: mutwo-out/<config name>)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: the config's)")
     parser.add_argument("--batch-size", type=int, help="override the config's batch size")
-    parser.add_argument("--budget", help="memory budget: a fraction of the unoptimized peak (0.5) or bytes (6GiB)")
+    parser.add_argument("--budget", help="memory budget: a fraction of the unoptimized peak (0.5), bytes (6GiB), or "
+                        "'min' (the lowest peak recomputation reaches); default: the config's 'budget', else the "
+                        "GPU's memory (on CPU nothing needs recomputing)")
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--backend", choices=BACKENDS,
                         help="what runs the final graph (default: the config's, else eager); see docs/backends.md")
@@ -219,16 +225,28 @@ class MutwoOpt:
                                  f"one and leave the file unused; drop {maker} from --passes ({example} {option} "
                                  "FILE)")  # fmt: skip
 
+    def check_reused_files(self) -> None:
+        """``--profile-from`` and ``--plan-from`` name readable files: checked before the capture,
+        which can take minutes (whether a file belongs to the graph is checked after it)."""
+        for option, artifact, _ in self.REUSABLE:
+            text = getattr(self.args, option.removeprefix("--").replace("-", "_"))
+            problem = unreadable(Path(text), f"{option}:") if text else None
+            if problem is not None:
+                raise UsageError(f"{problem}; give the {artifact}.json an earlier run wrote")
+
     def prepare_out_dir(self, config: Config) -> Path:
         """Check, without creating anything yet, that the output folder can be written."""
         out = Path(self.args.out) if self.args.out else Path("mutwo-out") / config.name
         if not self.lead:  # only rank 0 writes
             return out
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"output folder {str(out)!r} is a file, not a folder; choose another with -o DIR")
         existing = out
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            reason = "it is under a file" if existing.exists() and not existing.is_dir() else "permission denied"
+            reason = f"it is under the file {str(existing)!r}" if existing.exists() and not existing.is_dir() \
+                else "permission denied"  # fmt: skip
             raise UsageError(f"output folder {str(out)!r} is not writable ({reason}); choose another with -o DIR")
         return out
 
@@ -270,8 +288,8 @@ class MutwoOpt:
         path = Path(text)
         try:
             artifact = cls.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise UsageError(f"{option}: no such file {str(path)!r}") from None
+        except OSError as error:  # checked before the capture; gone or unreadable since
+            raise UsageError(f"{option}: {str(path)!r} cannot be read ({error.strerror})") from None
         except (ValueError, KeyError, TypeError) as error:
             raise UsageError(f"{option}: {path} is not a {filename} written by the {maker} pass "
                              f"({type(error).__name__}: {error})") from None  # fmt: skip
@@ -333,13 +351,73 @@ class MutwoOpt:
     def write_outputs(self, out: Path, config: Config, device: torch.device, original: Graph, final: Graph,
                       result: PipelineResult | None, report: EquivalenceReport | None, error: str | None,
                       ctx: PassContext, measured: dict[str, Any],
-                      compiled: CompiledStep | None) -> None:  # fmt: skip
+                      compiled: CompiledStep | None) -> list[str]:  # fmt: skip
+        """Write the output folder; returns the names of the files this run wrote. After a failed
+        pipeline there is no final graph: summary.json records the error (and the plan that
+        missed its budget), beside input.ir.txt and what the passes wrote before the failure."""
         write_atomic(out / "input.ir.txt", print_graph(original))
         profile = ctx.artifacts.get("profile")
         workspace = profile.workspace() if profile is not None else None
         before = simulate(original, workspace=workspace)
-        after = simulate(final, workspace=workspace)
         title = f"{config.model.name}, batch {config.batch_size}, {device}"
+        outcome: dict[str, Any]
+        if error is None:
+            outcome, reports = self.write_final(out, original, final, before, ctx, title)
+        else:
+            reports = []
+            unmet = [plan.to_json() for plan in (ctx.artifacts.get(key) for key in ("plan", "swap-plan"))
+                     if plan is not None and not plan.met]  # fmt: skip
+            outcome = {"unmet_plan": unmet[0] if unmet else None}
+        summary = {
+            "model": config.model.name,
+            "source": config.model.source,
+            "config": str(config.path),
+            "batch_size": config.batch_size,
+            "device": str(device),
+            "torch_version": torch.__version__,
+            "pipeline": [r.name for r in result.records] if result else [],
+            "nodes_before": _counts(original),
+            "nodes_after": None,
+            "pass_seconds": result.timings() if result else {},
+            "total_seconds": round(time.perf_counter() - self.started, 3),
+            "peak_bytes_before": before.peak_bytes,
+            "peak_phase_before": before.peak_phase,
+            "peak_breakdown_before": before.breakdown,
+            "peak_bytes_after": None,
+            "peak_node_after": None,
+            "peak_phase_after": None,
+            "peak_breakdown_after": None,
+            "persistent_bytes": before.persistent_bytes,
+            "measured_peak_bytes_before": measured.get("measured_peak_bytes_before"),
+            "measured_peak_bytes_after": measured.get("measured_peak_bytes_after"),
+            "iteration_seconds_before": measured.get("iteration_seconds_before"),
+            "iteration_seconds_after": measured.get("iteration_seconds_after"),
+            "reports": reports,
+            "recomputed": None,
+            "swapped": None,
+            "swapped_bytes": None,
+            "cloned_nodes": None,
+            "equivalent": None if report is None else report.equivalent,
+            "error": error,
+            **outcome,
+            "data_parallel": self.describe_data_parallel(config),
+            # The simulator models the eager executor: one aten kernel per node, in the plan's order,
+            # which the compiled backends keep (docs/backends.md); their peak is the measured one.
+            "simulated_backend": "eager",
+            **({"calibration": self.calibration.describe()} if self.calibration is not None else {}),
+            **(compiled.describe() if compiled is not None else {"backend": config.backend}),
+        }
+        # The folder is not emptied between runs: list what this run wrote.
+        summary["files"] = sorted({p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
+                                   and p.stat().st_mtime >= self.wall_started} | {"summary.json"})  # fmt: skip
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        return summary["files"]
+
+    def write_final(self, out: Path, original: Graph, final: Graph, before: Any, ctx: PassContext,
+                    title: str) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+        """The final graph's files and reports; its entries of summary.json and the reports' names."""
+        profile = ctx.artifacts.get("profile")
+        after = simulate(final, workspace=profile.workspace() if profile is not None else None)
         final_liveness = compute_liveness(final)
         reports = write_reports(out, final, after, final_liveness, profile, title)
         if final is not original:
@@ -357,48 +435,18 @@ class MutwoOpt:
             r.key for r in final_liveness.activations()} - swapped  # fmt: skip
         write_atomic(out / "final.ir.txt", print_graph(final))
         write_atomic(out / "final_graph.py", to_fx(final).code)
-        summary = {
-            "model": config.model.name,
-            "source": config.model.source,
-            "config": str(config.path),
-            "batch_size": config.batch_size,
-            "device": str(device),
-            "torch_version": torch.__version__,
-            "pipeline": [r.name for r in result.records] if result else [],
-            "nodes_before": _counts(original),
+        return {
             "nodes_after": _counts(final),
-            "pass_seconds": result.timings() if result else {},
-            "total_seconds": round(time.perf_counter() - self.started, 3),
-            "peak_bytes_before": before.peak_bytes,
-            "peak_phase_before": before.peak_phase,
-            "peak_breakdown_before": before.breakdown,
             "peak_bytes_after": after.peak_bytes,
             "peak_node_after": after.peak_node,
             "peak_phase_after": after.peak_phase,
             "peak_breakdown_after": after.breakdown,
             "persistent_bytes": after.persistent_bytes,
-            "measured_peak_bytes_before": measured.get("measured_peak_bytes_before"),
-            "measured_peak_bytes_after": measured.get("measured_peak_bytes_after"),
-            "iteration_seconds_before": measured.get("iteration_seconds_before"),
-            "iteration_seconds_after": measured.get("iteration_seconds_after"),
-            "reports": reports,
             "recomputed": len(recomputed),
             "swapped": len(swapped),
             "swapped_bytes": sum(offload.tensors[0].storage_bytes for offload, _, _ in swaps),
             "cloned_nodes": sum(1 for n in final if n.origin is not None),
-            "equivalent": None if report is None else report.equivalent,
-            "error": error,
-            "data_parallel": self.describe_data_parallel(config),
-            # The simulator models the eager executor: one aten kernel per node, in the plan's order,
-            # which the compiled backends keep (docs/backends.md); their peak is the measured one.
-            "simulated_backend": "eager",
-            **({"calibration": self.calibration.describe()} if self.calibration is not None else {}),
-            **(compiled.describe() if compiled is not None else {"backend": config.backend}),
-        }
-        # The folder is not emptied between runs: list what this run wrote.
-        summary["files"] = sorted({p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
-                                   and p.stat().st_mtime >= self.wall_started} | {"summary.json"})  # fmt: skip
-        write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        }, reports
 
     def describe_data_parallel(self, config: Config) -> dict[str, Any] | None:
         if self.dp is None:
@@ -430,6 +478,7 @@ class MutwoOpt:
         config = self.load_config()
         device = self.join_data_parallel(self.resolve_device(config))
         manager = self.build_pipeline(config)
+        self.check_reused_files()
         out = self.prepare_out_dir(config)
         fit_only = (("--fit-margin", self.args.fit_margin), ("--fit-max-slowdown", self.args.fit_max_slowdown))
         for option, value in fit_only:
@@ -468,11 +517,12 @@ class MutwoOpt:
             if artifact is not None:
                 ctx.artifacts[key] = artifact
         result: PipelineResult | None = None
-        error: str | None = None
+        failure: PipelineFailure | None = None
         try:
             result = manager.run(graph, ctx)
-        except PipelineFailure as failure:
-            error = str(failure)
+        except PipelineFailure as caught:
+            failure = caught
+        error = None if failure is None else str(failure)
         final = graph if graph.version != captured_version else original
         if self.dp is not None and error is None:
             try:
@@ -494,13 +544,31 @@ class MutwoOpt:
             raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "
                           "predicted other strides than the kernels produce: please report it)") from None
         if self.lead:
-            self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured, compiled)
-        if error is not None:
-            raise Failure(error)
+            files = self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured,
+                                       compiled)  # fmt: skip
+            self.log(f"wrote {out}/: {describe_files(files)}")
+        if failure is not None:
+            # A pass that crashed (not a PassFailure) is a bug to find: say where its traceback is.
+            hint = f"; {DEBUG_HINT}" if failure.crashed and not debug_enabled() else ""
+            raise Failure(f"{error}{hint}") from failure
         if report is not None and not report.equivalent:
             raise Failure(report.summary())
-        self.log(f"wrote {out}/ (summary.json, input.ir.txt, final.ir.txt, final_graph.py)")
         return EXIT_OK
+
+
+#: The files named first when a run says what it wrote (the rest are counted).
+MAIN_FILES = ("summary.json", "final.ir.txt", "final_graph.py", "plan.json", "swap_plan.json", "profile.json")
+#: What a failure inside a pass adds to its one line: where the traceback is.
+DEBUG_HINT = "run again with --debug for the traceback"
+
+
+def describe_files(files: list[str]) -> str:
+    """``12 files: summary.json, final.ir.txt, final_graph.py, plan.json and 8 more (listed in summary.json)``."""
+    main_files = [name for name in MAIN_FILES if name in files]
+    rest = len(files) - len(main_files)
+    if len(files) <= 6:
+        return f"{len(files)} files: " + ", ".join(main_files + [f for f in files if f not in main_files])
+    return f"{len(files)} files: {', '.join(main_files)} and {rest} more (listed in summary.json)"
 
 
 def _counts(graph: Graph) -> dict[str, Any]:

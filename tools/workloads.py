@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
+from mutwo.ir.registry import module_file
 from mutwo.runtime.training import TrainingOptions
 from mutwo.tools.config import OPTIMIZERS, Config, ConfigError
 
@@ -158,7 +159,7 @@ def _python(config: Config) -> Workload:
     target, _, function_name = spec.rpartition(":")
     if not target or not function_name:
         raise ConfigError(f"model.name {spec!r} must be 'package.module:function' or 'path/to/file.py:function'")
-    module = _import_target(target, config.path)
+    module = _import_target(target, config.path, function_name)
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ConfigError(f"'{target}' has no function '{function_name}'; check model.name")
@@ -179,7 +180,7 @@ def _python(config: Config) -> Workload:
     return Workload(model, batch, loss_fn)
 
 
-def _import_target(target: str, config_path: Path) -> Any:
+def _import_target(target: str, config_path: Path, function: str = "function") -> Any:
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_absolute():
@@ -201,7 +202,13 @@ def _import_target(target: str, config_path: Path) -> Any:
     try:
         return importlib.import_module(target)
     except ImportError as error:
-        raise ConfigError(f"cannot import model module '{target}': {error}") from None
+        hint = ""
+        if isinstance(error, ModuleNotFoundError) and error.name == target.split(".")[0]:
+            # A file is found beside the config or in the current folder, by the same relative name.
+            file = module_file(target, [config_path.parent, Path.cwd()])
+            hint = (f"; a file is named with its .py: model.name: {target.replace('.', '/')}.py:{function}"
+                    if file is not None else "; name an installed module, or a file as 'path/to/file.py:function'")
+        raise ConfigError(f"cannot import model module '{target}': {error}{hint}") from None
 
 
 def build_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:

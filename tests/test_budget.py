@@ -1,0 +1,50 @@
+"""Budgets and memory sizes as text: parsing them, and writing the numbers of a failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from mutwo.ir.budget import Budget, BudgetError, parse_bytes, reachable_budget, sizes
+
+MIB, KIB = 2**20, 2**10
+
+
+def test_sizes_are_mib_while_they_read_apart() -> None:
+    assert sizes(6 * MIB, int(6.4 * MIB), 10 * MIB) == ["6.0 MiB", "6.4 MiB", "10.0 MiB"]
+    assert sizes(3 * MIB, 3 * MIB) == ["3.0 MiB", "3.0 MiB"]  # equal counts may read the same
+
+
+def test_sizes_that_would_read_the_same_get_more_precision() -> None:
+    # budget 0.6 of a 0.44 MiB peak against a lowest peak of 0.34 MiB: both "0.3 MiB"
+    assert sizes(int(0.6 * 0.44 * MIB), int(0.34 * MIB)) == ["270.3 KiB", "348.2 KiB"]
+    assert sizes(400 * KIB, 400 * KIB + 10) == ["409600 B", "409610 B"]
+
+
+@pytest.mark.parametrize(("lowest", "unoptimized", "fraction"), [
+    (int(6.4 * MIB), 10 * MIB, "0.64"),  # 0.64 of the peak is a byte short of 6.4 MiB: still enough
+    (650, 1000, "0.65"),
+    (651, 1000, "0.66"),
+    (1000, 1000, "1"),
+])  # fmt: skip
+def test_the_reachable_budget_is_the_smallest_hundredth_that_holds_the_lowest_peak(
+        lowest: int, unoptimized: int, fraction: str) -> None:  # fmt: skip
+    fix = reachable_budget(lowest, unoptimized, "X")
+    assert fix == f"ask for budget 'min' or a budget of at least {fraction} (X)"
+    assert Budget(fraction=float(fraction)).resolve(unoptimized) >= lowest
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("lots", "'lots' is not a memory size: give bytes with a unit, like 16GiB"),
+    ("min", "'min' is not a memory size"),
+    ("0.5", "'0.5' is not a memory size"),
+    ("16GiBs", "'16GiBs' has unknown unit 'GiBs'; use B, KiB, MiB, GiB, KB, MB or GB"),
+])  # fmt: skip
+def test_a_memory_size_is_refused_as_a_memory_size_not_a_budget(text: str, message: str) -> None:
+    with pytest.raises(BudgetError) as error:
+        parse_bytes(text)
+    assert str(error.value) == message or str(error.value).startswith(message)
+    assert "budget" not in str(error.value)
+
+
+def test_a_memory_size() -> None:
+    assert parse_bytes("16GiB") == 16 * 2**30
