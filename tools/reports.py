@@ -41,10 +41,13 @@ def memory_timeline(path: Path, graph: Graph, simulation: MemorySimulation, prof
     nodes = graph.nodes
     figure, axes = plt.subplots(figsize=(12, 4.5))
     start = 0
+    labelled = set()  # one legend entry per phase: optimizer-in-backward interleaves many spans
     for index in range(1, len(nodes) + 1):
         if index == len(nodes) or nodes[index].phase is not nodes[start].phase:
             phase = nodes[start].phase
-            axes.axvspan(start, index - 1, color=PHASE_COLOURS[phase], label=phase.value)
+            axes.axvspan(start, index - 1, color=PHASE_COLOURS[phase],
+                         label=None if phase in labelled else phase.value)  # fmt: skip
+            labelled.add(phase)
             start = index
     axes.plot(range(len(simulation.curve)), [b / MIB for b in simulation.curve], color="#1f77b4", lw=1.2,
               label="simulated")  # fmt: skip
@@ -54,7 +57,7 @@ def memory_timeline(path: Path, graph: Graph, simulation: MemorySimulation, prof
                   if n.id in profile.nodes and profile.nodes[n.id].peak is not None]  # fmt: skip
         axes.plot([p[0] for p in points], [p[1] for p in points], color="#d62728", lw=0.8, alpha=0.8,
                   label="measured (peak inside each op)")  # fmt: skip
-    axes.annotate(f"peak {simulation.peak_bytes / MIB:.0f} MiB\n%{simulation.peak_node} ({simulation.peak_phase})",
+    axes.annotate(f"peak {simulation.peak_bytes / MIB:.3g} MiB\n%{simulation.peak_node} ({simulation.peak_phase})",
                   xy=(simulation.peak_rank, simulation.peak_bytes / MIB), xytext=(10, -30),
                   textcoords="offset points", arrowprops={"arrowstyle": "->"})  # fmt: skip
     axes.set_xlabel("node (execution order)")
