@@ -201,6 +201,7 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
                        frozenset(planner.graphs))  # fmt: skip
         result.tried.extend(found.tried)
+        result.stopped_at_max_batch = found.capped
         progress(result)
         if found.best is None or (fitting is not None and found.best.batch_size <= fitting.batch_size):
             break  # nothing new to measure at this budget

@@ -103,6 +103,7 @@ class Search:
     tried: list[FitPoint] = field(default_factory=list)
     best: FitPoint | None = None
     failure: str = ""
+    capped: bool = False  #: the best is MAX_BATCH, the largest size the search tries: larger may fit too
 
 
 @dataclass
@@ -121,6 +122,8 @@ class FitResult:
     measured_peak: int | None = None  #: of the batch found
     measured_seconds: float | None = None
     failure: str = ""  #: why no batch was found ('' when one was)
+    #: the batch found is MAX_BATCH, the largest the search tries: a larger one may fit too
+    stopped_at_max_batch: bool = False
     assumptions: str = ASSUMPTIONS
 
     def to_json(self) -> dict[str, Any]:
@@ -168,6 +171,7 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
         found.failure = f"not even batch size 1 fits in {mib(budget)}: {cache[1].note}"
         return found
     found.best = cache[low]
+    found.capped = low == MAX_BATCH
     return found
 
 

@@ -13,6 +13,8 @@ from mutwo.ir.memory import simulate
 from mutwo.passes.select import SelectPass
 from mutwo.runtime.api import CapturedGraph
 from mutwo.runtime.fit import FitError, FitPoint, FitResult, Measure, Measured, search
+from mutwo.runtime.fit_search import MAX_BATCH
+from mutwo.tools.fit import summary
 from mutwo.tools.mutwo_opt import main
 from tests import models
 
@@ -50,6 +52,14 @@ def test_search_stops_at_the_largest_batch_it_may_try() -> None:
     found = search(_linear(1, 0, 10**9), 3, 10**9, max_batch=40)
     assert found.best is not None and found.best.batch_size == 40
     assert search(_linear(1, 0, 10**9), 3, 10**9, max_batch=0).failure
+
+
+def test_search_says_when_it_stops_at_the_largest_batch_it_tries(tmp_path: Path) -> None:
+    found = search(_linear(1, 0, 10**12), 3, 10**12)
+    assert found.best is not None and found.best.batch_size == MAX_BATCH and found.capped
+    assert not search(_linear(100, 10_000, 10_000 + 300 * 100), 64, 10_000 + 300 * 100).capped
+    result = FitResult(10**12, 3, 0.1, 9 * 10**11, best=found.best, tried=found.tried, stopped_at_max_batch=True)
+    assert f"the search stops at batch {MAX_BATCH:,}, and a larger one may fit too" in summary(result, "1TB", tmp_path)
 
 
 def test_search_says_when_not_even_one_sample_fits() -> None:
