@@ -33,6 +33,7 @@ from mutwo.ir.budget import Budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
+from mutwo.ir.printer import print_graph
 from mutwo.runtime.backends import CompiledStep, backend_services
 from mutwo.runtime.profiler import cpu_iteration_peak, device_bytes, device_of, measure_iterations
 
@@ -216,9 +217,11 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
 
     profile = first.ctx.artifacts["profile"]
     planning = PassManager([p for p in manager.passes if "profile" not in type(p).provides], manager.instrumentation)
-    tried: list[Calibrated] = []
+    #: each plan measured, by its graph's text: a budget moved by less than the plan's granularity
+    #: plans the same graph again, whose compile (minutes on a real model) and peak are known
+    measured: dict[str, tuple[CalibrationRound, Calibrated]] = {}
 
-    def replan(budget_bytes: int, folder: Path | None) -> Calibrated | None:
+    def plan(budget_bytes: int, folder: Path | None) -> tuple[Graph, PassContext] | None:
         graph = original.copy()
         ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log)
         ctx.services.update(backend_services(first.compiled.backend))  # as for the first plan
@@ -227,23 +230,35 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
             planning.run(graph, ctx)
         except PipelineFailure:  # a budget out of reach: the rounds so far stand
             return None
-        return Calibrated(graph, compile_graph(graph), ctx)
+        return graph, ctx
 
     def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, Calibrated] | None:
-        made = first if not tried else replan(budget_bytes, None)
-        if made is None:
-            return None
-        tried.append(made)
+        if measured:
+            planned = plan(budget_bytes, None)
+            if planned is None:
+                return None
+            text = print_graph(planned[0])
+            if text in measured:
+                same, made = measured[text]
+                log(f"peak calibration: {budget_bytes / 2**20:,.1f} MiB plans the graph planned for "
+                    f"{same.budget_bytes / 2**20:,.1f} MiB; not compiled or measured again")  # fmt: skip
+                return CalibrationRound(budget_bytes, same.planned_peak_bytes, same.measured_peak_bytes,
+                                        same.unoptimized_peak_bytes), made  # fmt: skip
+            made = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
+        else:
+            made, text = first, print_graph(first.graph)
         peak = measured_peak(made.compiled.run, lowered.inputs)
-        plan = pipeline_plan(made.ctx.artifacts)
-        return CalibrationRound(budget_bytes, plan.predicted_peak, peak, plan.unoptimized_peak), made
+        made_plan = pipeline_plan(made.ctx.artifacts)
+        measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak,
+                                          made_plan.unoptimized_peak), made  # fmt: skip
+        return measured[text]
 
     calibration = calibrate(pipeline_plan(first.ctx.artifacts).budget_bytes, rounds, plan_and_measure, log)
     log(calibration.summary())
     kept = calibration.step
-    if kept is not first:
-        rewritten = replan(calibration.rounds[calibration.chosen].budget_bytes, out_dir)
-        assert rewritten is not None  # the same budget planned before
-        kept = rewritten
+    if kept is not first:  # its passes again, writing their files; the same graph, Inductor's cache compiles it
+        planned = plan(calibration.rounds[calibration.chosen].budget_bytes, out_dir)
+        assert planned is not None  # the same budget planned before
+        kept = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
     kept.calibration = calibration
     return kept
