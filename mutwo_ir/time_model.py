@@ -127,6 +127,14 @@ class TimeModel:
             if fused else {}  # fmt: skip
         return cls(profile, scale, idle, fused, pointwise)
 
+    def iteration_seconds(self) -> float:
+        """The profiled graph's iteration as this model prices it: the measured iteration where
+        there is one (CUDA), else the summed times of the nodes that do work (on CPU a view's
+        measured microseconds are the host's, and the model prices it at nothing), so that a plan's
+        predicted time and its baseline are on one scale."""
+        working = sum(p.seconds for node_id, p in self.profile.nodes.items() if node_id not in self.idle)
+        return self.scale * working
+
     def node_seconds(self, node_id: int, from_stats: bool = False) -> float:
         """Device seconds of the profiled node ``node_id``; ``from_stats``: of its replay from the
         statistics it saved (a training batch norm recomputed that way)."""

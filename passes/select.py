@@ -38,7 +38,7 @@ class PlanData:
     predicted_peak: int
     predicted_peak_node: int
     predicted_peak_phase: str
-    base_seconds: float  #: the unoptimized iteration (measured on CUDA, summed over nodes on CPU)
+    base_seconds: float  #: the unoptimized iteration, priced by the time model (measured on CUDA)
     met: bool  #: whether the predicted peak is within the budget (always, for ``min``)
 
     def to_json(self) -> dict[str, Any]:
@@ -469,7 +469,7 @@ class SelectPass(Pass):
                 if candidate.key in shared else None,
             })  # fmt: skip
         added = sum(time_model.block_seconds(block) for block in blocks)
-        iteration = time_model.profile.iteration_seconds()
+        iteration = time_model.iteration_seconds()
         return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
                     exact.peak_phase, iteration, exact.peak_bytes <= budget_bytes or budget.minimum, added, entries,
                     predicted_breakdown=dict(exact.breakdown), clones=sum(len(b.nodes) for b in blocks))

@@ -70,10 +70,13 @@ class SwapPlan(PlanData):
     def summary(self) -> str:
         swapped = sum(e["bytes"] for e in self.of(SWAP)) / MIB
         predicted, unoptimized, budget = sizes(self.predicted_peak, self.unoptimized_peak, self.budget_bytes)
+        overlap = "" if self.transfer.get("overlap", True) else \
+            f", which do not overlap compute on {self.transfer.get('device') or 'this device'}"  # fmt: skip
         return (f"swap {len(self.of(SWAP))} activations ({swapped:.1f} MiB), recompute {len(self.of(RECOMPUTE))}, "
                 f"keep {self.kept}: predicted peak {predicted} (unoptimized {unoptimized}, budget {budget}), "
-                f"predicted {self.predicted_seconds * 1e3:.1f} ms per iteration (+{self.recompute_seconds * 1e3:.1f} "
-                f"ms recompute, +{self.stall_seconds * 1e3:.1f} ms stalled on copies)")  # fmt: skip
+                f"predicted {self.predicted_seconds * 1e3:.1f} ms per iteration against {self.base_seconds * 1e3:.1f} "
+                f"ms unoptimized (+{self.recompute_seconds * 1e3:.2f} ms recompute, +{self.stall_seconds * 1e3:.2f} ms "
+                f"stalled on copies{overlap})")  # fmt: skip
 
     def csv(self) -> str:
         out = io.StringIO()
@@ -429,7 +432,7 @@ class SelectSwapPass(Pass):
             entries.append(entry)
         clones = {clone for copies in best.rewrite.clones.values() for clone in copies}
         added = sum(seconds(best.graph.node(clone)) for clone in clones)
-        iteration = seconds.profile.iteration_seconds()
+        iteration = seconds.iteration_seconds()
         exact = best.simulation
         met = exact.peak_bytes <= budget_bytes or budget.minimum
         return SwapPlan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes,
