@@ -155,7 +155,8 @@ def one_line(err: str, kind: str = "error") -> str:
 
 
 def assert_nothing_written(out: Path) -> None:
-    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+    """Not even an empty output folder."""
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
 def expect_usage_error(capsys: pytest.CaptureFixture[str], out: Path, *argv: str | Path) -> str:

@@ -505,8 +505,6 @@ class MutwoOpt:
                 raise UsageError(str(error)) from None
         self.gradient_buckets = lowered.binding.gradient_buckets
         graph, inputs = lowered.graph, lowered.inputs
-        if self.lead:
-            out.mkdir(parents=True, exist_ok=True)
         original = graph.copy()
         captured_version = graph.version
         ctx = pass_context(lowered, config.budget, out_dir=out if self.lead else None, log=self.log)
@@ -516,6 +514,8 @@ class MutwoOpt:
             artifact = self.load_artifact(graph, option, filename, maker, cls)
             if artifact is not None:
                 ctx.artifacts[key] = artifact
+        if self.lead:  # after the reused files are checked: a refused one leaves no empty folder
+            out.mkdir(parents=True, exist_ok=True)
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
         try:
