@@ -120,7 +120,7 @@ class TimeModel:
         """The model of ``graph`` (the graph ``profile`` was measured on); ``fused``: price
         recompute blocks as Inductor fuses them."""
         idle = frozenset(n.id for n in graph if n.id in profile.nodes and not device_work(n, profile.device))
-        working = sum(p.seconds for node_id, p in profile.nodes.items() if node_id not in idle)
+        working = _working_seconds(profile, idle)
         iteration = profile.iteration.seconds if profile.iteration is not None else None
         scale = iteration / working if iteration and working > 0 else 1.0
         pointwise = {n.id: producer_paths(n) for n in graph if n.op == "call_function" and is_pointwise(n.target)} \
@@ -132,8 +132,7 @@ class TimeModel:
         there is one (CUDA), else the summed times of the nodes that do work (on CPU a view's
         measured microseconds are the host's, and the model prices it at nothing), so that a plan's
         predicted time and its baseline are on one scale."""
-        working = sum(p.seconds for node_id, p in self.profile.nodes.items() if node_id not in self.idle)
-        return self.scale * working
+        return self.scale * _working_seconds(self.profile, self.idle)
 
     def node_seconds(self, node_id: int, from_stats: bool = False) -> float:
         """Device seconds of the profiled node ``node_id``; ``from_stats``: of its replay from the
@@ -171,6 +170,11 @@ class TimeModel:
         if self.fused and fused_clone(node):
             return 0.0
         return self.node_seconds(node.origin, node.target is batch_norm_from_stats)
+
+
+def _working_seconds(profile: Any, idle: frozenset[int]) -> float:
+    """The measured times of the profiled nodes that do device work, summed."""
+    return sum(p.seconds for node_id, p in profile.nodes.items() if node_id not in idle)
 
 
 def fused_clone(node: Node) -> bool:

@@ -327,17 +327,22 @@ def _frozen(value: Any) -> Any:
 HYPERPARAMETERS_CHANGED = "the optimizer's"
 
 
+def _fields(key: tuple[Any, ...]) -> dict[str, Any]:
+    """A key of :meth:`MutwoStep.prepare` (:func:`capture_key`'s name, value, ... and the micro-batch's)
+    as a dict by field name."""
+    return dict(zip(key[::2], key[1::2], strict=True))
+
+
 def _describe_change(steps: dict[tuple[Any, ...], Any], key: tuple[Any, ...], batch: Any) -> str:
     """What differs from the nearest graph captured before (the one that differs in fewest of
     :func:`capture_key`'s fields), in words."""
-    fields = dict(zip(key[::2], key[1::2], strict=True))
+    fields = _fields(key)
 
-    def differing(other: tuple[Any, ...]) -> list[str]:
-        before = dict(zip(other[::2], other[1::2], strict=True))
-        return [name for name, value in fields.items() if before.get(name) != value]
+    def differing(other: dict[str, Any]) -> list[str]:
+        return [name for name, value in fields.items() if other.get(name) != value]
 
-    previous_key = min((k for k in steps if k != key), key=lambda k: len(differing(k)))
-    previous, changed = dict(zip(previous_key[::2], previous_key[1::2], strict=True)), differing(previous_key)
+    previous = min((_fields(k) for k in steps if k != key), key=lambda other: len(differing(other)))
+    changed = differing(previous)
     said = []
     if "batch" in changed:
         said.append(f"a batch of another shape ({_describe(batch)})")

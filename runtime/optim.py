@@ -151,6 +151,12 @@ def scheduled_entries(group: dict[str, Any]) -> list[ScheduledEntry]:
     return entries
 
 
+def _value_of(group: dict[str, Any], entry: ScheduledEntry) -> Any:
+    """The group's value of one scheduled hyperparameter (an entry of ``betas`` by its index)."""
+    key, index = entry
+    return group[key] if index is None else group[key][index]
+
+
 def scheduled_label(entry: ScheduledEntry, group_index: int) -> str:
     """The input's label: ``lr:group0``, ``momentum:group0``, ``betas[0]:group0``."""
     key, index = entry
@@ -162,8 +168,8 @@ def scheduled_inputs(group: dict[str, Any]) -> list[torch.Tensor]:
     number as a CPU tensor whose ``.item()`` is that very number (float64 for a float, int64 for
     an int: the step computes with the number eager would), a tensor learning rate as it is."""
     values = []
-    for key, index in scheduled_entries(group):
-        value = group[key] if index is None else group[key][index]
+    for entry in scheduled_entries(group):
+        key, value = entry[0], _value_of(group, entry)
         if isinstance(value, torch.Tensor):
             values.append(value.detach().reshape(()).clone())
         else:
@@ -176,9 +182,8 @@ def scheduled_kinds(group: dict[str, Any]) -> dict[str, str]:
     """For the hyperparameters of ``group`` that are graph inputs, the Python type of their values
     (a graph is specific to those types, not to the values)."""
     kinds: dict[str, list[str]] = {}
-    for key, index in scheduled_entries(group):
-        value = group[key] if index is None else group[key][index]
-        kinds.setdefault(key, []).append(type(value).__name__)
+    for entry in scheduled_entries(group):
+        kinds.setdefault(entry[0], []).append(type(_value_of(group, entry)).__name__)
     return {key: ",".join(names) for key, names in kinds.items()}
 
 

@@ -23,7 +23,7 @@ qualifies, the step with the lowest measured peak is kept and the result says so
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -242,8 +242,7 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
                 same, made = measured[text]
                 log(f"peak calibration: {budget_bytes / 2**20:,.1f} MiB plans the graph planned for "
                     f"{same.budget_bytes / 2**20:,.1f} MiB; not compiled or measured again")  # fmt: skip
-                return CalibrationRound(budget_bytes, same.planned_peak_bytes, same.measured_peak_bytes,
-                                        same.unoptimized_peak_bytes), made  # fmt: skip
+                return replace(same, budget_bytes=budget_bytes), made
             made = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
         else:
             made, text = first, print_graph(first.graph)

@@ -224,15 +224,20 @@ def test_state_dict_round_trips_both_ways(config: str) -> None:
     assert first_difference(third, third_opt, reference, ref_opt) is None
 
 
-def test_a_scheduler_drives_the_captured_step() -> None:
+def _scheduled_side_by_side(make: MakeOptimizer, schedule: Callable[[torch.optim.Optimizer], object], steps: int,
+                            after_step: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None) -> tuple[
+        torch.optim.Optimizer, torch.optim.Optimizer, str | None]:  # fmt: skip
+    """Train through mutwo and eagerly side by side for ``steps``, each optimizer with its own
+    scheduler made by ``schedule`` and stepped after every step; ``after_step`` sees mutwo's
+    optimizer after each. Returns both optimizers and the first difference (None: bitwise equal)."""
     torch.manual_seed(0)
     mine = _Dots()
     eager = copy.deepcopy(mine)
-    my_opt, eager_opt = optim.NAdam(mine.parameters(), lr=1e-2), optim.NAdam(eager.parameters(), lr=1e-2)
-    schedulers = [optim.lr_scheduler.CosineAnnealingLR(o, T_max=4) for o in (my_opt, eager_opt)]
+    my_opt, eager_opt = make(mine.parameters()), make(eager.parameters())
+    schedulers = [schedule(o) for o in (my_opt, eager_opt)]
     step = optimize(mine, my_opt, _batch(torch.Generator().manual_seed(0)), _loss, passes="stats")
     generator = torch.Generator().manual_seed(5)
-    for _ in range(5):
+    for _ in range(steps):
         batch = _batch(generator)
         step(batch)
         schedulers[0].step()
@@ -240,8 +245,15 @@ def test_a_scheduler_drives_the_captured_step() -> None:
         eager(*batch).backward()
         eager_opt.step()
         schedulers[1].step()
+        after_step(my_opt)
+    return my_opt, eager_opt, first_difference(mine, my_opt, eager, eager_opt)
+
+
+def test_a_scheduler_drives_the_captured_step() -> None:
+    my_opt, eager_opt, difference = _scheduled_side_by_side(
+        lambda p: optim.NAdam(p, lr=1e-2), lambda o: optim.lr_scheduler.CosineAnnealingLR(o, T_max=4), 5)
     assert my_opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"] != 1e-2
-    assert first_difference(mine, my_opt, eager, eager_opt) is None
+    assert difference is None
 
 
 @pytest.mark.parametrize("make", [lambda p: optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
@@ -253,27 +265,17 @@ def test_one_cycle_changes_momentum_every_step_without_a_capture_again(make: Mak
     captures = []
     planning = api.optimize_graph
     monkeypatch.setattr(api, "optimize_graph", lambda *a, **k: captures.append(1) or planning(*a, **k))
-    torch.manual_seed(0)
-    mine = _Dots()
-    eager = copy.deepcopy(mine)
-    my_opt, eager_opt = make(mine.parameters()), make(eager.parameters())
-    schedulers = [optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=8) for o in (my_opt, eager_opt)]
-    step = optimize(mine, my_opt, _batch(torch.Generator().manual_seed(0)), _loss, passes="stats")
-    generator = torch.Generator().manual_seed(5)
     seen = set()
-    for _ in range(7):
-        batch = _batch(generator)
-        step(batch)
-        schedulers[0].step()
-        eager_opt.zero_grad()
-        eager(*batch).backward()
-        eager_opt.step()
-        schedulers[1].step()
-        group = my_opt.param_groups[0]
+
+    def note_momentum(optimizer: torch.optim.Optimizer) -> None:
+        group = optimizer.param_groups[0]
         seen.add(group.get("momentum", group.get("betas", (None,))[0]))
+
+    _, _, difference = _scheduled_side_by_side(
+        make, lambda o: optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=8), 7, note_momentum)
     assert len(seen) >= 5, f"the scheduler should change the momentum at nearly every step: {sorted(seen)}"
     assert len(captures) == 1, f"captured {len(captures)} times"
-    assert first_difference(mine, my_opt, eager, eager_opt) is None
+    assert difference is None
 
 
 def test_a_hyperparameter_read_at_capture_warns_when_it_changes() -> None:

@@ -157,7 +157,19 @@ def test_batch_norm_is_replayed_from_its_saved_statistics() -> None:
 def test_every_batch_norm_output_recomputed_is_replayed_bitwise_on_the_cpu() -> None:
     """Each batch norm's output recomputed, planned directly (which ones ``min`` picks depends on
     the measured times): every block replays from the saved statistics, and the step is bitwise."""
-    workload = models.cnn(batch_size=16)
+    lowered, original, recomputed = _every_batch_norm_recomputed(models.cnn(batch_size=16))
+    graph = lowered.graph
+    clones = collections.Counter(n.target for n in graph if n.origin is not None)
+    assert clones[batch_norm_from_stats] == recomputed and clones[torch.ops.aten.native_batch_norm.default] == 0
+    report = check_graphs(original, graph, lowered.inputs)
+    assert report.equivalent and report.bitwise, report.summary()
+
+
+def _every_batch_norm_recomputed(workload: models.Workload) -> tuple[Any, Graph, int]:
+    """The captured CNN step (SGD with momentum) with each training batch norm's output recomputed,
+    planned directly (the greedy may not choose them on a tiny model, and which it chooses depends
+    on the measured times): the lowered step, the graph before, and how many outputs. Asserts that
+    every block replays from the saved statistics and that the rewritten graph verifies."""
     lowered = capture_graph(workload.model, torch.optim.SGD(workload.model.parameters(), lr=0.1, momentum=0.9),
                             workload.batch, workload.loss_fn)  # fmt: skip
     graph, original = lowered.graph, lowered.graph.copy()
@@ -167,10 +179,7 @@ def test_every_batch_norm_output_recomputed_is_replayed_bitwise_on_the_cpu() -> 
     assert blocks and all(block.from_stats for block in blocks)
     insert_blocks(graph, blocks)
     verify(graph)
-    clones = collections.Counter(n.target for n in graph if n.origin is not None)
-    assert clones[batch_norm_from_stats] == len(outputs) and clones[torch.ops.aten.native_batch_norm.default] == 0
-    report = check_graphs(original, graph, lowered.inputs)
-    assert report.equivalent and report.bitwise, report.summary()
+    return lowered, original, len(outputs)
 
 
 # == what the checks catch and what is refused =====================================================
@@ -296,15 +305,6 @@ def test_cuda_batch_norm_replay_passes_check_within_tolerance() -> None:
     """On CUDA the replay is ``batch_norm_elemt``, which matches cuDNN's kernel only to rounding at
     some shapes: --check compares with tolerance when such a clone is in the graph, and says so.
     Each batch norm's output is recomputed here (the greedy may not choose them on a tiny model)."""
-    workload = _on_cuda(models.cnn(batch_size=16))
-    lowered = capture_graph(workload.model, torch.optim.SGD(workload.model.parameters(), lr=0.1, momentum=0.9),
-                            workload.batch, workload.loss_fn)  # fmt: skip
-    graph, original = lowered.graph, lowered.graph.copy()
-    outputs = [StorageKey(n.id, 0) for n in graph if training_batch_norm_stats(n) is not None]
-    assert outputs, "no training batch norm in the captured graph"
-    blocks = Recompute(graph, liveness_of(graph, PassContext())).plan(outputs)
-    assert all(block.from_stats for block in blocks)
-    insert_blocks(graph, blocks)
-    verify(graph)
-    report = check_graphs(original, graph, lowered.inputs)
+    lowered, original, _ = _every_batch_norm_recomputed(_on_cuda(models.cnn(batch_size=16)))
+    report = check_graphs(original, lowered.graph, lowered.inputs)
     assert report.equivalent and not report.bitwise, report.summary()
