@@ -8,18 +8,20 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Still owed, in order (issues 17 and 18):
-#   swap-trace   why the swap+recompute plan under Inductor ran 140.4 ms where it was predicted at
-#                124.9 ms (2026-11-24): the swap study's per-stream trace of that row (compare.py
-#                --trace --variants mutwo@inductor-eager0.5,mutwo-swap@inductor-eager0.5, one run,
-#                side by side as issue 18 asks; ~15 min, start it)
+# Still owed (issues 17 and 18): nothing queued. Worth measuring next: ResNet-152-cl b128 at half of
+# eager's peak with select-swap's min_gain (swap-inductor-cl-half), which should now keep recompute
+# only; and BERT-base b64 at checkpointing's peak with --calibrate-peak 3 (599.8 ms, 5.1 ms over
+# issue 17's target, peaked 0.8% under the budget).
+# Done on 2026-11-24, fifth session (bench/results/issue17_h100_swap_bert/, issue18_h100_swap_trace/,
+# time_model/isolate_*; docs/benchmarks.md "BERT swap under Inductor and the ResNet swap trace"):
+#   tests        the CUDA tests: 32 passed                                                   ~3 min
 #   swap-inductor-bert  BERT-base b64 at checkpointing's peak: recompute-only against swap+recompute,
-#                both Inductor, calibrated (recompute-only was 634.9 ms on 2026-11-24; the
-#                target of issue 17 is <= 594.7 ms) (start it)                               ~16 min
-# Optional (the time model; not an issue's target):
-#   isolate      GPT-2 b8 recompute plans profiled with and without isolated op times
-#                (profile{isolate=true}); does the predicted time come within 10%, and does the
-#                plan get faster at checkpointing's peak?                                    ~5 min
+#                both Inductor, calibrated; the machine went back after its first row     ~16 min
+#   swap-inductor-bert-swap  its swap row alone: 599.8 ms (recompute only: 627.3 ms)         ~7 min
+#   swap-trace   ResNet-152-cl b128 at half of eager's peak, recompute-only and swap rows traced
+#                per stream (compare.py --trace), one run                                  ~9 min
+#   isolate      GPT-2 b8 recompute plans profiled with and without isolated op times          ~5 min
+#   swap-inductor-bert-isolate  swap-inductor-bert's two rows with --isolate-profile          ~10 min
 # Done on 2026-11-24, third session (bench/results/issue18_h100_swap_inductor/; docs/benchmarks.md
 # "Swap and fused pricing under Inductor"):
 #   tests        the CUDA tests, with a swap plan compiled by Inductor: 32 passed            ~3 min
@@ -78,7 +80,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -180,6 +182,14 @@ case "$section" in
   swap-inductor-bert)
     timeout 2000 python3 bench/compare.py --out "$OUT/swap_inductor_bert_b64.json" --models bert:64 --timeout 950 \
       --calibrate-peak 2 --variants mutwo@inductor-checkpoint,mutwo-swap@inductor-checkpoint \
+      --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
+  swap-inductor-bert-swap)
+    timeout 1200 python3 bench/compare.py --out "$OUT/swap_inductor_bert_b64_swap.json" --models bert:64 --timeout 1150 \
+      --calibrate-peak 2 --variants mutwo-swap@inductor-checkpoint \
+      --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
+  swap-inductor-bert-isolate)
+    timeout 2000 python3 bench/compare.py --out "$OUT/swap_inductor_bert_b64_isolate.json" --models bert:64 --timeout 950 \
+      --calibrate-peak 2 --isolate-profile --variants mutwo-swap@inductor-checkpoint,mutwo@inductor-checkpoint \
       --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
   tests-17)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \

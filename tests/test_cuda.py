@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -121,3 +123,63 @@ def test_cuda_isolated_profile_times_kernels_not_the_hosts_launches() -> None:
     assert views
     assert max(isolated.seconds(v) for v in views) < 5e-6 < sorted(plain.seconds(v) for v in views)[len(views) // 2]
     assert sum(p.seconds for p in isolated.nodes.values()) < sum(p.seconds for p in plain.nodes.values())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_one_cycle_on_the_gpu_is_captured_once_and_trains_like_eager(optimizer: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """OneCycleLR changes the learning rate and momentum (SGD) or betas[0] (AdamW) at every step:
+    on CUDA the non-capturable optimizers read them as host numbers fed to the graph, so the step
+    is captured once and stays bitwise equal to eager with deterministic kernels."""
+    from mutwo.runtime import api
+
+    captures = []
+    planning = api.optimize_graph
+    monkeypatch.setattr(api, "optimize_graph", lambda *a, **k: captures.append(1) or planning(*a, **k))
+
+    mine, eager = _on_cuda(models.bert()), _on_cuda(models.bert())
+    my_opt, eager_opt = (models.OPTIMIZERS[optimizer](w.model.parameters()) for w in (mine, eager))
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=8) for o in (my_opt, eager_opt)]
+    with deterministic_algorithms():
+        step = api.optimize(mine.model, my_opt, mine.batch, mine.loss_fn, budget="min")
+        for iteration in range(6):
+            torch.manual_seed(iteration)
+            loss = step(mine.batch)
+            torch.manual_seed(iteration)
+            expected = models.eager_step(eager, eager_opt)
+            for scheduler in schedulers:
+                scheduler.step()
+            torch.testing.assert_close(loss, expected, rtol=0, atol=0, msg=f"iteration {iteration}")
+    assert len(captures) == 1, f"captured {len(captures)} times"
+    for (name, p), (_, q) in zip(mine.model.named_parameters(), eager.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_planning_on_the_gpu_leaves_the_random_stream_to_training() -> None:
+    """Seeded once: profiling and the check run the graph on the GPU and reseed, and still every
+    dropout mask of training is the one eager training draws (the GPU's generator is kept too)."""
+    from mutwo.runtime.api import optimize
+
+    torch.manual_seed(0)
+    mine = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                               torch.nn.Linear(256, 8)).cuda()  # fmt: skip
+    eager = copy.deepcopy(mine)
+    batches = [torch.randn(32, 64, device="cuda") for _ in range(3)]
+    my_opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (mine, eager))
+
+    def loss_of(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return output.square().mean()
+
+    with deterministic_algorithms():
+        torch.manual_seed(1)
+        step = optimize(mine, my_opt, (batches[0],), loss_of, check=True)
+        losses = [step((batch,)) for batch in batches]
+        torch.manual_seed(1)
+        expected = []
+        for batch in batches:
+            eager_opt.zero_grad()
+            loss = loss_of(eager(batch), batch)
+            loss.backward()
+            eager_opt.step()
+            expected.append(loss.detach())
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
