@@ -39,7 +39,7 @@ from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.equivalence import Tolerance
 from mutwo.runtime.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
 from mutwo.runtime.swap_inductor import SWAP_RULE_VERSION, compiled_swap_ops, offloaded_buffers_kept_from_reuse
-from mutwo.runtime.tracing import quiet_torch_errors
+from mutwo.runtime.tracing import quiet_loggers, quiet_torch_errors
 
 #: Inputs the step updates in place and keeps at their address from call to call.
 STATE_KINDS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.OPTIMIZER_STATE})
@@ -161,6 +161,12 @@ def swap_refusal(backend: str) -> str:
             "eager or inductor, or plan with select,rewrite instead of swap")
 
 
+#: Inductor's C++ builder imports torch.utils.cpp_extension, which warns once per process, on a
+#: machine with a CUDA toolkit but no GPU, "No CUDA runtime is found, using CUDA_HOME=...": nothing a
+#: user compiling for the CPU can act on, and the line that broke mutwo-opt's one-line errors.
+CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"
+
+
 def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend: str, graph: Graph) -> CompiledStep:
     """Make ``module`` (``graph``, a whole iteration, lowered by ``to_fx``; inputs in slot order)
     runnable by ``backend``.
@@ -248,7 +254,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
         rules = phases_arrived(SWAP_RULE_VERSION if swaps else "")
         with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": rules}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
-                quiet_torch_errors():
+                quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER):
             compiled = compile_fx(module, fakes)
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -53,14 +53,24 @@ def quiet_torch_errors() -> Iterator[None]:
     """Keep torch's fake-tensor logger from printing a traceback when an op's meta function fails
     while tracing: the failure reaches mutwo, which explains it in one sentence (``MUTWO_DEBUG=1``
     keeps torch's log)."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
+    with quiet_loggers("torch._subclasses.fake_tensor"):
+        yield
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """Silence torch's loggers ``names`` (but their critical records) while inside, unless
+    ``MUTWO_DEBUG=1``: for messages that say nothing a mutwo user can act on."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
     if not debug_enabled():
-        logger.setLevel(logging.CRITICAL)
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def forbid_value_dependent_shapes() -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 
 import mutwo.ir.registry as registry_module
 from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
+from mutwo.runtime.backends import BackendError
 from mutwo.tools.config import DEFAULT_PIPELINE
 from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
@@ -574,7 +577,7 @@ def test_requirement_provided_later_is_still_unmet(workdir: Path, capsys: pytest
 
 def test_print_ir_after_an_unknown_pass(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, workdir / "out", "--print-ir-after", "dec", good_config(workdir))
-    assert "--print-ir-after names unknown pass 'dec'" in line and "--list-passes" in line
+    assert "--print-ir-after names unknown pass 'dec'; did you mean 'dce'?" in line and "--list-passes" in line
 
 
 def test_load_passes_of_a_missing_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -685,6 +688,75 @@ def test_a_reused_file_is_checked_before_the_capture(option: str, workdir: Path,
     assert f"{option}: '{workdir / 'nothere.json'}' does not exist; give the " in line
     line = expect_usage_error(capsys, workdir / "out", "-p", pipeline, option, workdir, config)
     assert f"{option}: '{workdir}' is a directory, not a file" in line
+
+
+def test_a_plan_no_pass_reads(planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "stats",
+                              "--plan-from", planned / "plan.json", TINY_MLP)  # fmt: skip
+    assert "--plan-from gives a plan, but no pass of this pipeline (stats) reads one" in line
+    assert "-p rewrite --plan-from FILE" in line
+
+
+def test_a_reused_file_of_the_wrong_kind_is_named(planned: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A swap plan or a plan where a profile is wanted: named for what it is, before the capture."""
+    swapped = tmp_path / "swapped"
+    code, _, err = run_cli(capsys, "-q", "--device", "cpu", "--batch-size", "64", "--budget", "0.85", "-p",
+                           "profile,swap", "-o", swapped, TINY_MLP)  # fmt: skip
+    assert code == EXIT_OK, err
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
+                              "--plan-from", swapped / "swap_plan.json", TINY_MLP)  # fmt: skip
+    assert f"{swapped / 'swap_plan.json'} is a swap_plan.json written by the select-swap pass, not a plan.json" in line
+    assert "plan again with -p swap --profile-from its run's profile.json" in line
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p",
+                              "select,rewrite", "--profile-from", planned / "plan.json", TINY_MLP)  # fmt: skip
+    assert "is a plan.json written by the select pass, not a profile.json" in line
+
+
+def test_a_backend_refusal_after_the_passes_leaves_nothing_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A backend refuses the final graph only once the passes have written their files (Inductor and
+    an eager plan's generator-state replays, say): the refusal removes what the run wrote, and only
+    that. (The refusal is forced here: whether a plan replays a random op depends on its profile.)"""
+    from mutwo.tools import mutwo_opt
+
+    def refuse(*args: object) -> None:
+        raise BackendError("the inductor backend cannot run this plan (refused by the test)")
+
+    monkeypatch.setattr(mutwo_opt, "compile_graph", refuse)
+    argv = ["--device", "cpu", "--budget", "0.85", TINY_MLP]
+    line = expect_usage_error(capsys, tmp_path / "new" / "out", *argv)
+    assert "cannot run this plan (refused by the test)" in line
+    assert not (tmp_path / "new").exists(), "the parent folder the run made is left"
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "-q", "-o", kept, *argv)
+    assert code == EXIT_USAGE, err
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+
+
+def test_a_quiet_compiled_run_prints_nothing(tmp_path: Path) -> None:
+    """-q with Inductor on the CPU: stderr stays empty. (torch.utils.cpp_extension, imported by
+    Inductor's C++ builder, warns once per process about CUDA_HOME on a machine with a CUDA toolkit
+    and no GPU; a fresh process, so that the first import is the run's.)"""
+    run = subprocess.run([sys.executable, "-m", "mutwo.tools.mutwo_opt", "-q", "--device", "cpu", "--backend",
+                          "inductor", "--budget", "0.85", "-o", str(tmp_path / "out"), str(TINY_MLP)],
+                         capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert run.returncode == EXIT_OK and run.stderr == "", run.stderr
+
+
+def test_print_ir_after_an_alias_prints_after_its_last_pass(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    code, stdout, err = run_cli(capsys, "-q", "--device", "cpu", "--batch-size", "64", "--budget", "min",
+                                "--print-ir-after", "rewrite", "-o", tmp_path / "out", TINY_MLP)  # fmt: skip
+    assert code == EXIT_OK, err
+    assert "IR after insert-recompute" in stdout and "IR after extract" not in stdout
+
+
+def test_print_ir_after_a_pass_the_pipeline_does_not_run(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = expect_usage_error(capsys, workdir / "out", "--print-ir-after", "dce", good_config(workdir))
+    assert "--print-ir-after names 'dce', which this pipeline does not run (stats); name one of its passes" in line
 
 
 # -- failures (exit 1) ---------------------------------------------------------------------------

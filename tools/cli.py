@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
+import shutil
 import traceback
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -61,3 +64,42 @@ def print_debug_traceback(error: BaseException) -> None:
     errors into one line with ``raise ... from None``, so the exception it replaced is printed."""
     if debug_enabled():
         traceback.print_exception(error.__cause__ or error.__context__ or error)
+
+
+@dataclass
+class OutputFolder:
+    """An output folder a run makes, remembering what was in it before: a run refused after it has
+    started writing (a backend that cannot run the plan the passes made) removes what it wrote, so
+    bad usage leaves nothing half-written. Files that were there before are left alone."""
+
+    path: Path
+    before: frozenset[Path]
+    created: Path | None  #: the outermost folder this run created, if any
+
+    @classmethod
+    def make(cls, path: Path) -> OutputFolder:
+        """Create ``path`` (and missing parents), noting what it held."""
+        created = None
+        for folder in (path, *path.parents):
+            if folder.exists():
+                break
+            created = folder
+        before = frozenset(path.rglob("*")) if path.exists() else frozenset()
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path, before, created)
+
+    def remove_written(self) -> None:
+        """Remove every file and folder made since :meth:`make`, deepest first, and the folders it created."""
+        for item in sorted(set(self.path.rglob("*")) - self.before, key=lambda p: len(p.parts), reverse=True):
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item, ignore_errors=True)
+            else:
+                item.unlink(missing_ok=True)
+        if self.created is not None:
+            folder = self.path
+            while True:
+                with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                    folder.rmdir()
+                if folder == self.created:
+                    break
+                folder = folder.parent

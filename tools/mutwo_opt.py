@@ -63,7 +63,17 @@ from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError, debug_enabled
-from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError, print_debug_traceback, unreadable
+from mutwo.tools.cli import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    OutputFolder,
+    Parser,
+    UsageError,
+    did_you_mean,
+    print_debug_traceback,
+    unreadable,
+)
 from mutwo.tools.config import DEFAULT_PIPELINE, Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
 from mutwo.tools.reports import memory_timeline, swap_timeline, write_reports
@@ -114,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="register the passes defined in a module or .py file (repeatable)")
     parser.add_argument("--no-verify", action="store_true", help="do not verify the IR after every pass")
     parser.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass")
-    parser.add_argument("--print-ir-after", default="", metavar="P,...", help="print the IR after these passes")
+    parser.add_argument("--print-ir-after", default="", metavar="P,...",
+                        help="print the IR after these passes of the pipeline (an alias such as rewrite: after its "
+                        "last pass)")
     parser.add_argument("--dump-dot", action="store_true", help="write NN-<pass>-before.dot and -after.dot")
     parser.add_argument("--time-passes", action="store_true", help="print the time each pass took")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
@@ -137,6 +149,7 @@ class MutwoOpt:
         self.dp: DataParallel | None = None  #: under torchrun: the ranks averaging the gradients
         self.joined = False  #: whether this run joined the process group (and leaves it at the end)
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
+        self.output: OutputFolder | None = None  #: the output folder, once this run has made it
 
     @property
     def lead(self) -> bool:
@@ -200,15 +213,39 @@ class MutwoOpt:
         except RegistryError as error:
             raise UsageError(str(error)) from None
         self.refuse_remade_artifacts(passes)
-        unknown = [p for p in self.args.print_ir_after.split(",") if p and p not in self.registry.names()]
-        if unknown:
-            raise UsageError(f"--print-ir-after names unknown pass '{unknown[0]}'; see mutwo-opt --list-passes")
+        self.refuse_unread_plan(passes)
         instrumentation = Instrumentation(
             verify=not self.args.no_verify, print_ir_after_all=self.args.print_ir_after_all,
-            print_ir_after=frozenset(p for p in self.args.print_ir_after.split(",") if p),
-            dump_dot=self.args.dump_dot, time_passes=self.args.time_passes,
+            print_ir_after=self.print_ir_after(passes), dump_dot=self.args.dump_dot,
+            time_passes=self.args.time_passes,
         )  # fmt: skip
         return PassManager(passes, instrumentation)
+
+    def print_ir_after(self, passes: list[Pass]) -> frozenset[str]:
+        """The passes ``--print-ir-after`` names, an alias standing for its last pass (``rewrite``:
+        the IR once rewritten); each must be in the pipeline, or nothing would be printed for it."""
+        names: set[str] = set()
+        running = [p.name for p in passes]
+        for name in (n.strip() for n in self.args.print_ir_after.split(",")):
+            if not name:
+                continue
+            target = self.registry.aliases[name][-1] if name in self.registry.aliases else name
+            if target not in self.registry.names():
+                hint = did_you_mean(name, self.registry.names() + sorted(self.registry.aliases))
+                raise UsageError(f"--print-ir-after names unknown pass '{name}'; "
+                                 + (f"{hint} " if hint else "") + "see mutwo-opt --list-passes")  # fmt: skip
+            if target not in running:
+                raise UsageError(f"--print-ir-after names '{name}', which this pipeline does not run "
+                                 f"({','.join(running)}); name one of its passes")  # fmt: skip
+            names.add(target)
+        return frozenset(names)
+
+    def refuse_unread_plan(self, passes: list[Pass]) -> None:
+        """Refuse ``--plan-from`` when no pass of the pipeline reads a plan: the file would go unused."""
+        if self.args.plan_from and not any("plan" in type(p).requires for p in passes):
+            pipeline = ",".join(p.name for p in passes)
+            raise UsageError(f"--plan-from gives a plan, but no pass of this pipeline ({pipeline}) reads one, so the "
+                             "file would go unused; rewrite applies it (-p rewrite --plan-from FILE)")  # fmt: skip
 
     #: The artifacts a file can stand in for: (option, artifact, an example pipeline without its maker).
     REUSABLE = (("--profile-from", "profile", "-p select,rewrite"), ("--plan-from", "plan", "-p rewrite"))
@@ -233,6 +270,11 @@ class MutwoOpt:
             problem = unreadable(Path(text), f"{option}:") if text else None
             if problem is not None:
                 raise UsageError(f"{problem}; give the {artifact}.json an earlier run wrote")
+            written_by = text and other_artifact(Path(text), f"{artifact}.json")
+            if written_by:
+                hint = SWAP_PLAN_HINT if written_by.startswith("a swap_plan") else ""
+                raise UsageError(f"{option}: {text} is {written_by}, not a {artifact}.json; give the {artifact}.json "
+                                 f"an earlier run wrote{hint}")  # fmt: skip
 
     def prepare_out_dir(self, config: Config) -> Path:
         """Check, without creating anything yet, that the output folder can be written."""
@@ -460,6 +502,10 @@ class MutwoOpt:
     def run(self) -> int:
         try:
             return self.run_steps()
+        except UsageError:
+            if self.output is not None:  # refused after writing began: bad usage leaves nothing behind
+                self.output.remove_written()
+            raise
         finally:
             if self.joined:
                 # Wait for every rank (rank 0 writes the files) before tearing the group down: a
@@ -515,7 +561,7 @@ class MutwoOpt:
             if artifact is not None:
                 ctx.artifacts[key] = artifact
         if self.lead:  # after the reused files are checked: a refused one leaves no empty folder
-            out.mkdir(parents=True, exist_ok=True)
+            self.output = OutputFolder.make(out)
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
         try:
@@ -554,6 +600,29 @@ class MutwoOpt:
         if report is not None and not report.equivalent:
             raise Failure(report.summary())
         return EXIT_OK
+
+
+#: What tells apart the JSON files mutwo-opt reuses or is given by mistake: keys, file, what wrote it.
+ARTIFACT_FILES = ((("transfer", "entries"), "swap_plan.json", "select-swap"),
+                  (("clones", "entries"), "plan.json", "select"),
+                  (("nodes", "runs", "iteration"), "profile.json", "profile"))  # fmt: skip
+#: Why a swap plan cannot be given to --plan-from, and what to do instead.
+SWAP_PLAN_HINT = (" (a swap plan cannot be reloaded yet: plan again with -p swap --profile-from its run's "
+                  "profile.json, which skips the profiling)")  # fmt: skip
+
+
+def other_artifact(path: Path, expected: str) -> str | None:
+    """``a swap_plan.json written by the select-swap pass`` when ``path`` is another of mutwo-opt's
+    files than ``expected``; None when it is ``expected``, or not one that is recognised (the load
+    after the capture then says what is wrong with it)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for keys, filename, maker in ARTIFACT_FILES:
+        if isinstance(data, dict) and all(key in data for key in keys):
+            return None if filename == expected else f"a {filename} written by the {maker} pass"
+    return None
 
 
 #: The files named first when a run says what it wrote (the rest are counted).
