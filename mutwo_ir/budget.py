@@ -86,12 +86,26 @@ def parse_bytes(text: str) -> int:
 
 def sizes(*values: int) -> list[str]:
     """Byte counts written for one message: in MiB with one decimal, or, where two different
-    counts would read the same that way, in KiB, then in bytes."""
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+    counts would read the same that way or all are under 1 MiB (a tiny model's), in KiB, then in
+    bytes."""
+    units = (("MiB", 2**20), ("KiB", 2**10)) if max(values, default=0) >= 2**20 else (("KiB", 2**10),)
+    for unit, scale in units:
         texts = [f"{value / scale:.1f} {unit}" for value in values]
         if len(set(texts)) == len(set(values)):
             return texts
     return [f"{value} B" for value in values]
+
+
+def budget_text(budget: str, size: str) -> str:
+    """How a message names a budget: ``min`` for the lowest peak reachable, which has no size to
+    print, else its size with what was asked (``4.0 MiB (0.5)``)."""
+    if budget == "min":
+        return "min"
+    return size if budget == size else f"{size} ({budget})"
+
+
+#: How a failure to reach a budget starts its advice (``--fit``, which sets the budget itself, drops it).
+REACHABLE_ADVICE = "ask for budget 'min' or a budget of at least"
 
 
 def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:
@@ -100,4 +114,4 @@ def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:
     hundredths = math.ceil(round(100 * lowest / unoptimized, 9))
     while hundredths < 100 and int(hundredths / 100 * unoptimized) < lowest:  # as Budget.resolve rounds
         hundredths += 1
-    return f"ask for budget 'min' or a budget of at least {hundredths / 100:g} ({lowest_text})"
+    return f"{REACHABLE_ADVICE} {hundredths / 100:g} ({lowest_text})"

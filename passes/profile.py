@@ -77,4 +77,25 @@ class ProfilePass(Pass):
         total = sum(p.seconds for p in profile.nodes.values())
         ctx.log(f"profile: {len(profile.nodes)} nodes, {total * 1e3:.1f} ms summed over nodes"
                 + (f", iteration {profile.iteration.seconds * 1e3:.1f} ms" if profile.iteration else ""))
+        unsteady = unsteady_runs(profile.meta.get("run_seconds", []))
+        if unsteady:
+            ctx.log(f"profile: warning: {unsteady}")
         return profile
+
+
+#: How far apart the fastest and slowest measured runs may be before the profile is called unsteady.
+#: On a quiet machine they are within a few percent; on this project's loaded 2-core CI machine
+#: per-op times were seen 3× apart, which changed which activations the plans recomputed.
+UNSTEADY_RATIO = 1.5
+
+
+def unsteady_runs(run_seconds: list[float]) -> str | None:
+    """Why the measured runs (each one's node times summed) are too far apart to trust, or None."""
+    if len(run_seconds) < 2 or min(run_seconds) <= 0:
+        return None
+    ratio = max(run_seconds) / min(run_seconds)
+    if ratio <= UNSTEADY_RATIO:
+        return None
+    return (f"the measured runs took {min(run_seconds) * 1e3:.1f} to {max(run_seconds) * 1e3:.1f} ms ({ratio:.1f}× "
+            "apart): the machine is busy or its clock unsteady, and the plan follows these times; profile on a "
+            "quiet machine, or with more runs (profile{runs=7}) for steadier medians")  # fmt: skip

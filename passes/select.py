@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, parse_budget, reachable_budget, sizes
+from mutwo.ir.budget import Budget, budget_text, parse_budget, reachable_budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import Headroom, MemorySimulation, allocation_size, describe_breakdown, simulate
@@ -95,7 +95,9 @@ class Plan(PlanData):
     def table(self) -> str:
         if not self.entries:
             return ""
-        lines = [f"{'storage':>10} {'producer':<34} {'MiB':>8} {'count':>5} {'added ms':>9}  sources"]
+        # est. ms: each activation's recompute cost as priced when chosen, work it shares with
+        # another counted in both; the summary's added time is that of the blocks as rewritten.
+        lines = [f"{'storage':>10} {'producer':<34} {'MiB':>8} {'count':>5} {'est. ms':>9}  sources"]
         for e in self.entries:
             sources = " ".join(f"%{s}" for s in e["sources"][:6]) + (" ..." if len(e["sources"]) > 6 else "")
             lines.append(f"{e['storage']:>10} {e['op'][:34]:<34} {e['bytes'] / MIB:8.2f} {e['recompute_count']:5d} "
@@ -106,8 +108,8 @@ class Plan(PlanData):
         predicted, unoptimized, budget = sizes(self.predicted_peak, self.unoptimized_peak, self.budget_bytes)
         count = len(self.entries)
         return (f"recompute {count} activation{'' if count == 1 else 's'}: predicted peak {predicted} (unoptimized "
-                f"{unoptimized}, budget {budget}), +{self.added_seconds * 1e3:.1f} ms per iteration, "
-                f"{self.clones} clones")  # fmt: skip
+                f"{unoptimized}, budget {budget_text(self.budget, budget)}), +{self.added_seconds * 1e3:.1f} ms per "
+                f"iteration, {self.clones} node{'' if self.clones == 1 else 's'} cloned")  # fmt: skip
 
     def csv(self) -> str:
         out = io.StringIO()
@@ -326,8 +328,9 @@ class SelectPass(Pass):
         if refused:
             ctx.log(f"select: {len(refused)} random ops cannot be replayed, their outputs stay live: "
                     + "; ".join(refused))  # fmt: skip
-        ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {base.peak_bytes / MIB:.1f} MiB, "
-                f"budget {budget_bytes / MIB:.1f} MiB ({budget})")  # fmt: skip
+        unoptimized_text, budget_size = sizes(base.peak_bytes, budget_bytes)
+        ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {unoptimized_text}, budget "
+                f"{budget_text(str(budget), budget_size)}")  # fmt: skip
         if not self.lowest:
             self._fail_fast(base, budget, budget_bytes, candidates)
         # The greedy cannot undo a choice: when its first choice made every exact plan worse than

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, parse_budget, reachable_budget, sizes
+from mutwo.ir.budget import Budget, budget_text, parse_budget, reachable_budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.mask_replay import mask_holder
@@ -68,12 +68,14 @@ class SwapPlan(PlanData):
         return "\n".join(lines)
 
     def summary(self) -> str:
-        swapped = sum(e["bytes"] for e in self.of(SWAP)) / MIB
-        predicted, unoptimized, budget = sizes(self.predicted_peak, self.unoptimized_peak, self.budget_bytes)
+        swapped = sum(e["bytes"] for e in self.of(SWAP))
+        predicted, unoptimized, budget, moved = sizes(self.predicted_peak, self.unoptimized_peak, self.budget_bytes,
+                                                      swapped)  # fmt: skip
         overlap = "" if self.transfer.get("overlap", True) else \
             f", which do not overlap compute on {self.transfer.get('device') or 'this device'}"  # fmt: skip
-        return (f"swap {len(self.of(SWAP))} activations ({swapped:.1f} MiB), recompute {len(self.of(RECOMPUTE))}, "
-                f"keep {self.kept}: predicted peak {predicted} (unoptimized {unoptimized}, budget {budget}), "
+        return (f"swap {len(self.of(SWAP))} activations ({moved}), recompute {len(self.of(RECOMPUTE))}, "
+                f"keep {self.kept}: predicted peak {predicted} (unoptimized {unoptimized}, budget "
+                f"{budget_text(self.budget, budget)}), "
                 f"predicted {self.predicted_seconds * 1e3:.1f} ms per iteration against {self.base_seconds * 1e3:.1f} "
                 f"ms unoptimized (+{self.recompute_seconds * 1e3:.2f} ms recompute, +{self.stall_seconds * 1e3:.2f} ms "
                 f"stalled on copies{overlap})")  # fmt: skip
@@ -195,9 +197,10 @@ class SelectSwapPass(Pass):
         replay_random, mask_replay = bool(ctx.services.get("replay_random", True)), replays_from_masks(ctx)
         candidates, sites = self._candidates(graph, liveness, seconds, transfer, base.device, allowed,
                                              replay_random, mask_replay)  # fmt: skip
+        unoptimized_text, budget_size = sizes(base.peak_bytes, budget_bytes)
         ctx.log(f"select-swap: {len(candidates)} candidates ({sum(c.swappable for c in candidates)} swappable, "
-                f"{sum(c.recomputable for c in candidates)} recomputable); unoptimized peak "
-                f"{base.peak_bytes / MIB:.1f} MiB, budget {budget_bytes / MIB:.1f} MiB ({budget}); copies "
+                f"{sum(c.recomputable for c in candidates)} recomputable); unoptimized peak {unoptimized_text}, "
+                f"budget {budget_text(str(budget), budget_size)}; copies "
                 f"{transfer.d2h_bytes_per_second / 1e9:.1f} GB/s out, {transfer.h2d_bytes_per_second / 1e9:.1f} GB/s "
                 "in")  # fmt: skip
         # μ-TWO's scheduler prices one activation at a time; the whole recompute-only plan, on the
@@ -249,8 +252,8 @@ class SelectSwapPass(Pass):
                     "model (on the H100, BERT-base b64's swap plan ran within 2% of its prediction; "
                     "docs/swap.md)")
         if not plan.met:
-            budget_text, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
-            raise PassFailure(f"budget {budget} ({budget_text}) is unreachable: the lowest peak select-swap reaches "
+            budget_size, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
+            raise PassFailure(f"budget {budget} ({budget_size}) is unreachable: the lowest peak select-swap reaches "
                               f"with {self.allow} is {lowest} ({100 * plan.predicted_peak / base.peak_bytes:.0f}% of "
                               f"the unoptimized {unoptimized}), at %{plan.predicted_peak_node} in the "
                               f"{plan.predicted_peak_phase} phase; "

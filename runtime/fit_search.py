@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import Budget
+from mutwo.ir.budget import REACHABLE_ADVICE, Budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import PassContext, PassFailure
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
@@ -168,7 +168,8 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
             middle = min(near, key=lambda b: abs(b - middle)) if near else middle
             low, high = (middle, high) if fits(middle) else (low, middle)
     if low == 0:
-        found.failure = f"not even batch size 1 fits in {mib(budget)}: {cache[1].note}"
+        found.failure = (f"not even batch size 1 fits in {mib(budget)}: {cache[1].note}; give it more memory (the "
+                         "limit less its margin must hold batch 1's lowest peak) or train a smaller model")  # fmt: skip
         return found
     found.best = cache[low]
     found.capped = low == MAX_BATCH
@@ -256,7 +257,9 @@ class Planner:
                 # Not "the budget is out of reach" but a crash: that is no answer about fitting.
                 raise FitError(f"planning batch {batch} failed: {failure}") from failure
             plan = context.artifacts.get("plan")  # none when select failed on its estimate alone
-            return FitPoint(batch, False, plan.predicted_peak if plan else 0, str(failure), budget), context
+            # select's advice (another budget) is no answer here: the search sets the budget itself.
+            reason = str(failure).split(f"; {REACHABLE_ADVICE}")[0]
+            return FitPoint(batch, False, plan.predicted_peak if plan else 0, reason, budget), context
         plan = context.artifacts["plan"]
         # The plan's own estimate of what recomputation costs, relative to the step without it: the
         # price of a larger batch (per-op times scaled from the profiled batch, so a rough one).

@@ -216,6 +216,7 @@ def profile_graph(
     samples: dict[int, list[float]] = {}
     replay_samples: dict[int, list[float]] = {}
     memory: dict[int, tuple[int, int, int]] = {}
+    run_seconds: list[float] = []  #: each measured run's node times summed: how steady the machine was
     for run in range(warmup + runs):
         interpreter = _TimingInterpreter(module, cuda, graph, spin)
         with torch.no_grad():
@@ -226,8 +227,10 @@ def profile_graph(
             progress(f"profile run {run + 1}/{warmup + runs}{' (warm-up)' if run < warmup else ''}")
         if run < warmup:
             continue
+        run_seconds.append(0.0)
         for node_id, start, end, before, after, peak in interpreter.records:
             samples.setdefault(node_id, []).append(_elapsed(start, end, cuda))
+            run_seconds[-1] += samples[node_id][-1]
             if cuda:
                 memory[node_id] = (before, after, peak)
         for node_id, start, end in interpreter.replays:
@@ -248,7 +251,7 @@ def profile_graph(
     iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs and cuda else None
     return Profile(str(device), fingerprint(graph), nodes, runs, iteration,
                    meta={"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None,
-                         "isolated": bool(spin)})  # fmt: skip
+                         "isolated": bool(spin), "run_seconds": run_seconds})  # fmt: skip
 
 
 def _elapsed(start: Any, end: Any, cuda: bool) -> float:

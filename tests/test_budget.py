@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mutwo.ir.budget import Budget, BudgetError, parse_bytes, reachable_budget, sizes
+from mutwo.ir.budget import Budget, BudgetError, budget_text, parse_bytes, reachable_budget, sizes
 
 MIB, KIB = 2**20, 2**10
 
@@ -12,6 +12,17 @@ MIB, KIB = 2**20, 2**10
 def test_sizes_are_mib_while_they_read_apart() -> None:
     assert sizes(6 * MIB, int(6.4 * MIB), 10 * MIB) == ["6.0 MiB", "6.4 MiB", "10.0 MiB"]
     assert sizes(3 * MIB, 3 * MIB) == ["3.0 MiB", "3.0 MiB"]  # equal counts may read the same
+
+
+def test_sizes_all_under_a_mib_are_kib() -> None:
+    assert sizes(int(0.9 * MIB), int(0.7 * MIB)) == ["921.6 KiB", "716.8 KiB"]
+    assert sizes(int(0.9 * MIB), 2 * MIB) == ["0.9 MiB", "2.0 MiB"]
+
+
+def test_a_budget_is_named_by_its_size_and_what_was_asked() -> None:
+    assert budget_text("min", "0.0 KiB") == "min"  # no size: the lowest peak reachable
+    assert budget_text("0.5", "4.0 MiB") == "4.0 MiB (0.5)"
+    assert budget_text("4.0 MiB", "4.0 MiB") == "4.0 MiB"
 
 
 def test_sizes_that_would_read_the_same_get_more_precision() -> None:

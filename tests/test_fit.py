@@ -91,6 +91,7 @@ def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path:
     assert main([EXAMPLE, "--fit", "1KiB", "--batch-size", "2", "-o", str(tmp_path), "-q"]) == 1
     err = capsys.readouterr().err
     assert "mutwo-opt: failed: not even batch size 1 fits in" in err
+    assert "give it more memory" in err and "ask for budget" not in err  # --fit sets the budget itself
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     fit = json.loads((tmp_path / "fit.json").read_text())
     assert fit["finished"] and fit["best"] is None and fit["plan"] is None

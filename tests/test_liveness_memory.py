@@ -27,7 +27,7 @@ from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.pass_base import PassContext
 from mutwo.passes.liveness import COLUMNS, LivenessPass
 from mutwo.passes.memory import MemoryPass
-from mutwo.passes.profile import ProfilePass
+from mutwo.passes.profile import ProfilePass, unsteady_runs
 from mutwo.runtime import profiler as profiler_module
 from mutwo.runtime.capture import capture
 from mutwo.tools.reports import write_reports
@@ -572,6 +572,27 @@ def test_activation_report_lists_hand_made_activations(tmp_path: Path) -> None:
     assert "| %4 | aten.relu.default | 0.00 | 3 | 0.00 |" in report
     assert "| %5 | aten.sum.default | 0.01 | 1 | 0.00 |" in report
     assert "%2 |" not in report and "%11 |" not in report
+
+
+def test_an_unsteady_profile_is_called_out(tmp_path: Path, captured_mlp: CapturedMlp) -> None:
+    """Runs far apart (a busy machine) get a warning line naming their spread, since the plan
+    follows these times; steady runs get none. The per-run sums are kept in profile.json."""
+    graph, inputs = captured_mlp
+    assert unsteady_runs([1.0, 1.1, 1.2]) is None and unsteady_runs([1.0]) is None
+    assert "took 2.4 to 8.0 ms (3.3× apart)" in (unsteady_runs([0.0024, 0.008, 0.003]) or "")
+    for runs, warned in (([0.002, 0.0021], False), ([0.002, 0.0066], True)):
+        def profiler(g: Graph, runs: int, warmup: int, sums: list[float] = runs) -> profiler_module.Profile:
+            profile = profiler_module.profile_graph(g, inputs, runs=runs, warmup=warmup, iteration_runs=1)
+            profile.meta["run_seconds"] = sums
+            return profile
+
+        messages: list[str] = []
+        ctx = PassContext(out_dir=tmp_path, log=messages.append)
+        ctx.services["profiler"] = profiler
+        ProfilePass(runs=2, warmup=0).run(graph, ctx)
+        assert any(m.startswith("profile: warning: the measured runs took") for m in messages) == warned, messages
+    profile = profiler_module.profile_graph(graph, inputs, runs=3, warmup=0, iteration_runs=1)
+    assert len(profile.meta["run_seconds"]) == 3 and all(s > 0 for s in profile.meta["run_seconds"])
 
 
 def test_profile_pass_writes_its_tables(tmp_path: Path, captured_mlp: CapturedMlp) -> None:

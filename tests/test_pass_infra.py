@@ -743,6 +743,25 @@ def _expected_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def test_cli_time_passes_times_the_whole_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """--time-passes also times what the pass timing leaves out: the capture, the compile and the
+    check; the phases and the rest add up to the total, and summary.json keeps them."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "out"
+    code = main(["-q", "--check", "--time-passes", "-p", "stats", "--batch-size", "8", "-o", str(out),
+                 "examples/tiny_mlp.yaml"])  # fmt: skip
+    stdout = capsys.readouterr().out
+    assert code == EXIT_OK
+    table = stdout[stdout.index("===== mutwo-opt run timing ====="):].splitlines()
+    rows = {line.split(None, 2)[2]: float(line.split()[0]) for line in table[2:]}
+    assert {"capture", "passes", "compile", "check", "total"} <= set(rows)
+    assert rows["check"] > 0 and rows["capture"] > 0
+    assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(rows["total"], abs=1e-3)
+    phases = json.loads((out / "summary.json").read_text())["phase_seconds"]
+    assert set(phases) == {"capture", "passes", "compile", "check", "measure"}
+
+
 def test_cli_check_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.chdir(REPO)
@@ -765,6 +784,8 @@ def test_cli_check_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert summary["batch_size"] == 8
     assert summary["device"] == _expected_device()
     assert summary["torch_version"] == torch.__version__
+    assert (summary["seed"], summary["precision"], summary["memory_format"]) == (0, "fp32", "contiguous")
+    assert summary["budget"] == "0.9"  # the config's
     assert summary["pipeline"] == ["stats", "dce"]
     assert list(summary["pass_seconds"]) == ["01-stats", "02-dce"]
     assert all(s >= 0 for s in summary["pass_seconds"].values())

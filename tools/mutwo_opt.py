@@ -25,6 +25,8 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the IR after these passes of the pipeline (an alias such as rewrite: after its "
                         "last pass)")
     parser.add_argument("--dump-dot", action="store_true", help="write NN-<pass>-before.dot and -after.dot")
-    parser.add_argument("--time-passes", action="store_true", help="print the time each pass took")
+    parser.add_argument("--time-passes", action="store_true",
+                        help="print the time each pass took, then the whole run's: capture, passes, compile, check")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
                         help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
@@ -150,6 +153,27 @@ class MutwoOpt:
         self.joined = False  #: whether this run joined the process group (and leaves it at the end)
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
         self.output: OutputFolder | None = None  #: the output folder, once this run has made it
+        self.phase_seconds: dict[str, float] = {}  #: capture, passes, compile, check, measure: seconds each
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Count the time inside toward ``phase`` (summary.json's phase_seconds, --time-passes)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    def phase_report(self) -> str:
+        """The --time-passes table of the whole run: what the pass timing leaves out (the capture,
+        the compile, the check) beside the passes."""
+        total = time.perf_counter() - self.started
+        lines = ["===== mutwo-opt run timing =====", f"{'seconds':>10} {'%':>6}  phase"]
+        other = total - sum(self.phase_seconds.values())
+        for phase, seconds in [*self.phase_seconds.items(), ("other (setup, reports, files)", other)]:
+            lines.append(f"{seconds:10.4f} {100 * seconds / total:6.1f}  {phase}")
+        lines.append(f"{total:10.4f} {100.0:6.1f}  total")
+        return "\n".join(lines)
 
     @property
     def lead(self) -> bool:
@@ -416,12 +440,18 @@ class MutwoOpt:
             "config": str(config.path),
             "batch_size": config.batch_size,
             "device": str(device),
+            # What else decides the numbers, so that a summary says how to run it again.
+            "seed": config.seed,
+            "precision": config.precision,
+            "memory_format": config.memory_format,
+            "budget": None if config.budget is None else str(config.budget),
             "torch_version": torch.__version__,
             "pipeline": [r.name for r in result.records] if result else [],
             "nodes_before": _counts(original),
             "nodes_after": None,
             "pass_seconds": result.timings() if result else {},
             "total_seconds": round(time.perf_counter() - self.started, 3),
+            "phase_seconds": {phase: round(seconds, 3) for phase, seconds in self.phase_seconds.items()},
             "peak_bytes_before": before.peak_bytes,
             "peak_phase_before": before.peak_phase,
             "peak_breakdown_before": before.breakdown,
@@ -543,7 +573,8 @@ class MutwoOpt:
                                       "--budget")  # fmt: skip
         if refusal is not None:
             raise UsageError(refusal)
-        lowered = self.capture(config, device)
+        with self.timed("capture"):
+            lowered = self.capture(config, device)
         if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
             try:
                 refuse_uncapturable(to_fx(lowered.graph), lowered.inputs, [p.label for p in lowered.graph.placeholders])
@@ -565,7 +596,8 @@ class MutwoOpt:
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
         try:
-            result = manager.run(graph, ctx)
+            with self.timed("passes"):
+                result = manager.run(graph, ctx)
         except PipelineFailure as caught:
             failure = caught
         error = None if failure is None else str(failure)
@@ -575,16 +607,20 @@ class MutwoOpt:
                 distributed.require_same_graph(graph, self.dp, "optimized")
             except distributed.RanksDisagreeError as disagreement:
                 raise Failure(str(disagreement)) from None
-        compiled = self.compile(config, final, inputs) if error is None else None
+        with self.timed("compile"):
+            compiled = self.compile(config, final, inputs) if error is None else None
         if self.args.calibrate_peak and compiled is not None:
             first = Calibrated(final, compiled, ctx)
-            kept = calibrated_step(self.args.calibrate_peak, manager, lowered, original, first,
-                                   lambda g: self.compile(config, g, inputs), out if self.lead else None, self.log)
+            with self.timed("calibrate"):
+                kept = calibrated_step(self.args.calibrate_peak, manager, lowered, original, first,
+                                       lambda g: self.compile(config, g, inputs), out if self.lead else None, self.log)
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         try:
-            report = self.check(original, graph, inputs, compiled) if self.args.check and compiled else None
-            measured = self.measure(original, compiled, inputs, device) if compiled else {}
+            with self.timed("check"):
+                report = self.check(original, graph, inputs, compiled) if self.args.check and compiled else None
+            with self.timed("measure"):
+                measured = self.measure(original, compiled, inputs, device) if compiled else {}
         except RuntimeError as crash:  # a graph that cannot run: say so in one line, never a traceback
             first = (str(crash).strip().splitlines() or [type(crash).__name__])[0]
             raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "
@@ -593,6 +629,8 @@ class MutwoOpt:
             files = self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured,
                                        compiled)  # fmt: skip
             self.log(f"wrote {out}/: {describe_files(files)}")
+            if self.args.time_passes:
+                print(self.phase_report())
         if failure is not None:
             # A pass that crashed (not a PassFailure) is a bug to find: say where its traceback is.
             hint = f"; {DEBUG_HINT}" if failure.crashed and not debug_enabled() else ""
