@@ -186,6 +186,8 @@ BAD_INPUT = {
     "negative-budget": (["{config}", "--batch-sizes", "32", "--budgets", "-1"], ["--budgets", "positive"]),
     "memory-limit-fraction": (["{config}", "--batch-sizes", "32", "--memory-limit", "0.5"],
                               ["--memory-limit", "is not a memory size: give bytes with a unit", "16GiB"]),
+    "memory-limit-on-cpu": (["{config}", "--batch-sizes", "32", "--device", "cpu", "--memory-limit", "16GiB"],
+                            ["--memory-limit caps CUDA memory", "on the CPU", "drop --memory-limit", "--device cuda"]),
     "warmup-too-small": (["{config}", "--batch-sizes", "32", "--warmup", "1"], ["--warmup must be at least 3"]),
     "iterations-too-few": (["{config}", "--batch-sizes", "32", "--iterations", "5"], ["--iterations at least 10"]),
 }  # fmt: skip

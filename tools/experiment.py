@@ -445,6 +445,9 @@ def run_experiment(args: argparse.Namespace) -> int:
         on_gpu = target_device(config).type == "cuda"
     except ConfigError as error:
         raise UsageError(str(error)) from None
+    if memory_limit is not None and not on_gpu:  # set_per_process_memory_fraction caps CUDA memory only
+        raise UsageError("--memory-limit caps CUDA memory, but this run is on the CPU, where it would cap nothing; "
+                         "drop --memory-limit, or run on a GPU (--device cuda)")
     out = Path(args.out) if args.out else Path("mutwo-out") / f"experiment-{config.name}"
     try:
         out.mkdir(parents=True, exist_ok=True)
