@@ -176,6 +176,20 @@ def test_plot_all_without_eager_and_without_peaks(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_vs_batch.png"]
 
 
+# -- --help ----------------------------------------------------------------------------------------
+def test_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """The defaults a sweep depends on are in --help, with the values the parser really uses."""
+    assert main(["--help"]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    parser = experiment.build_parser()
+    for option in ("budgets", "warmup", "iterations", "timeout"):
+        assert f"(default: {parser.get_default(option)})" in text, option
+    assert "(default: 0.7,0.5)" in text
+    for default in ("default: no cap", "(default: mutwo-out/experiment-<config name>)", "(default: the config's)"):
+        assert default in text, default
+    assert "``" not in text  # the description is plain text, not reStructuredText
+
+
 # -- bad input: one line, exit code 2, nothing written -------------------------------------------
 # (arguments, words the error line must contain)
 BAD_INPUT = {

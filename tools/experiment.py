@@ -41,20 +41,30 @@ OUT_OF_MEMORY = "out of memory"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="mutwo-experiment", description=__doc__.split("\n\n")[0])
+    # The description is the docstring's first line, without its reStructuredText markup; every option that has a
+    # default says it, as mutwo-opt's do (%(default)s keeps the text and the value together).
+    parser = Parser(prog="mutwo-experiment", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("config", help="YAML config describing the model, as for mutwo-opt")
-    parser.add_argument("--batch-sizes", required=True, help="comma-separated, e.g. 16,32,64")
-    parser.add_argument("--budgets", default="0.7,0.5", help="comma-separated budgets (fractions, bytes or 'min')")
-    parser.add_argument("--no-eager", action="store_true", help="do not measure eager PyTorch")
+    parser.add_argument("--batch-sizes", required=True, metavar="LIST",
+                        help="comma-separated, e.g. 16,32,64 (required)")  # fmt: skip
+    parser.add_argument("--budgets", default="0.7,0.5", metavar="LIST",
+                        help="comma-separated budgets: fractions of mutwo's unoptimized peak, bytes (15GiB) or 'min'; "
+                        "'' for none (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-eager", action="store_true", help="do not measure eager PyTorch (default: measure it)")
     parser.add_argument("-o", "--out", help="output folder (default: mutwo-out/experiment-<config name>)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: the config's)")
-    parser.add_argument("--memory-limit", help="cap the training step's device memory, e.g. 16GiB "
-                        "(torch.cuda.set_per_process_memory_fraction; planning runs uncapped)")  # fmt: skip
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations (at least 3)")
-    parser.add_argument("--iterations", type=int, default=10, help="measured iterations (at least 10)")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    parser.add_argument("--memory-limit", metavar="MEMORY",
+                        help="CUDA only: cap the training step's GPU memory, e.g. 16GiB (torch.cuda."
+                        "set_per_process_memory_fraction; planning runs uncapped; default: no cap)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=3, metavar="N",
+                        help="warm-up iterations, at least 3 (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--iterations", type=int, default=10, metavar="N",
+                        help="measured iterations, at least 10 (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--timeout", type=int, default=900, metavar="SECONDS",
+                        help="seconds per configuration (default: %(default)s)")  # fmt: skip
     parser.add_argument("--keep-going-after-oom", action="store_true",
-                        help="measure larger batches of a variant that already ran out of memory")  # fmt: skip
+                        help="measure larger batches of a variant that already ran out of memory "
+                        "(default: record them as skipped)")  # fmt: skip
     parser.add_argument("--worker", nargs=2, metavar=("BATCH", "VARIANT"), help=argparse.SUPPRESS)
     return parser
 
