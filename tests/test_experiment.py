@@ -9,6 +9,7 @@ everything else runs in-process: :func:`measure_step` with fake steps, the plots
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,34 @@ def test_keep_going_after_oom_measures_larger_batches(fake_worker: list[tuple[in
     assert (64, "eager") in fake_worker
     rows = rows_by_key(json.loads((out / "results.json").read_text(encoding="utf-8")))
     assert rows[(64, "eager")] == {"batch_size": 64, "variant": "eager", "iteration_ms": 1.0, "peak_bytes": None}
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log-file", "terminal"])
+def test_progress_redraws_a_bar_only_on_a_terminal(terminal: bool, fake_worker: list[tuple[int, str]], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Off a terminal (a log file, CI), one plain line per configuration and no carriage return."""
+    stderr = Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "16", "--budgets", "0.95", "-o", str(tmp_path / "x")])
+    assert code == EXIT_OK
+    text = stderr.getvalue()
+    plain = ["mutwo-experiment: [1/3] batch 16, eager", "mutwo-experiment: [2/3] batch 16, none",
+             "mutwo-experiment: [3/3] batch 16, 0.95"]  # fmt: skip
+    if terminal:
+        assert "\r" in text and "3/3" in text and not any(line in text for line in plain)
+    else:
+        assert "\r" not in text, text
+        assert text.splitlines()[:3] == plain
+        assert text.splitlines()[3].startswith("mutwo-experiment: wrote ")
+    assert capsys.readouterr().out.splitlines()[0].startswith("batch   16    eager: ")  # each result, on stdout
 
 
 def test_out_of_memory_while_planning_also_skips(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

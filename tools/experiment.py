@@ -471,9 +471,15 @@ def run_experiment(args: argparse.Namespace) -> int:
               "memory_limit_bytes": memory_limit, "runs": []}  # fmt: skip
     ran_out: set[str] = set()
     jobs = [(b, v) for b in sorted(batch_sizes) for v in variants]
-    with tqdm(jobs, desc="mutwo-experiment", unit="config", file=sys.stderr) as progress:
-        for batch_size, variant in progress:
-            progress.set_postfix_str(f"batch {batch_size}, {variant}")
+    # A bar redrawn with \r only on a terminal (disable=None): a log file gets one plain line per configuration
+    # instead, in mutwo-opt's "tool: message" form.
+    with tqdm(jobs, desc="mutwo-experiment", unit="config", file=sys.stderr, disable=None) as progress:
+        for index, (batch_size, variant) in enumerate(progress, start=1):
+            if progress.disable:
+                print(f"mutwo-experiment: [{index}/{len(jobs)}] batch {batch_size}, {variant}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+            else:
+                progress.set_postfix_str(f"batch {batch_size}, {variant}")
             if variant in ran_out and not args.keep_going_after_oom:
                 row = {"batch_size": batch_size, "variant": variant,
                        "error": f"skipped: {OUT_OF_MEMORY} at a smaller batch"}  # fmt: skip
