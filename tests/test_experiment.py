@@ -90,6 +90,14 @@ def test_cpu_run_exits_ok_when_a_budget_is_unreachable_at_a_small_batch(
     assert code == EXIT_OK
 
 
+def test_cpu_run_names_the_failed_pass_after_the_reused_profile(cpu_run: tuple[int, Path, dict[str, Any]]) -> None:
+    """The budget run plans with the profile of ``none``: select fails after it, not "as the first pass"."""
+    _, _, results = cpu_run
+    error = rows_by_key(results)[(32, "0.95")]["error"]
+    assert error.startswith("pass 'select' failed after [profile (from b32/profile.json)]: budget 0.95 "), error
+    assert "first pass" not in error
+
+
 def test_budget_run_skips_profiling_when_none_saved_a_matching_profile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """In-process: the budget run's pipeline is select,rewrite, not profile,select,rewrite."""

@@ -234,7 +234,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                   swap: bool = False, backend: str = "eager",
                   isolate_profile: bool = False, calibrate: int = 0) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
-    from mutwo.ir.pass_manager import PassManager
+    from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.api import capture_graph, pass_context
     from mutwo.runtime.backends import BackendError, backend_services
@@ -257,7 +257,9 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
-    passes = ",".join(["profile{isolate=true}" if isolate_profile else "profile", *planning])
+    profiling = "profile{isolate=true}" if isolate_profile else "profile"
+    passes = ",".join([profiling, *planning])
+    reused: list[str] = []  # what ran before this run's pipeline, in the run that profiled
     if budget is not None:
         if saved.exists():
             profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
@@ -265,12 +267,19 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
             if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
                 context.artifacts["profile"] = profile
                 passes = ",".join(planning)
+                reused = [f"{profiling} (from {folder.name}/{saved.name})"]
                 timing = folder / "timing.json"  # written by the run that profiled
                 if timing.exists():
                     row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
     available = {"profile"} if "profile" in context.artifacts else set()
     pristine = lowered.graph.copy() if calibrate else None  # each calibration round plans from it
-    result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
+    try:
+        result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
+    except PipelineFailure as failure:
+        if not reused:
+            raise
+        # Its pipeline starts after the reused profile: the failed pass is not "the first pass" of the plan.
+        raise PipelineFailure(failure.pass_name, [*reused, *failure.pipeline_so_far], failure.cause) from failure.cause
     seconds = {record.name: record.seconds for record in result.records}
     if "profile" in seconds:
         row["profile_seconds"] = round(seconds["profile"], 2)
