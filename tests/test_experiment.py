@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import mutwo.tools.experiment as experiment
+import mutwo.tools.experiment_plots as experiment_plots
 from mutwo.ir.registry import PassRegistry
 from mutwo.tools.experiment import EXIT_OK, EXIT_USAGE, OUT_OF_MEMORY, main, measure_step, run_configuration
 from mutwo.tools.experiment_plots import plot_all
@@ -197,6 +200,89 @@ def test_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     for default in ("default: no cap", "(default: mutwo-out/experiment-<config name>)", "(default: the config's)"):
         assert default in text, default
     assert "``" not in text  # the description is plain text, not reStructuredText
+
+
+def crowded_results() -> dict[str, Any]:
+    """16 long batch sizes of one variant, with peaks in the hundred thousands of MiB: narrow bars, long labels."""
+    runs = [{"batch_size": batch, "variant": "none", "peak_bytes": batch * 2**20 // 10,
+             "simulated_peak_bytes": batch * 2**20 // 11, "iteration_ms": batch / 1e3}
+            for batch in range(100_000, 1_700_000, 100_000)]  # fmt: skip
+    return {"model": "crowded", "device": "NVIDIA H100", "memory_limit_bytes": None, "runs": runs}
+
+
+def drawn_figures(results: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The figures plot_all draws, by file name, kept open to read their tick labels."""
+    figures: list[Any] = []
+    monkeypatch.setattr(experiment_plots.plt, "close", figures.append)
+    written = plot_all(results, out)
+    monkeypatch.undo()
+    return dict(zip(written, figures, strict=True))
+
+
+def colliding_xticks(figure: Any) -> list[tuple[str, str]]:
+    """Neighbouring x tick labels whose text overlaps: their boxes, when level; when turned, they are parallel and
+    apart by the ticks' spacing times the angle's sine, which must exceed the text's height."""
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    axes = figure.axes[0]
+    low, high = sorted(axes.get_xlim())
+    labels = sorted(((label.get_position()[0], label) for label in axes.get_xticklabels()
+                     if label.get_visible() and label.get_text() and low <= label.get_position()[0] <= high),
+                    key=lambda item: item[0])  # fmt: skip
+    collisions = []
+    for (x_a, a), (x_b, b) in pairwise(labels):
+        angle = math.radians(a.get_rotation())
+        if angle == 0:
+            apart = a.get_window_extent(renderer).x1 < b.get_window_extent(renderer).x0
+        else:
+            spacing = axes.transData.transform((x_b, 0))[0] - axes.transData.transform((x_a, 0))[0]
+            apart = spacing * math.sin(angle) > a.get_fontsize() * figure.dpi / 72
+        if not apart:
+            collisions.append((a.get_text(), b.get_text()))
+    return collisions
+
+
+def test_plots_keep_crowded_x_labels_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many long batch sizes (and MiB values): the labels turn rather than overlap; the bars stay."""
+    figures = drawn_figures(crowded_results(), tmp_path, monkeypatch)
+    try:
+        assert list(figures) == list(PLOTS)
+        for name, figure in figures.items():
+            assert colliding_xticks(figure) == [], name
+        peaks = figures["peak_vs_batch.png"].axes[0]
+        assert {label.get_rotation() for label in peaks.get_xticklabels()} == {45.0}  # turned, every batch named
+        assert [label.get_text() for label in peaks.get_xticklabels()] == [str(b) for b in range(100_000, 1_700_000,
+                                                                                                  100_000)]  # fmt: skip
+        assert [bar.get_height() for bar in peaks.patches] == [b / 10 for b in range(100_000, 1_700_000, 100_000)]
+    finally:
+        experiment_plots.plt.close("all")
+
+
+def test_x_labels_too_many_to_turn_are_thinned() -> None:
+    """Upright labels that still overlap: every k-th is kept, the first among them; no bar is dropped."""
+    figure, axes = experiment_plots.plt.subplots(figsize=(3, 2))
+    try:
+        axes.bar(range(60), range(60))
+        axes.set_xticks(range(60), [str(1000 + i) for i in range(60)])
+        figure.tight_layout()
+        assert experiment_plots._readable_xticks(figure, axes)
+        labels = axes.get_xticklabels()
+        assert {label.get_rotation() for label in labels} == {90.0}
+        assert 1 < len(labels) < 60 and labels[0].get_text() == "1000"
+        assert colliding_xticks(figure) == []
+        assert len(axes.patches) == 60
+    finally:
+        experiment_plots.plt.close("all")
+
+
+def test_plots_leave_few_x_labels_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = drawn_figures(synthetic_results(), tmp_path, monkeypatch)
+    try:
+        for name, figure in figures.items():
+            assert {label.get_rotation() for label in figure.axes[0].get_xticklabels()} == {0.0}, name
+            assert colliding_xticks(figure) == [], name
+    finally:
+        experiment_plots.plt.close("all")
 
 
 # -- bad input: one line, exit code 2, nothing written -------------------------------------------
