@@ -9,7 +9,10 @@ everything else runs in-process: :func:`measure_step` with fake steps, the plots
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 import mutwo.tools.experiment as experiment
+import mutwo.tools.experiment_plots as experiment_plots
 from mutwo.ir.registry import PassRegistry
 from mutwo.tools.experiment import EXIT_OK, EXIT_USAGE, OUT_OF_MEMORY, main, measure_step, run_configuration
 from mutwo.tools.experiment_plots import plot_all
@@ -87,6 +91,14 @@ def test_cpu_run_exits_ok_when_a_budget_is_unreachable_at_a_small_batch(
     row = rows_by_key(results)[(32, "0.95")]
     assert "unreachable" in row.get("error", "") and row["error_kind"] == "unreachable"
     assert code == EXIT_OK
+
+
+def test_cpu_run_names_the_failed_pass_after_the_reused_profile(cpu_run: tuple[int, Path, dict[str, Any]]) -> None:
+    """The budget run plans with the profile of ``none``: select fails after it, not "as the first pass"."""
+    _, _, results = cpu_run
+    error = rows_by_key(results)[(32, "0.95")]["error"]
+    assert error.startswith("pass 'select' failed after [profile (from b32/profile.json)]: budget 0.95 "), error
+    assert "first pass" not in error
 
 
 def test_budget_run_skips_profiling_when_none_saved_a_matching_profile(
@@ -176,6 +188,103 @@ def test_plot_all_without_eager_and_without_peaks(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_vs_batch.png"]
 
 
+# -- --help ----------------------------------------------------------------------------------------
+def test_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """The defaults a sweep depends on are in --help, with the values the parser really uses."""
+    assert main(["--help"]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal's width
+    parser = experiment.build_parser()
+    for option in ("budgets", "warmup", "iterations", "timeout"):
+        assert f"(default: {parser.get_default(option)})" in text, option
+    assert "(default: 0.7,0.5)" in text
+    for default in ("default: no cap", "(default: mutwo-out/experiment-<config name>)", "(default: the config's)"):
+        assert default in text, default
+    assert "``" not in text  # the description is plain text, not reStructuredText
+
+
+def crowded_results() -> dict[str, Any]:
+    """16 long batch sizes of one variant, with peaks in the hundred thousands of MiB: narrow bars, long labels."""
+    runs = [{"batch_size": batch, "variant": "none", "peak_bytes": batch * 2**20 // 10,
+             "simulated_peak_bytes": batch * 2**20 // 11, "iteration_ms": batch / 1e3}
+            for batch in range(100_000, 1_700_000, 100_000)]  # fmt: skip
+    return {"model": "crowded", "device": "NVIDIA H100", "memory_limit_bytes": None, "runs": runs}
+
+
+def drawn_figures(results: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The figures plot_all draws, by file name, kept open to read their tick labels."""
+    figures: list[Any] = []
+    monkeypatch.setattr(experiment_plots.plt, "close", figures.append)
+    written = plot_all(results, out)
+    monkeypatch.undo()
+    return dict(zip(written, figures, strict=True))
+
+
+def colliding_xticks(figure: Any) -> list[tuple[str, str]]:
+    """Neighbouring x tick labels whose text overlaps: their boxes, when level; when turned, they are parallel and
+    apart by the ticks' spacing times the angle's sine, which must exceed the text's height."""
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    axes = figure.axes[0]
+    low, high = sorted(axes.get_xlim())
+    labels = sorted(((label.get_position()[0], label) for label in axes.get_xticklabels()
+                     if label.get_visible() and label.get_text() and low <= label.get_position()[0] <= high),
+                    key=lambda item: item[0])  # fmt: skip
+    collisions = []
+    for (x_a, a), (x_b, b) in pairwise(labels):
+        angle = math.radians(a.get_rotation())
+        if angle == 0:
+            apart = a.get_window_extent(renderer).x1 < b.get_window_extent(renderer).x0
+        else:
+            spacing = axes.transData.transform((x_b, 0))[0] - axes.transData.transform((x_a, 0))[0]
+            apart = spacing * math.sin(angle) > a.get_fontsize() * figure.dpi / 72
+        if not apart:
+            collisions.append((a.get_text(), b.get_text()))
+    return collisions
+
+
+def test_plots_keep_crowded_x_labels_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many long batch sizes (and MiB values): the labels turn rather than overlap; the bars stay."""
+    figures = drawn_figures(crowded_results(), tmp_path, monkeypatch)
+    try:
+        assert list(figures) == list(PLOTS)
+        for name, figure in figures.items():
+            assert colliding_xticks(figure) == [], name
+        peaks = figures["peak_vs_batch.png"].axes[0]
+        assert {label.get_rotation() for label in peaks.get_xticklabels()} == {45.0}  # turned, every batch named
+        assert [label.get_text() for label in peaks.get_xticklabels()] == [str(b) for b in range(100_000, 1_700_000,
+                                                                                                  100_000)]  # fmt: skip
+        assert [bar.get_height() for bar in peaks.patches] == [b / 10 for b in range(100_000, 1_700_000, 100_000)]
+    finally:
+        experiment_plots.plt.close("all")
+
+
+def test_x_labels_too_many_to_turn_are_thinned() -> None:
+    """Upright labels that still overlap: every k-th is kept, the first among them; no bar is dropped."""
+    figure, axes = experiment_plots.plt.subplots(figsize=(3, 2))
+    try:
+        axes.bar(range(60), range(60))
+        axes.set_xticks(range(60), [str(1000 + i) for i in range(60)])
+        figure.tight_layout()
+        assert experiment_plots._readable_xticks(figure, axes)
+        labels = axes.get_xticklabels()
+        assert {label.get_rotation() for label in labels} == {90.0}
+        assert 1 < len(labels) < 60 and labels[0].get_text() == "1000"
+        assert colliding_xticks(figure) == []
+        assert len(axes.patches) == 60
+    finally:
+        experiment_plots.plt.close("all")
+
+
+def test_plots_leave_few_x_labels_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = drawn_figures(synthetic_results(), tmp_path, monkeypatch)
+    try:
+        for name, figure in figures.items():
+            assert {label.get_rotation() for label in figure.axes[0].get_xticklabels()} == {0.0}, name
+            assert colliding_xticks(figure) == [], name
+    finally:
+        experiment_plots.plt.close("all")
+
+
 # -- bad input: one line, exit code 2, nothing written -------------------------------------------
 # (arguments, words the error line must contain)
 BAD_INPUT = {
@@ -186,6 +295,8 @@ BAD_INPUT = {
     "negative-budget": (["{config}", "--batch-sizes", "32", "--budgets", "-1"], ["--budgets", "positive"]),
     "memory-limit-fraction": (["{config}", "--batch-sizes", "32", "--memory-limit", "0.5"],
                               ["--memory-limit", "is not a memory size: give bytes with a unit", "16GiB"]),
+    "memory-limit-on-cpu": (["{config}", "--batch-sizes", "32", "--device", "cpu", "--memory-limit", "16GiB"],
+                            ["--memory-limit caps CUDA memory", "on the CPU", "drop --memory-limit", "--device cuda"]),
     "warmup-too-small": (["{config}", "--batch-sizes", "32", "--warmup", "1"], ["--warmup must be at least 3"]),
     "iterations-too-few": (["{config}", "--batch-sizes", "32", "--iterations", "5"], ["--iterations at least 10"]),
 }  # fmt: skip
@@ -250,6 +361,34 @@ def test_keep_going_after_oom_measures_larger_batches(fake_worker: list[tuple[in
     assert (64, "eager") in fake_worker
     rows = rows_by_key(json.loads((out / "results.json").read_text(encoding="utf-8")))
     assert rows[(64, "eager")] == {"batch_size": 64, "variant": "eager", "iteration_ms": 1.0, "peak_bytes": None}
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log-file", "terminal"])
+def test_progress_redraws_a_bar_only_on_a_terminal(terminal: bool, fake_worker: list[tuple[int, str]], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Off a terminal (a log file, CI), one plain line per configuration and no carriage return."""
+    stderr = Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    code = main(["examples/tiny_mlp.yaml", "--batch-sizes", "16", "--budgets", "0.95", "-o", str(tmp_path / "x")])
+    assert code == EXIT_OK
+    text = stderr.getvalue()
+    plain = ["mutwo-experiment: [1/3] batch 16, eager", "mutwo-experiment: [2/3] batch 16, none",
+             "mutwo-experiment: [3/3] batch 16, 0.95"]  # fmt: skip
+    if terminal:
+        assert "\r" in text and "3/3" in text and not any(line in text for line in plain)
+    else:
+        assert "\r" not in text, text
+        assert text.splitlines()[:3] == plain
+        assert text.splitlines()[3].startswith("mutwo-experiment: wrote ")
+    assert capsys.readouterr().out.splitlines()[0].startswith("batch   16    eager: ")  # each result, on stdout
 
 
 def test_out_of_memory_while_planning_also_skips(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -41,20 +41,30 @@ OUT_OF_MEMORY = "out of memory"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="mutwo-experiment", description=__doc__.split("\n\n")[0])
+    # The description is the docstring's first line, without its reStructuredText markup; every option that has a
+    # default says it, as mutwo-opt's do (%(default)s keeps the text and the value together).
+    parser = Parser(prog="mutwo-experiment", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("config", help="YAML config describing the model, as for mutwo-opt")
-    parser.add_argument("--batch-sizes", required=True, help="comma-separated, e.g. 16,32,64")
-    parser.add_argument("--budgets", default="0.7,0.5", help="comma-separated budgets (fractions, bytes or 'min')")
-    parser.add_argument("--no-eager", action="store_true", help="do not measure eager PyTorch")
+    parser.add_argument("--batch-sizes", required=True, metavar="LIST",
+                        help="comma-separated, e.g. 16,32,64 (required)")  # fmt: skip
+    parser.add_argument("--budgets", default="0.7,0.5", metavar="LIST",
+                        help="comma-separated budgets: fractions of mutwo's unoptimized peak, bytes (15GiB) or 'min'; "
+                        "'' for none (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-eager", action="store_true", help="do not measure eager PyTorch (default: measure it)")
     parser.add_argument("-o", "--out", help="output folder (default: mutwo-out/experiment-<config name>)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: the config's)")
-    parser.add_argument("--memory-limit", help="cap the training step's device memory, e.g. 16GiB "
-                        "(torch.cuda.set_per_process_memory_fraction; planning runs uncapped)")  # fmt: skip
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations (at least 3)")
-    parser.add_argument("--iterations", type=int, default=10, help="measured iterations (at least 10)")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    parser.add_argument("--memory-limit", metavar="MEMORY",
+                        help="CUDA only: cap the training step's GPU memory, e.g. 16GiB (torch.cuda."
+                        "set_per_process_memory_fraction; planning runs uncapped; default: no cap)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=3, metavar="N",
+                        help="warm-up iterations, at least 3 (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--iterations", type=int, default=10, metavar="N",
+                        help="measured iterations, at least 10 (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--timeout", type=int, default=900, metavar="SECONDS",
+                        help="seconds per configuration (default: %(default)s)")  # fmt: skip
     parser.add_argument("--keep-going-after-oom", action="store_true",
-                        help="measure larger batches of a variant that already ran out of memory")  # fmt: skip
+                        help="measure larger batches of a variant that already ran out of memory "
+                        "(default: record them as skipped)")  # fmt: skip
     parser.add_argument("--worker", nargs=2, metavar=("BATCH", "VARIANT"), help=argparse.SUPPRESS)
     return parser
 
@@ -224,7 +234,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                   swap: bool = False, backend: str = "eager",
                   isolate_profile: bool = False, calibrate: int = 0) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
-    from mutwo.ir.pass_manager import PassManager
+    from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.api import capture_graph, pass_context
     from mutwo.runtime.backends import BackendError, backend_services
@@ -247,7 +257,9 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
-    passes = ",".join(["profile{isolate=true}" if isolate_profile else "profile", *planning])
+    profiling = "profile{isolate=true}" if isolate_profile else "profile"
+    passes = ",".join([profiling, *planning])
+    reused: list[str] = []  # what ran before this run's pipeline, in the run that profiled
     if budget is not None:
         if saved.exists():
             profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
@@ -255,12 +267,19 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
             if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
                 context.artifacts["profile"] = profile
                 passes = ",".join(planning)
+                reused = [f"{profiling} (from {folder.name}/{saved.name})"]
                 timing = folder / "timing.json"  # written by the run that profiled
                 if timing.exists():
                     row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
     available = {"profile"} if "profile" in context.artifacts else set()
     pristine = lowered.graph.copy() if calibrate else None  # each calibration round plans from it
-    result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
+    try:
+        result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
+    except PipelineFailure as failure:
+        if not reused:
+            raise
+        # Its pipeline starts after the reused profile: the failed pass is not "the first pass" of the plan.
+        raise PipelineFailure(failure.pass_name, [*reused, *failure.pipeline_so_far], failure.cause) from failure.cause
     seconds = {record.name: record.seconds for record in result.records}
     if "profile" in seconds:
         row["profile_seconds"] = round(seconds["profile"], 2)
@@ -445,6 +464,9 @@ def run_experiment(args: argparse.Namespace) -> int:
         on_gpu = target_device(config).type == "cuda"
     except ConfigError as error:
         raise UsageError(str(error)) from None
+    if memory_limit is not None and not on_gpu:  # set_per_process_memory_fraction caps CUDA memory only
+        raise UsageError("--memory-limit caps CUDA memory, but this run is on the CPU, where it would cap nothing; "
+                         "drop --memory-limit, or run on a GPU (--device cuda)")
     out = Path(args.out) if args.out else Path("mutwo-out") / f"experiment-{config.name}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -458,9 +480,15 @@ def run_experiment(args: argparse.Namespace) -> int:
               "memory_limit_bytes": memory_limit, "runs": []}  # fmt: skip
     ran_out: set[str] = set()
     jobs = [(b, v) for b in sorted(batch_sizes) for v in variants]
-    with tqdm(jobs, desc="mutwo-experiment", unit="config", file=sys.stderr) as progress:
-        for batch_size, variant in progress:
-            progress.set_postfix_str(f"batch {batch_size}, {variant}")
+    # A bar redrawn with \r only on a terminal (disable=None): a log file gets one plain line per configuration
+    # instead, in mutwo-opt's "tool: message" form.
+    with tqdm(jobs, desc="mutwo-experiment", unit="config", file=sys.stderr, disable=None) as progress:
+        for index, (batch_size, variant) in enumerate(progress, start=1):
+            if progress.disable:
+                print(f"mutwo-experiment: [{index}/{len(jobs)}] batch {batch_size}, {variant}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+            else:
+                progress.set_postfix_str(f"batch {batch_size}, {variant}")
             if variant in ran_out and not args.keep_going_after_oom:
                 row = {"batch_size": batch_size, "variant": variant,
                        "error": f"skipped: {OUT_OF_MEMORY} at a smaller batch"}  # fmt: skip

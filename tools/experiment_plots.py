@@ -6,11 +6,14 @@
   labelled with its overhead against eager PyTorch (or, without eager, against no recompute);
 - ``simulated_vs_measured.png``: mutwo's simulated peak against the measured one.
 
-Out-of-memory configurations are marked "OOM" on the bar charts.
+Out-of-memory configurations are marked "OOM" on the bar charts. X tick labels that would overlap
+(many batch sizes, long numbers) are tilted, stood upright or, when even that is too tight, thinned.
 """
 
 from __future__ import annotations
 
+import math
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ matplotlib.use("Agg")  # files only: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 MIB = 2**20
+#: Room kept between two neighbouring x tick labels, in shares of a label's height.
+TICK_GAP = 0.3
 
 
 def _label(variant: str) -> str:
@@ -44,8 +49,37 @@ def _save(figure: Any, axes: Any, path: Path, xlabel: str, ylabel: str, title: s
     axes.set_title(title)
     axes.legend(fontsize=8)
     figure.tight_layout()
+    if _readable_xticks(figure, axes):
+        figure.tight_layout()  # again, with room for the turned labels
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    return True
+
+
+def _readable_xticks(figure: Any, axes: Any) -> bool:
+    """Keep the x tick labels from overlapping: tilt them 45°, else stand them upright, else label
+    every k-th tick (the drawn data stay as they are). True if the labels changed.
+
+    Labels that turn stay parallel, so two neighbours are apart by the ticks' spacing times the sine
+    of their angle; that must exceed a label's height."""
+    figure.canvas.draw()  # a label has its text and size only once drawn
+    renderer = figure.canvas.get_renderer()
+    low, high = sorted(axes.get_xlim())
+    shown = sorted(((label.get_position()[0], label) for label in axes.get_xticklabels()
+                    if label.get_text() and low <= label.get_position()[0] <= high),
+                   key=lambda item: item[0])  # fmt: skip
+    boxes = [label.get_window_extent(renderer) for _, label in shown]
+    if all(a.x1 + TICK_GAP * a.height <= b.x0 for a, b in pairwise(boxes)):
+        return False
+    pixels = [axes.transData.transform((x, 0))[0] for x, _ in shown]
+    spacing = min(b - a for a, b in pairwise(pixels))
+    needed = (1 + TICK_GAP) * max(box.height for box in boxes)
+    locations, texts = [x for x, _ in shown], [label.get_text() for _, label in shown]
+    if spacing * math.sin(math.radians(45)) >= needed:
+        axes.set_xticks(locations, texts, rotation=45, ha="right", rotation_mode="anchor")  # ends at their ticks
+        return True
+    every = math.ceil(needed / spacing)  # 1 while upright labels fit
+    axes.set_xticks(locations[::every], texts[::every], rotation=90, ha="center")
     return True
 
 
