@@ -491,7 +491,8 @@ class SelectPass(Pass):
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
             if not optimizer_passes_ran:
-                why += "; the optimizer passes can: --passes profile,optimizer,select,rewrite"
+                # Named as a pipeline, which mutwo-opt's -p and optimize(passes=...) both take.
+                why += "; the optimizer passes can: plan with the pipeline profile,optimizer,select,rewrite"
         else:
             why = "no remaining activation that is idle at that point can be recomputed"
             if plan.refused:

@@ -150,3 +150,18 @@ def test_bad_options_are_usage_errors(passes: str, message: str, tmp_path: Path,
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_budget_out_of_reach_in_the_optimizer_step_points_to_the_optimizer_passes() -> None:
+    """The advice names a pipeline (which mutwo-opt's -p and optimize(passes=...) both take), not a
+    flag of one tool."""
+    from mutwo.ir.budget import parse_budget
+    from mutwo.ir.pass_manager import PipelineFailure
+
+    workload = models.gpt2()  # its peak is in the optimizer step
+    optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-3)
+    with pytest.raises(PipelineFailure) as failure:
+        optimize_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
+                       passes="profile{runs=1,warmup=0},select,rewrite", budget=parse_budget("0.5"))  # fmt: skip
+    assert "the peak is in the optimizer step" in str(failure.value)
+    assert "the optimizer passes can: plan with the pipeline profile,optimizer,select,rewrite" in str(failure.value)
