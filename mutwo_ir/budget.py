@@ -96,6 +96,11 @@ def sizes(*values: int) -> list[str]:
     return [f"{value} B" for value in values]
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 clone``, ``12 clones``: a count with its noun, for messages."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def budget_text(budget: str, size: str) -> str:
     """How a message names a budget: ``min`` for the lowest peak reachable, which has no size to
     print, else its size with what was asked (``4.0 MiB (0.5)``)."""

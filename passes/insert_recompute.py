@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mutwo.ir.budget import counted
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.recompute import insert_blocks
@@ -31,5 +32,6 @@ class InsertRecomputePass(Pass):
         clones = insert_blocks(graph, blocks)
         ctx.artifacts["recomputed"] = clones
         ctx.save_json("clones.json", {str(k): v for k, v in sorted(clones.items())})
-        ctx.log(f"insert-recompute: {sum(len(c) for c in clones.values())} clones of {len(clones)} forward nodes")
+        ctx.log(f"insert-recompute: {counted(sum(len(c) for c in clones.values()), 'clone')} of "
+                f"{counted(len(clones), 'forward node')}")
         return clones

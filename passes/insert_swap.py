@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mutwo.ir.budget import counted
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import StorageKey
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure
@@ -47,6 +48,7 @@ class InsertSwapPass(Pass):
         ctx.artifacts["swapped"] = result
         ctx.save_json("swaps.json", result.swaps)
         ctx.save_json("clones.json", {str(k): v for k, v in sorted(result.clones.items())})
-        ctx.log(f"insert-swap: {len(result.swaps)} swaps, {sum(len(c) for c in result.clones.values())} recompute "
-                f"clones of {len(result.clones)} forward nodes")  # fmt: skip
+        ctx.log(f"insert-swap: {counted(len(result.swaps), 'swap')}, "
+                f"{counted(sum(len(c) for c in result.clones.values()), 'recompute clone')} of "
+                f"{counted(len(result.clones), 'forward node')}")  # fmt: skip
         return result

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, budget_text, parse_budget, reachable_budget, sizes
+from mutwo.ir.budget import Budget, budget_text, counted, parse_budget, reachable_budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import Headroom, MemorySimulation, allocation_size, describe_breakdown, simulate
@@ -107,9 +107,9 @@ class Plan(PlanData):
     def summary(self) -> str:
         predicted, unoptimized, budget = sizes(self.predicted_peak, self.unoptimized_peak, self.budget_bytes)
         count = len(self.entries)
-        return (f"recompute {count} activation{'' if count == 1 else 's'}: predicted peak {predicted} (unoptimized "
+        return (f"recompute {counted(count, 'activation')}: predicted peak {predicted} (unoptimized "
                 f"{unoptimized}, budget {budget_text(self.budget, budget)}), +{self.added_seconds * 1e3:.1f} ms per "
-                f"iteration, {self.clones} node{'' if self.clones == 1 else 's'} cloned")  # fmt: skip
+                f"iteration, {counted(self.clones, 'node')} cloned")  # fmt: skip
 
     def csv(self) -> str:
         out = io.StringIO()

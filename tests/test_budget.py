@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mutwo.ir.budget import Budget, BudgetError, budget_text, parse_bytes, reachable_budget, sizes
+from mutwo.ir.budget import Budget, BudgetError, budget_text, counted, parse_bytes, reachable_budget, sizes
 
 MIB, KIB = 2**20, 2**10
 
@@ -17,6 +17,12 @@ def test_sizes_are_mib_while_they_read_apart() -> None:
 def test_sizes_all_under_a_mib_are_kib() -> None:
     assert sizes(int(0.9 * MIB), int(0.7 * MIB)) == ["921.6 KiB", "716.8 KiB"]
     assert sizes(int(0.9 * MIB), 2 * MIB) == ["0.9 MiB", "2.0 MiB"]
+
+
+def test_a_count_agrees_with_its_noun() -> None:
+    assert (counted(1, "clone"), counted(12, "clone"), counted(0, "forward node")) == ("1 clone", "12 clones",
+                                                                                    "0 forward nodes")
+    assert counted(2, "batch", "batches") == "2 batches"
 
 
 def test_a_budget_is_named_by_its_size_and_what_was_asked() -> None:
