@@ -675,7 +675,8 @@ def test_a_plan_of_another_graph(planned: Path, tmp_path: Path, capsys: pytest.C
 def test_a_plan_file_that_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
                               "--plan-from", tmp_path / "nowhere.json", TINY_MLP)  # fmt: skip
-    assert f"--plan-from: '{tmp_path / 'nowhere.json'}' does not exist; give the plan.json an earlier run wrote" in line
+    assert (f"--plan-from: '{tmp_path / 'nowhere.json'}' does not exist; give the plan.json or swap_plan.json an "
+            "earlier run wrote") in line
 
 
 @pytest.mark.parametrize("option", ["--plan-from", "--profile-from"])
@@ -693,24 +694,44 @@ def test_a_reused_file_is_checked_before_the_capture(option: str, workdir: Path,
 def test_a_plan_no_pass_reads(planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "stats",
                               "--plan-from", planned / "plan.json", TINY_MLP)  # fmt: skip
-    assert "--plan-from gives a plan, but no pass of this pipeline (stats) reads one" in line
+    assert "--plan-from gives a plan.json, but no pass of this pipeline (stats) reads it" in line
     assert "-p rewrite --plan-from FILE" in line
 
 
-def test_a_reused_file_of_the_wrong_kind_is_named(planned: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    """A swap plan or a plan where a profile is wanted: named for what it is, before the capture."""
-    swapped = tmp_path / "swapped"
-    code, _, err = run_cli(capsys, "-q", "--device", "cpu", "--batch-size", "64", "--budget", "0.85", "-p",
-                           "profile,swap", "-o", swapped, TINY_MLP)  # fmt: skip
+@pytest.fixture(scope="module")
+def swap_planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of the tiny MLP planned with swaps (select-swap cannot keep recompute only)."""
+    out = tmp_path_factory.mktemp("swap_planned") / "out"
+    assert main(["-q", "--device", "cpu", "--batch-size", "64", "--budget", "0.85", "-p",
+                 "profile,select-swap{allow=swap},insert-swap", "-o", str(out), str(TINY_MLP)]) == EXIT_OK  # fmt: skip
+    return out
+
+
+def test_a_swap_plan_is_reloaded_and_gives_the_same_final_graph(
+        swap_planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "again"
+    code, _, err = run_cli(capsys, "-q", "--device", "cpu", "--batch-size", "64", "-p", "insert-swap", "--plan-from",
+                           swap_planned / "swap_plan.json", "--check", "-o", out, TINY_MLP)  # fmt: skip
     assert code == EXIT_OK, err
+    assert json.loads((swap_planned / "summary.json").read_text())["swapped"], "the plan swaps nothing"
+    assert (out / "final.ir.txt").read_text() == (swap_planned / "final.ir.txt").read_text()
+    assert json.loads((out / "summary.json").read_text())["equivalent"] is True
+
+
+def test_a_reused_file_of_the_wrong_kind_is_named(planned: Path, swap_planned: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A swap plan for a pipeline that applies select's plans, a plan where a profile is wanted: each
+    named for what it is, before the capture."""
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
-                              "--plan-from", swapped / "swap_plan.json", TINY_MLP)  # fmt: skip
-    assert f"{swapped / 'swap_plan.json'} is a swap_plan.json written by the select-swap pass, not a plan.json" in line
-    assert "plan again with -p swap --profile-from its run's profile.json" in line
+                              "--plan-from", swap_planned / "swap_plan.json", TINY_MLP)  # fmt: skip
+    assert "gives a swap_plan.json, but no pass of this pipeline (extract,insert-recompute) reads it" in line
+    assert "insert-swap applies it (-p insert-swap --plan-from FILE)" in line
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p",
                               "select,rewrite", "--profile-from", planned / "plan.json", TINY_MLP)  # fmt: skip
-    assert "is a plan.json written by the select pass, not a profile.json" in line
+    assert f"{planned / 'plan.json'} is a plan.json written by the select pass, not a profile.json" in line
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
+                              "--plan-from", planned / "profile.json", TINY_MLP)  # fmt: skip
+    assert "is a profile.json written by the profile pass, not a plan.json or swap_plan.json" in line
 
 
 def test_a_backend_refusal_after_the_passes_leaves_nothing_written(

@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from mutwo.ir.time_model import TimeModel
 from mutwo.ir.timeline import graph_timeline
 from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
+from mutwo.passes.select_swap import SwapPlan
 from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.backends import (
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-from", metavar="FILE",
                         help="reuse a profile.json written by the profile pass for this same graph")
     parser.add_argument("--plan-from", metavar="FILE",
-                        help="reuse a plan.json written by the select pass for this same graph")
+                        help="reuse a plan.json (select) or swap_plan.json (select-swap) written for this same graph")
     parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
                         "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
     parser.add_argument("--fit-margin", type=float, metavar="SHARE",
@@ -230,14 +232,15 @@ class MutwoOpt:
         return device
 
     def build_pipeline(self, config: Config) -> PassManager:
+        available = {reused.artifact for reused, _ in self.reused_files()}
         try:
-            available = {name for name, given in (("profile", self.args.profile_from),
-                                                  ("plan", self.args.plan_from)) if given}  # fmt: skip
+            if available:  # what is wrong with a given file first: the requirements it does not meet follow
+                unchecked = self.registry.build_pipeline(config.passes, {r.artifact for r in REUSED})
+                self.refuse_remade_artifacts(unchecked)
+                self.refuse_unread_plan(unchecked)
             passes = self.registry.build_pipeline(config.passes, available)
         except RegistryError as error:
             raise UsageError(str(error)) from None
-        self.refuse_remade_artifacts(passes)
-        self.refuse_unread_plan(passes)
         instrumentation = Instrumentation(
             verify=not self.args.no_verify, print_ir_after_all=self.args.print_ir_after_all,
             print_ir_after=self.print_ir_after(passes), dump_dot=self.args.dump_dot,
@@ -265,40 +268,49 @@ class MutwoOpt:
         return frozenset(names)
 
     def refuse_unread_plan(self, passes: list[Pass]) -> None:
-        """Refuse ``--plan-from`` when no pass of the pipeline reads a plan: the file would go unused."""
-        if self.args.plan_from and not any("plan" in type(p).requires for p in passes):
-            pipeline = ",".join(p.name for p in passes)
-            raise UsageError(f"--plan-from gives a plan, but no pass of this pipeline ({pipeline}) reads one, so the "
-                             "file would go unused; rewrite applies it (-p rewrite --plan-from FILE)")  # fmt: skip
+        """Refuse ``--plan-from`` when no pass of the pipeline reads its plan: the file would go unused."""
+        for reused, _ in self.reused_files():
+            if reused.option == "--plan-from" and not any(reused.artifact in type(p).requires for p in passes):
+                pipeline = ",".join(p.name for p in passes)
+                raise UsageError(f"--plan-from gives a {reused.filename}, but no pass of this pipeline ({pipeline}) "
+                                 f"reads it, so the file would go unused; {reused.example.removeprefix('-p ')} "
+                                 f"applies it ({reused.example} --plan-from FILE)")  # fmt: skip
 
-    #: The artifacts a file can stand in for: (option, artifact, an example pipeline without its maker).
-    REUSABLE = (("--profile-from", "profile", "-p select,rewrite"), ("--plan-from", "plan", "-p rewrite"))
+    def reused_files(self) -> list[tuple[ReusedFile, Path]]:
+        """The files ``--profile-from`` and ``--plan-from`` give, each with what it stands for: a
+        ``--plan-from`` file is select's plan or, recognised by its fields, select-swap's."""
+        given = []
+        for option in ("--profile-from", "--plan-from"):
+            text = getattr(self.args, option.removeprefix("--").replace("-", "_"))
+            if text:
+                kinds = [r for r in REUSED if r.option == option]
+                written = artifact_file(Path(text))
+                given.append((next((r for r in kinds if r.filename == written), kinds[0]), Path(text)))
+        return given
 
     def refuse_remade_artifacts(self, passes: list[Pass]) -> None:
         """Refuse ``--profile-from``/``--plan-from`` beside a pass that makes the same artifact again:
         the pass would silently replace what the file gave, and the file would go unused."""
-        for option, artifact, example in self.REUSABLE:
-            if not getattr(self.args, option.removeprefix("--").replace("-", "_")):
-                continue
-            maker = next((p.name for p in passes if artifact in type(p).provides), None)
+        for reused, _ in self.reused_files():
+            maker = next((p.name for p in passes if reused.artifact in type(p).provides), None)
             if maker is not None:
-                raise UsageError(f"{option} gives the {artifact}, but the pipeline's '{maker}' pass would make a new "
-                                 f"one and leave the file unused; drop {maker} from --passes ({example} {option} "
-                                 "FILE)")  # fmt: skip
+                raise UsageError(f"{reused.option} gives the {reused.artifact}, but the pipeline's '{maker}' pass "
+                                 f"would make a new one and leave the file unused; drop {maker} from --passes "
+                                 f"({reused.example} {reused.option} FILE)")  # fmt: skip
 
     def check_reused_files(self) -> None:
-        """``--profile-from`` and ``--plan-from`` name readable files: checked before the capture,
-        which can take minutes (whether a file belongs to the graph is checked after it)."""
-        for option, artifact, _ in self.REUSABLE:
-            text = getattr(self.args, option.removeprefix("--").replace("-", "_"))
-            problem = unreadable(Path(text), f"{option}:") if text else None
+        """``--profile-from`` and ``--plan-from`` name readable files of their kind: checked before the
+        capture, which can take minutes (whether a file belongs to the graph is checked after it)."""
+        for reused, path in self.reused_files():
+            accepted = " or ".join(r.filename for r in REUSED if r.option == reused.option)
+            problem = unreadable(path, f"{reused.option}:")
             if problem is not None:
-                raise UsageError(f"{problem}; give the {artifact}.json an earlier run wrote")
-            written_by = text and other_artifact(Path(text), f"{artifact}.json")
-            if written_by:
-                hint = SWAP_PLAN_HINT if written_by.startswith("a swap_plan") else ""
-                raise UsageError(f"{option}: {text} is {written_by}, not a {artifact}.json; give the {artifact}.json "
-                                 f"an earlier run wrote{hint}")  # fmt: skip
+                raise UsageError(f"{problem}; give the {accepted} an earlier run wrote")
+            written = artifact_file(path)
+            if written is not None and written != reused.filename:
+                maker = next(r.maker for r in REUSED if r.filename == written)
+                raise UsageError(f"{reused.option}: {path} is a {written} written by the {maker} pass, not a "
+                                 f"{accepted}; give the {accepted} an earlier run wrote")  # fmt: skip
 
     def prepare_out_dir(self, config: Config) -> Path:
         """Check, without creating anything yet, that the output folder can be written."""
@@ -346,23 +358,20 @@ class MutwoOpt:
         workload = build_workload(dataclasses.replace(config, batch_size=config.batch_size * self.dp.world_size))
         return workload, distributed.shard_batch(workload.batch, self.dp.rank, self.dp.world_size)
 
-    def load_artifact(self, graph: Graph, option: str, filename: str, maker: str, cls: Any) -> Any:
-        """A profile.json or plan.json from an earlier run, refused unless it belongs to this graph."""
-        text = getattr(self.args, option.removeprefix("--").replace("-", "_"))
-        if not text:
-            return None
-        path = Path(text)
+    def load_artifact(self, graph: Graph, reused: ReusedFile, path: Path) -> Any:
+        """A profile.json, plan.json or swap_plan.json of an earlier run, refused unless it belongs to this graph."""
+        option = reused.option
         try:
-            artifact = cls.from_json(json.loads(path.read_text(encoding="utf-8")))
+            artifact = reused.cls.from_json(json.loads(path.read_text(encoding="utf-8")))
         except OSError as error:  # checked before the capture; gone or unreadable since
             raise UsageError(f"{option}: {str(path)!r} cannot be read ({error.strerror})") from None
         except (ValueError, KeyError, TypeError) as error:
-            raise UsageError(f"{option}: {path} is not a {filename} written by the {maker} pass "
+            raise UsageError(f"{option}: {path} is not a {reused.filename} written by the {reused.maker} pass "
                              f"({type(error).__name__}: {error})") from None  # fmt: skip
         if artifact.fingerprint != fingerprint(graph):
             raise UsageError(f"{option}: {path} belongs to a different graph (fingerprint {artifact.fingerprint}, "
-                             f"this graph {fingerprint(graph)}); run the {maker} pass again for this model, batch "
-                             "size and device")  # fmt: skip
+                             f"this graph {fingerprint(graph)}); run the {reused.maker} pass again for this model, "
+                             "batch size and device")  # fmt: skip
         return artifact
 
     def refuse_backend(self, config: Config, device: torch.device, manager: PassManager) -> None:
@@ -586,11 +595,8 @@ class MutwoOpt:
         captured_version = graph.version
         ctx = pass_context(lowered, config.budget, out_dir=out if self.lead else None, log=self.log)
         ctx.services.update(backend_services(config.backend))
-        for option, filename, maker, cls, key in (("--profile-from", "profile.json", "profile", Profile, "profile"),
-                                                  ("--plan-from", "plan.json", "select", Plan, "plan")):
-            artifact = self.load_artifact(graph, option, filename, maker, cls)
-            if artifact is not None:
-                ctx.artifacts[key] = artifact
+        for reused, path in self.reused_files():
+            ctx.artifacts[reused.artifact] = self.load_artifact(graph, reused, path)
         if self.lead:  # after the reused files are checked: a refused one leaves no empty folder
             self.output = OutputFolder.make(out)
         result: PipelineResult | None = None
@@ -640,27 +646,38 @@ class MutwoOpt:
         return EXIT_OK
 
 
-#: What tells apart the JSON files mutwo-opt reuses or is given by mistake: keys, file, what wrote it.
-ARTIFACT_FILES = ((("transfer", "entries"), "swap_plan.json", "select-swap"),
-                  (("clones", "entries"), "plan.json", "select"),
-                  (("nodes", "runs", "iteration"), "profile.json", "profile"))  # fmt: skip
-#: Why a swap plan cannot be given to --plan-from, and what to do instead.
-SWAP_PLAN_HINT = (" (a swap plan cannot be reloaded yet: plan again with -p swap --profile-from its run's "
-                  "profile.json, which skips the profiling)")  # fmt: skip
+@dataclass(frozen=True)
+class ReusedFile:
+    """A file of an earlier run that an option gives in place of a pass's artifact."""
+
+    option: str  #: --profile-from or --plan-from
+    artifact: str  #: the artifact it stands for (ctx.artifacts' key)
+    filename: str  #: as the pass writes it
+    maker: str  #: the pass that writes it
+    cls: Any  #: what reads it (from_json)
+    example: str  #: a pipeline that uses it without making it again
+    fields: tuple[str, ...]  #: keys its JSON has and the other files' lack, to tell them apart
 
 
-def other_artifact(path: Path, expected: str) -> str | None:
-    """``a swap_plan.json written by the select-swap pass`` when ``path`` is another of mutwo-opt's
-    files than ``expected``; None when it is ``expected``, or not one that is recognised (the load
-    after the capture then says what is wrong with it)."""
+REUSED = (
+    ReusedFile("--profile-from", "profile", "profile.json", "profile", Profile, "-p select,rewrite",
+               ("nodes", "runs", "iteration")),
+    ReusedFile("--plan-from", "plan", "plan.json", "select", Plan, "-p rewrite", ("clones", "entries")),
+    ReusedFile("--plan-from", "swap-plan", "swap_plan.json", "select-swap", SwapPlan, "-p insert-swap",
+               ("transfer", "entries")),
+)  # fmt: skip
+
+
+def artifact_file(path: Path) -> str | None:
+    """Which of the files mutwo-opt reuses ``path`` holds, by its fields (``swap_plan.json``); None
+    when it cannot be read or is none of them (loading it then says what is wrong)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    for keys, filename, maker in ARTIFACT_FILES:
-        if isinstance(data, dict) and all(key in data for key in keys):
-            return None if filename == expected else f"a {filename} written by the {maker} pass"
-    return None
+    if not isinstance(data, dict):
+        return None
+    return next((r.filename for r in REUSED if all(key in data for key in r.fields)), None)
 
 
 #: The files named first when a run says what it wrote (the rest are counted).
