@@ -10,7 +10,7 @@
 #
 # Still owed (issues 17 and 18): nothing queued. Worth measuring next: ResNet-152-cl b128 at half of
 # eager's peak with select-swap's min_gain (swap-inductor-cl-half), which should now keep recompute
-# only; and BERT-base b64 at checkpointing's peak with --calibrate-peak 3 (599.8 ms, 5.1 ms over
+# only; and BERT-base b64 at checkpointing's peak with --calibrate-peak 3 (599.8 ms, 5.0 ms over
 # issue 17's target, peaked 0.8% under the budget).
 # Done on 2026-11-24, fifth session (bench/results/issue17_h100_swap_bert/, issue18_h100_swap_trace/,
 # time_model/isolate_*; docs/benchmarks.md "BERT swap under Inductor and the ResNet swap trace"):

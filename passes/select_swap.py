@@ -241,7 +241,7 @@ class SelectSwapPass(Pass):
         if small_gain and recompute_only is not None:
             ctx.log(f"select-swap: the plan with swaps is predicted {best.timeline.seconds * 1e3:.1f} ms against "
                     f"recompute only's {recompute_only.timeline.seconds * 1e3:.1f} ms, less than min_gain "
-                    f"{self.min_gain:.0%} faster: keeping recompute only")  # fmt: skip
+                    f"{self.min_gain * 100:g}% faster: keeping recompute only")  # fmt: skip
             alternative = self._summary("swap,recompute", best, budget_bytes)
             best, candidates, sites = recompute_only, only, only_sites
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)

@@ -691,6 +691,15 @@ def test_a_reused_file_is_checked_before_the_capture(option: str, workdir: Path,
     assert f"{option}: '{workdir}' is a directory, not a file" in line
 
 
+def test_a_reused_plan_sets_the_summarys_budget(planned: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "again"
+    code, _, err = run_cli(capsys, "-q", "--device", "cpu", "--batch-size", "64", "-p", "rewrite", "--plan-from",
+                           planned / "plan.json", "-o", out, TINY_MLP)  # fmt: skip
+    assert code == EXIT_OK, err
+    assert json.loads((out / "summary.json").read_text())["budget"] == "min"  # the plan's, not the config's 0.9
+
+
 def test_a_plan_no_pass_reads(planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "stats",
                               "--plan-from", planned / "plan.json", TINY_MLP)  # fmt: skip
@@ -732,29 +741,37 @@ def test_a_reused_file_of_the_wrong_kind_is_named(planned: Path, swap_planned: P
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
                               "--plan-from", planned / "profile.json", TINY_MLP)  # fmt: skip
     assert "is a profile.json written by the profile pass, not a plan.json or swap_plan.json" in line
+    line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "insert-swap",
+                              "--plan-from", planned / "profile.json", TINY_MLP)  # fmt: skip
+    assert "is a profile.json written by the profile pass" in line  # named before what insert-swap needs
 
 
 def test_a_backend_refusal_after_the_passes_leaves_nothing_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """A backend refuses the final graph only once the passes have written their files (Inductor and
-    an eager plan's generator-state replays, say): the refusal removes what the run wrote, and only
-    that. (The refusal is forced here: whether a plan replays a random op depends on its profile.)"""
+    an eager plan's generator-state replays, say): the run is staged, so the refusal leaves no new
+    folder, and an output folder holding an earlier run's files (the same names) stays as it was.
+    (The refusal is forced here: whether a plan replays a random op depends on its profile.)"""
     from mutwo.tools import mutwo_opt
+
+    argv = ["--device", "cpu", "--budget", "0.85", TINY_MLP]
+    earlier = tmp_path / "earlier"
+    code, _, err = run_cli(capsys, "-q", "-o", earlier, *argv)
+    assert code == EXIT_OK, err
+    (earlier / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in earlier.iterdir()}
 
     def refuse(*args: object) -> None:
         raise BackendError("the inductor backend cannot run this plan (refused by the test)")
 
     monkeypatch.setattr(mutwo_opt, "compile_graph", refuse)
-    argv = ["--device", "cpu", "--budget", "0.85", TINY_MLP]
-    line = expect_usage_error(capsys, tmp_path / "new" / "out", *argv)
+    line = expect_usage_error(capsys, tmp_path / "new" / "out", *argv[:2], "--budget", "0.95", TINY_MLP)
     assert "cannot run this plan (refused by the test)" in line
     assert not (tmp_path / "new").exists(), "the parent folder the run made is left"
-    kept = tmp_path / "kept"
-    kept.mkdir()
-    (kept / "notes.txt").write_text("mine")
-    code, _, err = run_cli(capsys, "-q", "-o", kept, *argv)
+    code, _, err = run_cli(capsys, "-q", "-o", earlier, "--device", "cpu", "--budget", "0.95", TINY_MLP)
     assert code == EXIT_USAGE, err
-    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before, "the earlier run's files changed"
+    assert not list(tmp_path.glob("**/*staging*")), "a staging folder is left"
 
 
 def test_a_quiet_compiled_run_prints_nothing(tmp_path: Path) -> None:

@@ -758,8 +758,9 @@ def test_cli_time_passes_times_the_whole_run(tmp_path: Path, monkeypatch: pytest
     assert {"capture", "passes", "compile", "check", "total"} <= set(rows)
     assert rows["check"] > 0 and rows["capture"] > 0
     assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(rows["total"], abs=1e-3)
-    phases = json.loads((out / "summary.json").read_text())["phase_seconds"]
-    assert set(phases) == {"capture", "passes", "compile", "check", "measure"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["phase_seconds"]) == {"capture", "passes", "compile", "check", "measure"}
+    assert summary["budget"] == "0.9"  # no plan made: the config's
 
 
 def test_cli_check_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

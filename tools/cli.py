@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import os
 import shutil
+import tempfile
 import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -68,38 +68,35 @@ def print_debug_traceback(error: BaseException) -> None:
 
 @dataclass
 class OutputFolder:
-    """An output folder a run makes, remembering what was in it before: a run refused after it has
-    started writing (a backend that cannot run the plan the passes made) removes what it wrote, so
-    bad usage leaves nothing half-written. Files that were there before are left alone."""
+    """A run's output, staged in a hidden folder and moved into place only when the run ends.
+
+    A run refused after its passes have written (a backend that cannot run the plan they made) is
+    bad usage, and bad usage leaves nothing behind: :meth:`discard` removes the staging folder, and
+    the output folder, with the files an earlier run left there, stays as it was. A run that ends,
+    or fails in a way whose files explain it (a pass that fails, ``--check`` that finds a
+    difference, an interrupt), is moved into place by :meth:`commit`, file by file (``os.replace``,
+    within one file system), replacing files of the same names."""
 
     path: Path
-    before: frozenset[Path]
-    created: Path | None  #: the outermost folder this run created, if any
+    staging: Path  #: where the run writes: a hidden folder in ``path``, or beside where it will be
 
     @classmethod
     def make(cls, path: Path) -> OutputFolder:
-        """Create ``path`` (and missing parents), noting what it held."""
-        created = None
-        for folder in (path, *path.parents):
-            if folder.exists():
-                break
-            created = folder
-        before = frozenset(path.rglob("*")) if path.exists() else frozenset()
-        path.mkdir(parents=True, exist_ok=True)
-        return cls(path, before, created)
+        """Stage output for ``path``: inside it when it exists, else in its nearest existing parent."""
+        home = next(folder for folder in (path, *path.parents) if folder.exists())
+        return cls(path, Path(tempfile.mkdtemp(prefix=f".{path.name or 'out'}.mutwo-staging-", dir=home)))
 
-    def remove_written(self) -> None:
-        """Remove every file and folder made since :meth:`make`, deepest first, and the folders it created."""
-        for item in sorted(set(self.path.rglob("*")) - self.before, key=lambda p: len(p.parts), reverse=True):
-            if item.is_dir() and not item.is_symlink():
-                shutil.rmtree(item, ignore_errors=True)
+    def commit(self) -> None:
+        """Move everything staged into the output folder (made with its parents), then drop the stage."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for item in sorted(self.staging.rglob("*")):
+            target = self.path / item.relative_to(self.staging)
+            if item.is_dir():
+                target.mkdir(exist_ok=True)
             else:
-                item.unlink(missing_ok=True)
-        if self.created is not None:
-            folder = self.path
-            while True:
-                with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
-                    folder.rmdir()
-                if folder == self.created:
-                    break
-                folder = folder.parent
+                os.replace(item, target)
+        self.discard()
+
+    def discard(self) -> None:
+        """Remove the staging folder and everything in it."""
+        shutil.rmtree(self.staging, ignore_errors=True)

@@ -232,6 +232,7 @@ class MutwoOpt:
         return device
 
     def build_pipeline(self, config: Config) -> PassManager:
+        self.check_reused_files()  # a missing file, or one of another kind, is named before what a pipeline needs
         available = {reused.artifact for reused, _ in self.reused_files()}
         try:
             if available:  # what is wrong with a given file first: the requirements it does not meet follow
@@ -269,10 +270,11 @@ class MutwoOpt:
 
     def refuse_unread_plan(self, passes: list[Pass]) -> None:
         """Refuse ``--plan-from`` when no pass of the pipeline reads its plan: the file would go unused."""
-        for reused, _ in self.reused_files():
+        for reused, path in self.reused_files():
             if reused.option == "--plan-from" and not any(reused.artifact in type(p).requires for p in passes):
                 pipeline = ",".join(p.name for p in passes)
-                raise UsageError(f"--plan-from gives a {reused.filename}, but no pass of this pipeline ({pipeline}) "
+                what = reused.filename if artifact_file(path) == reused.filename else "plan file"
+                raise UsageError(f"--plan-from gives a {what}, but no pass of this pipeline ({pipeline}) "
                                  f"reads it, so the file would go unused; {reused.example.removeprefix('-p ')} "
                                  f"applies it ({reused.example} --plan-from FILE)")  # fmt: skip
 
@@ -453,7 +455,7 @@ class MutwoOpt:
             "seed": config.seed,
             "precision": config.precision,
             "memory_format": config.memory_format,
-            "budget": None if config.budget is None else str(config.budget),
+            "budget": planned_budget(ctx, config),
             "torch_version": torch.__version__,
             "pipeline": [r.name for r in result.records] if result else [],
             "nodes_before": _counts(original),
@@ -540,11 +542,19 @@ class MutwoOpt:
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
         try:
-            return self.run_steps()
+            code = self.run_steps()
         except UsageError:
             if self.output is not None:  # refused after writing began: bad usage leaves nothing behind
-                self.output.remove_written()
+                self.output.discard()
             raise
+        except BaseException:  # a failure's files (summary.json's error, the plan that missed) explain it
+            if self.output is not None:
+                self.output.commit()
+            raise
+        else:
+            if self.output is not None:
+                self.output.commit()
+            return code
         finally:
             if self.joined:
                 # Wait for every rank (rank 0 writes the files) before tearing the group down: a
@@ -563,7 +573,6 @@ class MutwoOpt:
         config = self.load_config()
         device = self.join_data_parallel(self.resolve_device(config))
         manager = self.build_pipeline(config)
-        self.check_reused_files()
         out = self.prepare_out_dir(config)
         fit_only = (("--fit-margin", self.args.fit_margin), ("--fit-max-slowdown", self.args.fit_max_slowdown))
         for option, value in fit_only:
@@ -591,14 +600,19 @@ class MutwoOpt:
                 raise UsageError(str(error)) from None
         self.gradient_buckets = lowered.binding.gradient_buckets
         graph, inputs = lowered.graph, lowered.inputs
+        reused_artifacts: dict[str, Any] = {}
         original = graph.copy()
         captured_version = graph.version
-        ctx = pass_context(lowered, config.budget, out_dir=out if self.lead else None, log=self.log)
-        ctx.services.update(backend_services(config.backend))
-        for reused, path in self.reused_files():
-            ctx.artifacts[reused.artifact] = self.load_artifact(graph, reused, path)
-        if self.lead:  # after the reused files are checked: a refused one leaves no empty folder
+        for reused, path in self.reused_files():  # before anything is written: a refused file leaves nothing
+            reused_artifacts[reused.artifact] = self.load_artifact(graph, reused, path)
+        # Everything is written into a stage, moved into `out` when the run ends (tools/cli.OutputFolder).
+        staged = None
+        if self.lead:
             self.output = OutputFolder.make(out)
+            staged = self.output.staging
+        ctx = pass_context(lowered, config.budget, out_dir=staged, log=self.log)
+        ctx.services.update(backend_services(config.backend))
+        ctx.artifacts.update(reused_artifacts)
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
         try:
@@ -613,26 +627,33 @@ class MutwoOpt:
                 distributed.require_same_graph(graph, self.dp, "optimized")
             except distributed.RanksDisagreeError as disagreement:
                 raise Failure(str(disagreement)) from None
-        with self.timed("compile"):
-            compiled = self.compile(config, final, inputs) if error is None else None
+        compiled = None
+        if error is None:
+            with self.timed("compile"):
+                compiled = self.compile(config, final, inputs)
         if self.args.calibrate_peak and compiled is not None:
             first = Calibrated(final, compiled, ctx)
             with self.timed("calibrate"):
                 kept = calibrated_step(self.args.calibrate_peak, manager, lowered, original, first,
-                                       lambda g: self.compile(config, g, inputs), out if self.lead else None, self.log)
+                                       lambda g: self.compile(config, g, inputs), staged, self.log)
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         try:
-            with self.timed("check"):
-                report = self.check(original, graph, inputs, compiled) if self.args.check and compiled else None
-            with self.timed("measure"):
-                measured = self.measure(original, compiled, inputs, device) if compiled else {}
+            report: EquivalenceReport | None = None
+            measured: dict[str, Any] = {}
+            if self.args.check and compiled:
+                with self.timed("check"):
+                    report = self.check(original, graph, inputs, compiled)
+            if compiled:
+                with self.timed("measure"):
+                    measured = self.measure(original, compiled, inputs, device)
         except RuntimeError as crash:  # a graph that cannot run: say so in one line, never a traceback
             first = (str(crash).strip().splitlines() or [type(crash).__name__])[0]
             raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "
                           "predicted other strides than the kernels produce: please report it)") from None
         if self.lead:
-            files = self.write_outputs(out, config, device, original, final, result, report, error, ctx, measured,
+            assert staged is not None
+            files = self.write_outputs(staged, config, device, original, final, result, report, error, ctx, measured,
                                        compiled)  # fmt: skip
             self.log(f"wrote {out}/: {describe_files(files)}")
             if self.args.time_passes:
@@ -666,6 +687,14 @@ REUSED = (
     ReusedFile("--plan-from", "swap-plan", "swap_plan.json", "select-swap", SwapPlan, "-p insert-swap",
                ("transfer", "entries")),
 )  # fmt: skip
+
+
+def planned_budget(ctx: PassContext, config: Config) -> str | None:
+    """The budget the run's plan was made for (a reused plan's, a pass option's), else the config's."""
+    plan = ctx.artifacts.get("plan") or ctx.artifacts.get("swap-plan")
+    if plan is not None:
+        return str(plan.budget)
+    return None if config.budget is None else str(config.budget)
 
 
 def artifact_file(path: Path) -> str | None:
