@@ -459,6 +459,18 @@ def test_fit_with_a_compiled_backend(workdir: Path, capsys: pytest.CaptureFixtur
     assert "--fit searches with the eager backend, not inductor" in line and "without --backend" in line
 
 
+@pytest.mark.parametrize("option", [["-p", "profile,select,rewrite"], ["--plan-from", "plan.json"],
+                                    ["--profile-from", "profile.json"]],
+                         ids=["passes", "plan-from", "profile-from"])  # fmt: skip
+def test_fit_with_what_it_would_not_use(option: list[str], workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (workdir / option[1]).write_text("{}")  # the file is not read: --fit is refused first
+    value = option[1] if option[0] == "-p" else str(workdir / option[1])
+    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--fit", "1GiB", option[0], value,
+                              good_config(workdir))  # fmt: skip
+    assert "--fit profiles once and plans every batch size with its own pipeline (optimizer,select{lowest=false})" \
+           f", so {option[0]} would go unused" in line
+
+
 def test_output_folder_under_a_regular_file(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = workdir / "file.txt"
     blocker.write_text("keep me\n")
@@ -790,6 +802,14 @@ def test_print_ir_after_an_alias_prints_after_its_last_pass(tmp_path: Path,
                                 "--print-ir-after", "rewrite", "-o", tmp_path / "out", TINY_MLP)  # fmt: skip
     assert code == EXIT_OK, err
     assert "IR after insert-recompute" in stdout and "IR after extract" not in stdout
+
+
+def test_print_ir_after_an_alias_of_which_the_pipeline_runs_one_pass(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    code, stdout, err = run_cli(capsys, "-q", "--device", "cpu", "-p", "optimizer-in-backward", "--print-ir-after",
+                                "optimizer", "-o", tmp_path / "out", TINY_MLP)  # fmt: skip
+    assert code == EXIT_OK, err
+    assert "IR after optimizer-in-backward" in stdout
 
 
 def test_print_ir_after_a_pass_the_pipeline_does_not_run(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,6 +63,7 @@ from mutwo.runtime.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.distributed import DataParallel
 from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.fit import FitError
+from mutwo.runtime.fit_search import FIT_PIPELINE
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
@@ -250,14 +251,18 @@ class MutwoOpt:
         return PassManager(passes, instrumentation)
 
     def print_ir_after(self, passes: list[Pass]) -> frozenset[str]:
-        """The passes ``--print-ir-after`` names, an alias standing for its last pass (``rewrite``:
-        the IR once rewritten); each must be in the pipeline, or nothing would be printed for it."""
+        """The passes ``--print-ir-after`` names, an alias standing for the last of its passes the
+        pipeline runs (``rewrite``: the IR once rewritten); each must be in the pipeline, or nothing
+        would be printed for it."""
         names: set[str] = set()
         running = [p.name for p in passes]
         for name in (n.strip() for n in self.args.print_ir_after.split(",")):
             if not name:
                 continue
-            target = self.registry.aliases[name][-1] if name in self.registry.aliases else name
+            members = self.registry.aliases.get(name, (name,))
+            # An alias stands for the last of its passes this pipeline runs (-p optimizer-in-backward
+            # runs only the first of the alias optimizer's two).
+            target = next((m for m in reversed(members) if m in running), members[-1])
             if target not in self.registry.names():
                 hint = did_you_mean(name, self.registry.names() + sorted(self.registry.aliases))
                 raise UsageError(f"--print-ir-after names unknown pass '{name}'; "
@@ -572,6 +577,13 @@ class MutwoOpt:
             return EXIT_OK
         config = self.load_config()
         device = self.join_data_parallel(self.resolve_device(config))
+        if self.args.fit is not None:
+            unused = [option for option, given in (("-p", self.args.passes), ("--plan-from", self.args.plan_from),
+                                                   ("--profile-from", self.args.profile_from)) if given]  # fmt: skip
+            if unused:
+                raise UsageError(f"--fit profiles once and plans every batch size with its own pipeline "
+                                 f"({FIT_PIPELINE}), so {unused[0]} would go unused; drop it, and use it on the "
+                                 "batch size --fit finds")  # fmt: skip
         manager = self.build_pipeline(config)
         out = self.prepare_out_dir(config)
         fit_only = (("--fit-margin", self.args.fit_margin), ("--fit-max-slowdown", self.args.fit_max_slowdown))
