@@ -22,7 +22,7 @@ import torch
 from mutwo.ir import from_fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import compute_liveness
-from mutwo.ir.memory import BREAKDOWN_NAMES, simulate
+from mutwo.ir.memory import BREAKDOWN_NAMES, describe_breakdown, readable_bytes, simulate
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.pass_base import PassContext
 from mutwo.passes.liveness import COLUMNS, LivenessPass
@@ -117,6 +117,14 @@ def build_training_graph(optimizer_temp: bool = False) -> tuple[Graph, SimpleNam
                           kind=NodeKind.PARAMETER, tensors=(meta(1, key(n.w)),))  # fmt: skip
     n.out = g.create_node("output", "output", ((n.s, n.gw),), name="output", phase=OPT)
     return g, n
+
+
+def test_a_breakdown_reads_each_share_in_its_own_unit() -> None:
+    """A small share of the peak reads as KiB or bytes, not as 0.0 MiB beside the large ones."""
+    assert (readable_bytes(3 * 2**20 // 2), readable_bytes(12 * 2**10), readable_bytes(512)) == \
+        ("1.5 MiB", "12.0 KiB", "512 B")  # fmt: skip
+    text = describe_breakdown({"parameter": 2 * 2**20, "input": 3 * 2**10, "activation": 0})
+    assert text == "parameters 2.0 MiB, batch 3.0 KiB"
 
 
 def test_training_graph_has_the_ids_the_tables_assume() -> None:
