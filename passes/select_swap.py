@@ -236,9 +236,8 @@ class SelectSwapPass(Pass):
                 ctx.log(f"select-swap: refined: {turned} recomputations turned into swaps, predicted "
                         f"{best.timeline.seconds * 1e3:.1f} -> {refined.timeline.seconds * 1e3:.1f} ms")  # fmt: skip
                 best, sites = refined, swap_sites
-        small_gain = recompute_only is not None and best is not recompute_only and \
-            self._gain_too_small(recompute_only, best, budget_bytes, budget.minimum)
-        if small_gain and recompute_only is not None:
+        if recompute_only is not None and best is not recompute_only and \
+                self._gain_too_small(recompute_only, best, budget_bytes, budget.minimum):
             ctx.log(f"select-swap: the plan with swaps is predicted {best.timeline.seconds * 1e3:.1f} ms against "
                     f"recompute only's {recompute_only.timeline.seconds * 1e3:.1f} ms, less than min_gain "
                     f"{self.min_gain * 100:g}% faster: keeping recompute only")  # fmt: skip

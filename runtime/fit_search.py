@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import REACHABLE_ADVICE, Budget
+from mutwo.ir.budget import REACHABLE_ADVICE, Budget, counted
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import PassContext, PassFailure
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
@@ -266,7 +266,7 @@ class Planner:
         slower = (plan.base_seconds + plan.added_seconds) / plan.base_seconds if plan.base_seconds > 0 else None
         cost = f", predicted {slower:.2f}× the time without it" if slower is not None else ""
         count = len(plan.entries)
-        note = f"{count} activation{'' if count == 1 else 's'} recomputed{cost}"
+        note = f"{counted(count, 'activation')} recomputed{cost}"
         if self.max_slowdown is not None and slower is not None and slower > self.max_slowdown:
             return FitPoint(batch, False, plan.predicted_peak, f"{note}, over the bound of {self.max_slowdown:.2f}×",
                             budget, too_slow=True), context  # fmt: skip

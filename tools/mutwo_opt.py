@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -234,7 +235,7 @@ class MutwoOpt:
 
     def build_pipeline(self, config: Config) -> PassManager:
         self.check_reused_files()  # a missing file, or one of another kind, is named before what a pipeline needs
-        available = {reused.artifact for reused, _ in self.reused_files()}
+        available = {reused.artifact for reused, _, _ in self.reused_files}
         try:
             if available:  # what is wrong with a given file first: the requirements it does not meet follow
                 unchecked = self.registry.build_pipeline(config.passes, {r.artifact for r in REUSED})
@@ -275,30 +276,32 @@ class MutwoOpt:
 
     def refuse_unread_plan(self, passes: list[Pass]) -> None:
         """Refuse ``--plan-from`` when no pass of the pipeline reads its plan: the file would go unused."""
-        for reused, path in self.reused_files():
+        for reused, _, written in self.reused_files:
             if reused.option == "--plan-from" and not any(reused.artifact in type(p).requires for p in passes):
                 pipeline = ",".join(p.name for p in passes)
-                what = reused.filename if artifact_file(path) == reused.filename else "plan file"
+                what = reused.filename if written == reused.filename else "plan file"
                 raise UsageError(f"--plan-from gives a {what}, but no pass of this pipeline ({pipeline}) "
                                  f"reads it, so the file would go unused; {reused.example.removeprefix('-p ')} "
                                  f"applies it ({reused.example} --plan-from FILE)")  # fmt: skip
 
-    def reused_files(self) -> list[tuple[ReusedFile, Path]]:
-        """The files ``--profile-from`` and ``--plan-from`` give, each with what it stands for: a
-        ``--plan-from`` file is select's plan or, recognised by its fields, select-swap's."""
+    @functools.cached_property
+    def reused_files(self) -> list[tuple[ReusedFile, Path, str | None]]:
+        """The files ``--profile-from`` and ``--plan-from`` give, each with what it stands for and
+        which file it was recognised as (:func:`artifact_file`, read once: a profile.json can be
+        megabytes): a ``--plan-from`` file is select's plan or, by its fields, select-swap's."""
         given = []
         for option in ("--profile-from", "--plan-from"):
             text = getattr(self.args, option.removeprefix("--").replace("-", "_"))
             if text:
                 kinds = [r for r in REUSED if r.option == option]
                 written = artifact_file(Path(text))
-                given.append((next((r for r in kinds if r.filename == written), kinds[0]), Path(text)))
+                given.append((next((r for r in kinds if r.filename == written), kinds[0]), Path(text), written))
         return given
 
     def refuse_remade_artifacts(self, passes: list[Pass]) -> None:
         """Refuse ``--profile-from``/``--plan-from`` beside a pass that makes the same artifact again:
         the pass would silently replace what the file gave, and the file would go unused."""
-        for reused, _ in self.reused_files():
+        for reused, _, _ in self.reused_files:
             maker = next((p.name for p in passes if reused.artifact in type(p).provides), None)
             if maker is not None:
                 raise UsageError(f"{reused.option} gives the {reused.artifact}, but the pipeline's '{maker}' pass "
@@ -308,12 +311,11 @@ class MutwoOpt:
     def check_reused_files(self) -> None:
         """``--profile-from`` and ``--plan-from`` name readable files of their kind: checked before the
         capture, which can take minutes (whether a file belongs to the graph is checked after it)."""
-        for reused, path in self.reused_files():
+        for reused, path, written in self.reused_files:
             accepted = " or ".join(r.filename for r in REUSED if r.option == reused.option)
             problem = unreadable(path, f"{reused.option}:")
             if problem is not None:
                 raise UsageError(f"{problem}; give the {accepted} an earlier run wrote")
-            written = artifact_file(path)
             if written is not None and written != reused.filename:
                 maker = next(r.maker for r in REUSED if r.filename == written)
                 raise UsageError(f"{reused.option}: {path} is a {written} written by the {maker} pass, not a "
@@ -547,20 +549,17 @@ class MutwoOpt:
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
         try:
-            code = self.run_steps()
+            return self.run_steps()
         except UsageError:
             if self.output is not None:  # refused after writing began: bad usage leaves nothing behind
                 self.output.discard()
+                self.output = None
             raise
-        except BaseException:  # a failure's files (summary.json's error, the plan that missed) explain it
-            if self.output is not None:
-                self.output.commit()
-            raise
-        else:
-            if self.output is not None:
-                self.output.commit()
-            return code
         finally:
+            # Any other end, a failure or an interrupt included, keeps its files: they explain it
+            # (summary.json's error, the plan that missed).
+            if self.output is not None:
+                self.output.commit()
             if self.joined:
                 # Wait for every rank (rank 0 writes the files) before tearing the group down: a
                 # rank that leaves while another still talks to it aborts gloo's threads.
@@ -615,7 +614,7 @@ class MutwoOpt:
         reused_artifacts: dict[str, Any] = {}
         original = graph.copy()
         captured_version = graph.version
-        for reused, path in self.reused_files():  # before anything is written: a refused file leaves nothing
+        for reused, path, _ in self.reused_files:  # before anything is written: a refused file leaves nothing
             reused_artifacts[reused.artifact] = self.load_artifact(graph, reused, path)
         # Everything is written into a stage, moved into `out` when the run ends (tools/cli.OutputFolder).
         staged = None
