@@ -8,10 +8,13 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Still owed (issues 17 and 18): nothing queued. Worth measuring next: ResNet-152-cl b128 at half of
-# eager's peak with select-swap's min_gain (swap-inductor-cl-half), which should now keep recompute
-# only; and BERT-base b64 at checkpointing's peak with --calibrate-peak 3 (599.8 ms, 5.0 ms over
-# issue 17's target, peaked 0.8% under the budget).
+# Sixth session (2026-11-25), in order (start bert-cal3 cl-half-same-run):
+#   bert-cal3    BERT-base b64: checkpointing, then swap+recompute under Inductor at its peak measured
+#                in the same run, --calibrate-peak 3 (599.8 ms with 2 rounds, 5.0 ms over issue 17's
+#                target, peaked 0.8% under the budget)                                   ~10 min
+#   cl-half-same-run  ResNet-152-cl b128: eager, then recompute-only and swap+recompute under Inductor at
+#                half of that eager's peak, one run (select-swap's min_gain should keep recompute
+#                only; issue 18's 1.05x target against eager measured beside it)        ~14 min
 # Done on 2026-11-24, fifth session (bench/results/issue17_h100_swap_bert/, issue18_h100_swap_trace/,
 # time_model/isolate_*; docs/benchmarks.md "BERT swap under Inductor and the ResNet swap trace"):
 #   tests        the CUDA tests: 32 passed                                                   ~3 min
@@ -80,7 +83,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -191,6 +194,12 @@ case "$section" in
     timeout 2000 python3 bench/compare.py --out "$OUT/swap_inductor_bert_b64_isolate.json" --models bert:64 --timeout 950 \
       --calibrate-peak 2 --isolate-profile --variants mutwo-swap@inductor-checkpoint,mutwo@inductor-checkpoint \
       --reference bench/results/issue17_h100/inductor_bert_b64.json ;;
+  bert-cal3)
+    timeout 1500 python3 bench/compare.py --out "$OUT/bert_cal3_b64.json" --models bert:64 --timeout 1150 \
+      --calibrate-peak 3 --variants checkpoint,mutwo-swap@inductor-checkpoint ;;
+  cl-half-same-run)
+    timeout 1800 python3 bench/compare.py --out "$OUT/cl_half_same_run_resnet152.json" --models resnet152-cl:128 \
+      --timeout 850 --variants eager,mutwo@inductor-eager0.5,mutwo-swap@inductor-eager0.5 ;;
   tests-17)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
       tests/test_backends.py::test_a_channels_last_cnn_compiled_on_the_gpu_passes_the_check \
