@@ -9,6 +9,7 @@ from typing import Any
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
+from mutwo.ir.op_signature import pool_times
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option, write_atomic
 from mutwo.passes.liveness import liveness_of
 
@@ -47,8 +48,11 @@ class ProfilePass(Pass):
 
     On CUDA: CUDA events per node, allocated bytes before and after and the peak inside each op
     (its workspace); whole iterations are timed separately without per-node synchronisation. On
-    CPU: wall-clock per node, memory from the simulator. Writes profile.json, nodes.csv and
-    activations.csv; ``mutwo-opt --profile-from profile.json`` reloads it.
+    CPU: wall-clock per node, memory from the simulator. With ``pool`` (the default), nodes doing
+    the same work (same op, operand shapes and dtypes, views and arguments: the repeated blocks of
+    a network) get the median of their times, so that the plan does not follow one node's noise
+    (:mod:`mutwo.ir.op_signature`). Writes profile.json, nodes.csv and activations.csv;
+    ``mutwo-opt --profile-from profile.json`` reloads it.
     """
 
     name = "profile"
@@ -57,6 +61,8 @@ class ProfilePass(Pass):
     warmup: int = option(1, "runs discarded before measuring")
     isolate: bool = option(False, "CUDA: spin the GPU before each node so its time is its kernels' alone, not the "
                                   "host's launch time (which a view or a small op otherwise measures)")  # fmt: skip
+    pool: bool = option(True, "give nodes doing the same work (op, operand shapes, views, arguments) the median of "
+                              "their times, so repeated blocks are priced alike")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.runs < 1 or self.warmup < 0:
@@ -69,6 +75,9 @@ class ProfilePass(Pass):
                               "ctx.services['profiler']")  # fmt: skip
         # Only asked for when set: a profiler service of (graph, runs, warmup) keeps working.
         profile = profiler(graph, runs=self.runs, warmup=self.warmup, **({"isolate": True} if self.isolate else {}))
+        if self.pool:
+            pooling = pool_times(graph, profile.nodes)
+            profile.meta["pooled"] = pooling.to_json()
         ctx.artifacts["profile"] = profile
         ctx.save_json("profile.json", profile.to_json())
         if ctx.out_dir is not None:
@@ -76,7 +85,9 @@ class ProfilePass(Pass):
             write_atomic(ctx.out_dir / "activations.csv", activation_table(graph, profile, liveness_of(graph, ctx)))
         total = sum(p.seconds for p in profile.nodes.values())
         ctx.log(f"profile: {len(profile.nodes)} nodes, {total * 1e3:.1f} ms summed over nodes"
-                + (f", iteration {profile.iteration.seconds * 1e3:.1f} ms" if profile.iteration else ""))
+                + (f", iteration {profile.iteration.seconds * 1e3:.1f} ms" if profile.iteration else "")
+                + (f"; {pooling.pooled_nodes} nodes pooled into {pooling.groups} groups of the same work"
+                   if self.pool and pooling.groups else ""))  # fmt: skip
         unsteady = unsteady_runs(profile.meta.get("run_seconds", []))
         if unsteady:
             ctx.log(f"profile: warning: {unsteady}")

@@ -1,0 +1,119 @@
+"""Do several profiles of one model make one plan? Profiles it ``--profiles`` times in one process,
+plans ``select`` at one budget from each profile as measured and pooled (the profile pass's
+``pool``, :mod:`mutwo.ir.op_signature`), then times every distinct plan eagerly and the first
+``--inductor`` of them compiled by Inductor, all on the same captured graph, machine and budget.
+
+Why: at half of eager's peak, ResNet-152 channels-last b128 under Inductor was planned four times
+on the H100 with one budget and ran 124.3, 125.3, 131.0 and 132.4 ms: plans that recomputed 29 or
+55 batch norms, predicted within 0.5 ms of each other (docs/benchmarks.md, sixth session).
+
+    python bench/plan_stability.py --out $OUT/plan_stability.json --model resnet152-cl:128 \\
+        --budget 11825791744 --profiles 3 --inductor 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import hashlib
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from compare import config_path  # noqa: E402
+
+from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
+from mutwo.ir.op_signature import pool_times  # noqa: E402
+from mutwo.ir.pass_manager import PassManager  # noqa: E402
+from mutwo.ir.registry import PassRegistry  # noqa: E402
+from mutwo.runtime.api import capture_graph, pass_context  # noqa: E402
+from mutwo.runtime.backends import backend_services  # noqa: E402
+from mutwo.runtime.step import GraphStep  # noqa: E402
+from mutwo.tools.experiment import PlannedStep, build_training, measure_step  # noqa: E402
+
+
+def plan(lowered: Any, profile: Any, budget: Budget, backend: str) -> tuple[Any, Any]:
+    """``select`` and ``rewrite`` on a copy of the captured graph with ``profile``: (graph, plan)."""
+    graph = lowered.graph.copy()
+    context = pass_context(lowered, budget)
+    context.services.update(backend_services(backend))
+    context.artifacts["profile"] = profile
+    PassManager(PassRegistry().build_pipeline("select,rewrite", {"profile"})).run(graph, context)
+    return graph, context.artifacts["plan"]
+
+
+def describe(chosen: Any) -> dict[str, Any]:
+    """A plan's identity (a hash of the recomputed storages), what it recomputes and predicts."""
+    keys = sorted(str(entry["storage"]) for entry in chosen.entries)
+    return {"plan_id": hashlib.sha1(",".join(keys).encode()).hexdigest()[:10], "recomputed_tensors": len(keys),
+            "recomputed_ops": dict(Counter(e["op"] for e in chosen.entries).most_common()),
+            "predicted_iteration_ms": round((chosen.base_seconds + chosen.added_seconds) * 1e3, 3),
+            "predicted_added_ms": round(chosen.added_seconds * 1e3, 3),
+            "planned_peak_bytes": chosen.predicted_peak}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file to write (rewritten after every step)")
+    parser.add_argument("--model", default="resnet152-cl:128", help="name:batch, as compare.py's --models")
+    parser.add_argument("--budget", required=True, help="the budget every plan is made for, as mutwo-opt's "
+                        "--budget takes it: bytes (11825791744, 11GiB) or a fraction of the unoptimized peak")
+    parser.add_argument("--profiles", type=int, default=3, help="profiles taken, one after the other")
+    parser.add_argument("--inductor", type=int, default=2, help="distinct plans also compiled by Inductor and timed")
+    parser.add_argument("--iterations", type=int, default=10, help="measured iterations per timing (3 warm-up)")
+    args = parser.parse_args()
+    name, _, batch = args.model.rpartition(":")
+    training = build_training(config_path(name), int(batch))
+    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
+    budget = parse_budget(args.budget)
+    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "model": name,
+                              "batch_size": int(batch), "budget": args.budget, "plans": [], "timed": []}  # fmt: skip
+    write = lambda: Path(args.out).write_text(json.dumps(result, indent=2))  # noqa: E731
+    graphs: dict[str, Any] = {}
+    for index in range(args.profiles):
+        context = pass_context(lowered, budget)
+        PassManager(PassRegistry().build_pipeline("profile{pool=false}", set())).run(lowered.graph.copy(), context)
+        raw = context.artifacts["profile"]
+        pooled = copy.deepcopy(raw)
+        pooling = pool_times(lowered.graph, pooled.nodes)
+        for kind, profile in (("measured", raw), ("pooled", pooled)):
+            graph, chosen = plan(lowered, profile, budget, "inductor")
+            row = {"profile": index, "times": kind, **describe(chosen)}
+            if kind == "pooled":
+                row["pooling"] = pooling.to_json()
+            graphs.setdefault(row["plan_id"], graph)
+            result["plans"].append(row)
+            print(json.dumps(row), flush=True)
+            write()
+    # Pooled plans first: they are the ones the default now makes.
+    order = list(dict.fromkeys([r["plan_id"] for r in result["plans"] if r["times"] == "pooled"]
+                               + [r["plan_id"] for r in result["plans"]]))  # fmt: skip
+    for position, plan_id in enumerate(order):
+        for backend in ("eager", "inductor") if position < args.inductor else ("eager",):
+            step = GraphStep(graphs[plan_id], lowered.captured, lowered.binding, backend)
+            compiled = step.compile(step.flat_inputs(training.batch))
+            gc.collect()
+            torch.cuda.empty_cache()
+            row = {"plan_id": plan_id, "backend": backend, **compiled.describe(),
+                   **measure_step(PlannedStep(step, training.batch), training.device, warmup=3,
+                                  iterations=args.iterations)}  # fmt: skip
+            row.pop("iteration_ms_all", None)
+            result["timed"].append(row)
+            print(json.dumps(row), flush=True)
+            write()
+            del step, compiled
+            gc.collect()
+
+
+if __name__ == "__main__":
+    main()
