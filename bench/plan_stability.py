@@ -61,6 +61,40 @@ def describe(chosen: Any) -> dict[str, Any]:
             "planned_peak_bytes": chosen.predicted_peak}  # fmt: skip
 
 
+MEMORY_FIELDS = ("allocated_before", "allocated_after", "peak", "workspace")
+
+
+def hybrid(times: Any, memory: Any) -> Any:
+    """A profile with the node times and the iteration of ``times`` and the memory of ``memory``."""
+    mixed = copy.deepcopy(times)
+    for node_id, measured in mixed.nodes.items():
+        other = memory.nodes.get(node_id)
+        for name in MEMORY_FIELDS:
+            setattr(measured, name, getattr(other, name) if other is not None else getattr(measured, name))
+    return mixed
+
+
+def attribute(lowered: Any, raws: list[Any], budget: Budget) -> list[dict[str, Any]]:
+    """For each later profile against the first: how many nodes' memory readings differ, how far the
+    times moved, and the plans made from one's times with the other's memory."""
+    first, rows = raws[0], []
+    for index, other in enumerate(raws[1:], start=1):
+        differing = {name: sum(getattr(first.nodes[i], name) != getattr(p, name) for i, p in other.nodes.items()
+                               if i in first.nodes) for name in MEMORY_FIELDS}  # fmt: skip
+        moved = sorted(abs(p.seconds - first.nodes[i].seconds) / max(first.nodes[i].seconds, 1e-9)
+                       for i, p in other.nodes.items() if i in first.nodes)  # fmt: skip
+        row = {"profile": index, "memory_fields_differing": differing,
+               "time_moved_median": round(moved[len(moved) // 2], 4),
+               "time_moved_p90": round(moved[len(moved) * 9 // 10], 4),
+               "iteration_ms": [round(r.iteration.seconds * 1e3, 3) if r.iteration else None for r in (first, other)]}
+        swapped = ((f"times {index}, memory 0", other, first), (f"times 0, memory {index}", first, other))
+        for label, times, memory in swapped:
+            row[label] = describe(plan(lowered, hybrid(times, memory), budget, "inductor")[1])["plan_id"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write (rewritten after every step)")
@@ -70,6 +104,9 @@ def main() -> None:
     parser.add_argument("--profiles", type=int, default=3, help="profiles taken, one after the other")
     parser.add_argument("--inductor", type=int, default=2, help="distinct plans also compiled by Inductor and timed")
     parser.add_argument("--iterations", type=int, default=10, help="measured iterations per timing (3 warm-up)")
+    parser.add_argument("--attribute", action="store_true",
+                        help="also plan from each later profile's times with the first one's memory and the other "
+                             "way round: which of the two moves the plan")  # fmt: skip
     args = parser.parse_args()
     name, _, batch = args.model.rpartition(":")
     training = build_training(config_path(name), int(batch))
@@ -80,10 +117,12 @@ def main() -> None:
                               "batch_size": int(batch), "budget": args.budget, "plans": [], "timed": []}  # fmt: skip
     write = lambda: Path(args.out).write_text(json.dumps(result, indent=2))  # noqa: E731
     graphs: dict[str, Any] = {}
+    raws: list[Any] = []
     for index in range(args.profiles):
         context = pass_context(lowered, budget)
         PassManager(PassRegistry().build_pipeline("profile{pool=false}", set())).run(lowered.graph.copy(), context)
         raw = context.artifacts["profile"]
+        raws.append(raw)
         pooled = copy.deepcopy(raw)
         pooling = pool_times(lowered.graph, pooled.nodes)
         for kind, profile in (("measured", raw), ("pooled", pooled)):
@@ -95,6 +134,9 @@ def main() -> None:
             result["plans"].append(row)
             print(json.dumps(row), flush=True)
             write()
+    if args.attribute:
+        result["attribution"] = attribute(lowered, raws, budget)
+        write()
     # Pooled plans first: they are the ones the default now makes.
     order = list(dict.fromkeys([r["plan_id"] for r in result["plans"] if r["times"] == "pooled"]
                                + [r["plan_id"] for r in result["plans"]]))  # fmt: skip
