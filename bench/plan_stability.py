@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--profiles", type=int, default=3, help="profiles taken, one after the other")
     parser.add_argument("--inductor", type=int, default=2, help="distinct plans also compiled by Inductor and timed")
     parser.add_argument("--iterations", type=int, default=10, help="measured iterations per timing (3 warm-up)")
+    parser.add_argument("--profile-options", default="",
+                        help="options of the profile pass, as in a pipeline: 'runs=7' or 'isolate=true'")
     parser.add_argument("--attribute", action="store_true",
                         help="also plan from each later profile's times with the first one's memory and the other "
                              "way round: which of the two moves the plan")  # fmt: skip
@@ -118,9 +120,11 @@ def main() -> None:
     write = lambda: Path(args.out).write_text(json.dumps(result, indent=2))  # noqa: E731
     graphs: dict[str, Any] = {}
     raws: list[Any] = []
+    profiling = f"profile{{pool=false{',' + args.profile_options if args.profile_options else ''}}}"
+    result["profile"] = profiling
     for index in range(args.profiles):
         context = pass_context(lowered, budget)
-        PassManager(PassRegistry().build_pipeline("profile{pool=false}", set())).run(lowered.graph.copy(), context)
+        PassManager(PassRegistry().build_pipeline(profiling, set())).run(lowered.graph.copy(), context)
         raw = context.artifacts["profile"]
         raws.append(raw)
         pooled = copy.deepcopy(raw)
