@@ -6,6 +6,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from mutwo.ir.pass_base import PassFailure
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 _UNKNOWN_UNIT = "{!r} has unknown unit {!r}; use B, KiB, MiB, GiB, KB, MB or GB"
@@ -109,8 +111,12 @@ def budget_text(budget: str, size: str) -> str:
     return size if budget == size else f"{size} ({budget})"
 
 
-#: How a failure to reach a budget starts its advice (``--fit``, which sets the budget itself, drops it).
-REACHABLE_ADVICE = "ask for budget 'min' or a budget of at least"
+class UnreachableBudget(PassFailure):
+    """No plan a pass found meets the budget; its advice is the budget that would hold ``peak``,
+    the lowest peak found (bytes out of an ``unoptimized`` peak, written ``peak_text``)."""
+
+    def __init__(self, reason: str, peak: int, unoptimized: int, peak_text: str) -> None:
+        super().__init__(reason, advice=reachable_budget(peak, unoptimized, peak_text))
 
 
 def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:
@@ -119,4 +125,4 @@ def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:
     hundredths = math.ceil(round(100 * lowest / unoptimized, 9))
     while hundredths < 100 and int(hundredths / 100 * unoptimized) < lowest:  # as Budget.resolve rounds
         hundredths += 1
-    return f"{REACHABLE_ADVICE} {hundredths / 100:g} ({lowest_text})"
+    return f"ask for budget 'min' or a budget of at least {hundredths / 100:g} ({lowest_text})"

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import REACHABLE_ADVICE, Budget, counted
+from mutwo.ir.budget import Budget, UnreachableBudget, counted
 from mutwo.ir.graph import Graph
-from mutwo.ir.pass_base import PassContext, PassFailure
+from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.registry import PassRegistry
@@ -253,13 +253,12 @@ class Planner:
         try:
             PassManager(pipeline, Instrumentation(verify=verify)).run(graph, context)
         except PipelineFailure as failure:
-            if failure.pass_name != "select" or not isinstance(failure.cause, PassFailure):
+            if not isinstance(failure.cause, UnreachableBudget):
                 # Not "the budget is out of reach" but a crash: that is no answer about fitting.
                 raise FitError(f"planning batch {batch} failed: {failure}") from failure
             plan = context.artifacts.get("plan")  # none when select failed on its estimate alone
             # select's advice (another budget) is no answer here: the search sets the budget itself.
-            reason = str(failure).split(f"; {REACHABLE_ADVICE}")[0]
-            return FitPoint(batch, False, plan.predicted_peak if plan else 0, reason, budget), context
+            return FitPoint(batch, False, plan.predicted_peak if plan else 0, failure.reason, budget), context
         plan = context.artifacts["plan"]
         # The plan's own estimate of what recomputation costs, relative to the step without it: the
         # price of a larger batch (per-op times scaled from the profiled batch, so a rough one).

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from mutwo.ir.budget import Budget, BudgetError, budget_text, counted, parse_bytes, reachable_budget, sizes
+from mutwo.ir.budget import (
+    Budget,
+    BudgetError,
+    UnreachableBudget,
+    budget_text,
+    counted,
+    parse_bytes,
+    reachable_budget,
+    sizes,
+)
 
 MIB, KIB = 2**20, 2**10
 
@@ -48,6 +57,15 @@ def test_the_reachable_budget_is_the_smallest_hundredth_that_holds_the_lowest_pe
     fix = reachable_budget(lowest, unoptimized, "X")
     assert fix == f"ask for budget 'min' or a budget of at least {fraction} (X)"
     assert Budget(fraction=float(fraction)).resolve(unoptimized) >= lowest
+
+
+def test_an_unreachable_budget_gives_the_reachable_one_as_advice() -> None:
+    """The message is unchanged (reason; advice), and the advice is its own field: --fit, which
+    sets the budget itself, reads the reason without it."""
+    failure = UnreachableBudget("budget 0.5 (500 B) is unreachable", 650, 1000, "650 B")
+    assert failure.reason == "budget 0.5 (500 B) is unreachable"
+    assert failure.advice == "ask for budget 'min' or a budget of at least 0.65 (650 B)"
+    assert str(failure) == f"{failure.reason}; {failure.advice}"
 
 
 @pytest.mark.parametrize(("text", "message"), [
