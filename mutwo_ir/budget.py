@@ -1,4 +1,5 @@
-"""Memory budgets: a fraction of the unoptimized peak (``0.5``) or an amount of bytes (``"6GiB"``)."""
+"""Memory budgets: a fraction of the unoptimized peak (``0.5``) or an amount of bytes (``"6GiB"``);
+memory sizes read from text and written for messages."""
 
 from __future__ import annotations
 
@@ -86,16 +87,33 @@ def parse_bytes(text: str) -> int:
     return value.bytes
 
 
+#: The units sizes are written in, largest first. Sizes stay in MiB past a GiB, as the tools have
+#: always printed them (``16,384.0 MiB``), with thousands separated.
+SIZE_UNITS = (("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _unit_of(size: int) -> int:
+    """The index in :data:`SIZE_UNITS` of the largest unit ``size`` fills (bytes for less than a KiB)."""
+    return next(index for index, (_, scale) in enumerate(SIZE_UNITS) if abs(size) >= scale or scale == 1)
+
+
+def readable_bytes(size: int, unit: str | None = None) -> str:
+    """``1.8 MiB``, ``12.0 KiB``, ``512 B``, ``16,384.0 MiB``: a size in the largest unit it fills,
+    so that a small share of a breakdown does not read as ``0.0 MiB``, or in ``unit``."""
+    name, scale = SIZE_UNITS[_unit_of(size)] if unit is None else (unit, dict(SIZE_UNITS)[unit])
+    return f"{size:,} B" if scale == 1 else f"{size / scale:,.1f} {name}"
+
+
 def sizes(*values: int) -> list[str]:
-    """Byte counts written for one message: in MiB with one decimal, or, where two different
-    counts would read the same that way or all are under 1 MiB (a tiny model's), in KiB, then in
-    bytes."""
-    units = (("MiB", 2**20), ("KiB", 2**10)) if max(values, default=0) >= 2**20 else (("KiB", 2**10),)
-    for unit, scale in units:
-        texts = [f"{value / scale:.1f} {unit}" for value in values]
+    """Byte counts written for one message in one unit, so that they compare at a glance: the unit
+    the largest fills, or a smaller one where two different counts would read the same in it (a
+    budget just under the lowest peak must not read as that peak)."""
+    texts: list[str] = []
+    for unit, _ in SIZE_UNITS[_unit_of(max(values, default=0)):]:
+        texts = [readable_bytes(value, unit) for value in values]
         if len(set(texts)) == len(set(values)):
-            return texts
-    return [f"{value} B" for value in values]
+            break
+    return texts
 
 
 def counted(count: int, noun: str, plural: str | None = None) -> str:

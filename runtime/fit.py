@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from mutwo.ir import to_fx
-from mutwo.ir.budget import BudgetError, parse_bytes
+from mutwo.ir.budget import BudgetError, parse_bytes, readable_bytes
 from mutwo.passes.select import Plan
 from mutwo.runtime.api import CapturedGraph, capture_graph
 from mutwo.runtime.capture import LossFn
@@ -45,7 +45,6 @@ from mutwo.runtime.fit_search import (
     FitResult,
     Planner,
     Search,
-    mib,
     search,
 )
 from mutwo.runtime.profiler import device_bytes, measure_iterations, profile_graph
@@ -103,8 +102,8 @@ def measure_capped(batch: int, lowered: CapturedGraph, limit_bytes: int) -> Meas
         up): a failed run's own last retry is not thrashing."""
         stats = torch.cuda.memory_stats(device)
         reserved, allocated = stats.get("reserved_bytes.all.peak", 0), stats.get("allocated_bytes.all.peak", 0)
-        held = (f"; the allocator had reserved {mib(reserved)} for a peak of {mib(allocated)} allocated"
-                if reserved > 1.05 * allocated else "")  # fmt: skip  (segments round up by a few percent)
+        held = (f"; the allocator had reserved {readable_bytes(reserved)} for a peak of {readable_bytes(allocated)} "
+                "allocated" if reserved > 1.05 * allocated else "")  # fmt: skip  (segments round up by a few percent)
         return max(0, stats.get("num_alloc_retries", 0) - retries_before - failed), reserved, held
 
     try:
@@ -210,7 +209,7 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
             result.best = planned.point
             return Fitted(result, planned.context.artifacts["plan"])
         point = planned.point
-        note(f"measuring batch {point.batch_size} capped at {mib(limit_bytes)}")
+        note(f"measuring batch {point.batch_size} capped at {readable_bytes(limit_bytes)}")
         attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
         result.attempts.append(attempt)
         progress(result)
@@ -252,7 +251,7 @@ def _nothing_fits(result: FitResult, last: Search) -> str:
         return last.failure
     runs = "; ".join(a.describe() for a in result.attempts)
     then = f"; then {last.failure}" if last.best is None and last.failure else ""
-    return (f"no batch size measured within {mib(result.limit_bytes)} in {len(result.attempts)} runs "
+    return (f"no batch size measured within {readable_bytes(result.limit_bytes)} in {len(result.attempts)} runs "
             f"({runs}){then}; give a larger limit or a larger margin")  # fmt: skip
 
 

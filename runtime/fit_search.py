@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import Budget, UnreachableBudget, counted
+from mutwo.ir.budget import Budget, UnreachableBudget, counted, readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
@@ -28,13 +28,6 @@ ASSUMPTIONS = ("per-op times and workspaces measured once at the profiled batch 
                "is measured under a cap at the limit")  # fmt: skip
 #: The largest batch size the search tries.
 MAX_BATCH = 1 << 16
-MIB = 2**20
-
-
-def mib(size: int) -> str:
-    """Bytes as MiB for messages: ``16,384.0 MiB``, ``14,745.6 MiB``, ``0.25 MiB``."""
-    value = size / MIB
-    return f"{value:,.1f} MiB" if value >= 1 else f"{value:.3g} MiB"
 
 
 class FitError(ValueError):
@@ -76,7 +69,8 @@ class Attempt:
                    measured.error, fits, measured.allocator_retries, measured.reserved_peak)  # fmt: skip
 
     def describe(self) -> str:
-        head = f"batch {self.batch_size} (planned for {mib(self.planned_budget)}, predicted {mib(self.predicted_peak)})"
+        head = (f"batch {self.batch_size} (planned for {readable_bytes(self.planned_budget)}, predicted "
+                f"{readable_bytes(self.predicted_peak)})")
         # Each retry empties the allocator's cache and synchronises: near the limit a cache
         # fragmented by large tensors makes every iteration pay for it.
         retried = (f"; the allocator emptied its cache and retried {self.allocator_retries} times (a fragmented "
@@ -86,7 +80,8 @@ class Attempt:
             return f"{head}: {self.error}{retried}"
         peak = self.measured_peak or 0
         where = "within the limit" if self.fits else "over the limit"
-        return f"{head}: measured {mib(peak)}, {where} ({pace(self.measured_seconds, self.batch_size)}){retried}"
+        pace_text = pace(self.measured_seconds, self.batch_size)
+        return f"{head}: measured {readable_bytes(peak)}, {where} ({pace_text}){retried}"
 
 
 def pace(seconds: float | None, batch_size: int) -> str:
@@ -168,8 +163,9 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
             middle = min(near, key=lambda b: abs(b - middle)) if near else middle
             low, high = (middle, high) if fits(middle) else (low, middle)
     if low == 0:
-        found.failure = (f"not even batch size 1 fits in {mib(budget)}: {cache[1].note}; give it more memory (the "
-                         "limit less its margin must hold batch 1's lowest peak) or train a smaller model")  # fmt: skip
+        found.failure = (f"not even batch size 1 fits in {readable_bytes(budget)}: {cache[1].note}; give it more "
+                         "memory (the limit less its margin must hold batch 1's lowest peak) or train a smaller "
+                         "model")  # fmt: skip
         return found
     found.best = cache[low]
     found.capped = low == MAX_BATCH
@@ -229,9 +225,9 @@ class Planner:
                               verify=False)  # fmt: skip
         point.seconds = time.perf_counter() - began
         summary = point.note.splitlines()[0] if point.note else ""
-        peak = f"predicted peak {mib(point.predicted_peak)}" if point.predicted_peak else "not simulated"
+        peak = f"predicted peak {readable_bytes(point.predicted_peak)}" if point.predicted_peak else "not simulated"
         verdict = "fits" if point.fits else "fits, but too slow," if point.too_slow else "does not fit"
-        self.log(f"batch {batch}: {verdict} in {mib(budget)}, {peak} ({summary}; "
+        self.log(f"batch {batch}: {verdict} in {readable_bytes(budget)}, {peak} ({summary}; "
                  f"{point.seconds:.1f} s)")  # fmt: skip
         return point
 

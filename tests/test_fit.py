@@ -205,7 +205,7 @@ def test_fit_fails_in_one_line_when_no_run_fits() -> None:
     with pytest.raises(FitError) as error:
         _mlp_fit("256KiB", FakeGpu(fits_up_to=0))
     message = str(error.value)
-    assert message.startswith("no batch size measured within 0.25 MiB in 4 runs (batch ")
+    assert message.startswith("no batch size measured within 256.0 KiB in 4 runs (batch ")  # once '0.25 MiB'
     assert "out of memory under the cap" in message and "\n" not in message
 
 

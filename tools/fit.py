@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
+from mutwo.ir.budget import readable_bytes
 from mutwo.ir.pass_base import write_atomic
 from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, check_max_slowdown, fit, parse_limit
-from mutwo.runtime.fit_search import MAX_BATCH, mib, pace
+from mutwo.runtime.fit_search import MAX_BATCH, pace
 from mutwo.tools.cli import EXIT_OK, UsageError
 from mutwo.tools.config import Config
 
@@ -64,12 +65,13 @@ def summary(result: FitResult, limit_text: str, out: Path) -> str:
     best = result.best
     assert best is not None
     if result.measured_peak is not None:
-        measured = f", measured {mib(result.measured_peak)} ({pace(result.measured_seconds, best.batch_size)})"
+        measured = (f", measured {readable_bytes(result.measured_peak)} "
+                    f"({pace(result.measured_seconds, best.batch_size)})")
     else:
         measured = " (CPU: nothing measured)"
     capped = (f"; the search stops at batch {MAX_BATCH:,}, and a larger one may fit too"
               if result.stopped_at_max_batch else "")  # fmt: skip
     return (f"largest batch that fits in {limit_text}: {best.batch_size} (planned {len(result.tried)} times, "
-            f"{len(result.attempts)} measured runs); plan: {best.note}, for {mib(best.budget)} (margin "
-            f"{result.margin:.0%}); predicted peak {mib(best.predicted_peak)}{measured}"
+            f"{len(result.attempts)} measured runs); plan: {best.note}, for {readable_bytes(best.budget)} (margin "
+            f"{result.margin:.0%}); predicted peak {readable_bytes(best.predicted_peak)}{measured}"
             f"{capped}; wrote {out}/fit.json")  # fmt: skip
