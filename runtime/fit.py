@@ -27,6 +27,7 @@ import gc
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -163,14 +164,17 @@ class Fitted:
 def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int, *,
         margin: float = DEFAULT_MARGIN, max_slowdown: float | None = None, measure: Measure | None = None,
         max_runs: int = MAX_RUNS, log: Callable[[str], None] = lambda message: None,
-        progress: Callable[[FitResult], None] = lambda result: None) -> Fitted:  # fmt: skip
+        progress: Callable[[FitResult], None] = lambda result: None,
+        timed: Callable[[str], AbstractContextManager[object]] = lambda phase: nullcontext()) -> Fitted:  # fmt: skip
     """Profile the iteration at ``start`` once, search (``capture_at(batch)`` captures it at a
     batch size), rewrite the batch found and, with ``measure`` (given, or by default on a GPU),
     run it capped at the limit, stepping back after a failed run (see the module docstring).
     ``result.best`` is None when no batch measured within the limit; ``result.failure`` says why.
     ``progress`` sees the result so far after every search and every measured run. With
     ``max_slowdown``, a batch fits only if its plan also predicts at most that many times the time
-    of the step without recomputation (a rough bound: per-op times are scaled from ``start``)."""
+    of the step without recomputation (a rough bound: per-op times are scaled from ``start``).
+    ``timed(phase)`` surrounds its phases, ``profile``, ``plan`` (which captures the batch sizes it
+    tries with ``capture_at``) and ``measure``, for a caller that times them (``--time-passes``)."""
     budget = int(limit_bytes * (1 - check_margin(margin)))
     check_max_slowdown(max_slowdown)
     began = time.perf_counter()
@@ -183,7 +187,8 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         measure = measure_capped
     note(f"profiling batch size {start} once; other batch sizes scale its times linearly")
     try:
-        profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1, iteration_runs=0)
+        with timed("profile"):
+            profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1, iteration_runs=0)
     except torch.OutOfMemoryError:
         raise FitError(f"profiling batch size {start} ran out of memory (it runs unoptimized): start the search "
                        "from a smaller batch size") from None
@@ -197,20 +202,23 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
     guess = start
     while True:
         top = failed.batch_size - 1 if failed is not None else None
-        found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
-                       frozenset(planner.graphs))  # fmt: skip
+        with timed("plan"):
+            found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
+                           frozenset(planner.graphs))  # fmt: skip
         result.tried.extend(found.tried)
         result.stopped_at_max_batch = found.capped
         progress(result)
         if found.best is None or (fitting is not None and found.best.batch_size <= fitting.batch_size):
             break  # nothing new to measure at this budget
-        planned = planner.rewrite(found.best.batch_size, budget)
+        with timed("plan"):
+            planned = planner.rewrite(found.best.batch_size, budget)
         if measure is None:
             result.best = planned.point
             return Fitted(result, planned.context.artifacts["plan"])
         point = planned.point
         note(f"measuring batch {point.batch_size} capped at {readable_bytes(limit_bytes)}")
-        attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
+        with timed("measure"):
+            attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
         result.attempts.append(attempt)
         progress(result)
         note(attempt.describe())

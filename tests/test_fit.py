@@ -98,6 +98,22 @@ def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path:
     assert [p["batch_size"] for p in fit["tried"]] == [2, 1] and fit["failure"] in err
 
 
+def test_fit_times_its_phases(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--time-passes with --fit prints the search's phase table, as a normal run prints its own, and
+    fit.json keeps the phases: the captures count apart from the planning they happen in, and the
+    phases with the rest add up to the total (a search that finds nothing prints it too)."""
+    assert main([EXAMPLE, "--fit", "1KiB", "--batch-size", "2", "--time-passes", "-o", str(tmp_path), "-q"]) == 1
+    stdout = capsys.readouterr().out
+    table = stdout[stdout.index("===== mutwo-opt run timing ====="):].splitlines()
+    rows = {line.split(None, 2)[2]: float(line.split()[0]) for line in table[2:]}
+    assert set(rows) == {"capture", "profile", "plan", "other (setup, reports, files)", "total"}
+    assert rows["capture"] > 0 and rows["profile"] > 0 and rows["plan"] > 0
+    assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(rows["total"], abs=1e-3)
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert set(fit["phase_seconds"]) == {"capture", "profile", "plan"}
+    assert fit["phase_seconds"]["capture"] == pytest.approx(rows["capture"], abs=1e-3)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--fit", "0.5"], "--fit: memory limit: '0.5' is not a memory size: give bytes with a unit, like 16GiB"),
     (["--fit", "lots"], "--fit: memory limit: 'lots' is not a memory size: give bytes with a unit, like 16GiB"),

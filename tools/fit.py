@@ -11,6 +11,7 @@ import torch
 
 from mutwo.ir.budget import readable_bytes
 from mutwo.ir.pass_base import write_atomic
+from mutwo.runtime.api import CapturedGraph
 from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, check_max_slowdown, fit, parse_limit
 from mutwo.runtime.fit_search import MAX_BATCH, pace
 from mutwo.tools.cli import EXIT_OK, UsageError
@@ -38,25 +39,32 @@ def fit_options(cli: Any) -> tuple[int, float, float | None]:
 
 def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
     """Search from the config's batch size, print every measured run, the batch, the plan and the
-    peaks, write fit.json (as the search goes, and also when no batch fits: the record of what was
-    tried; ``finished`` says whether the search ended)."""
+    peaks (with --time-passes, then the search's phases), write fit.json (as the search goes, and
+    also when no batch fits: the record of what was tried; ``finished`` says whether the search
+    ended)."""
     limit, margin, max_slowdown = fit_options(cli)
 
     def record(result: FitResult, plan: dict[str, Any] | None = None, finished: bool = False) -> None:
         # Rewritten as the search goes: a run stopped from outside leaves what it had tried.
-        write_atomic(out / "fit.json", json.dumps({**result.to_json(), "plan": plan, "finished": finished},
-                                                  indent=2) + "\n")  # fmt: skip
+        write_atomic(out / "fit.json", json.dumps({**result.to_json(), "plan": plan, "finished": finished,
+                                                   "phase_seconds": cli.rounded_phases()}, indent=2) + "\n")
 
-    fitted = fit(lambda batch: cli.capture(dataclasses.replace(config, batch_size=batch), device),
-                 config.batch_size, limit, margin=margin, max_slowdown=max_slowdown, log=cli.log,
-                 progress=record)  # fmt: skip
+    def capture_at(batch: int) -> CapturedGraph:
+        with cli.timed("capture"):
+            return cli.capture(dataclasses.replace(config, batch_size=batch), device)
+
+    fitted = fit(capture_at, config.batch_size, limit, margin=margin, max_slowdown=max_slowdown, log=cli.log,
+                 progress=record, timed=cli.timed)  # fmt: skip
     result = fitted.result
     record(result, fitted.plan.to_json() if fitted.plan is not None else None, finished=True)
     for attempt in result.attempts:
         print(f"measured run {attempt.describe()}")
+    if not result.failure:
+        print(summary(result, cli.args.fit, out))
+    if cli.args.time_passes:
+        print(cli.phase_report())
     if result.failure:
         raise FitError(result.failure)
-    print(summary(result, cli.args.fit, out))
     return EXIT_OK
 
 
