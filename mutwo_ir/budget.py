@@ -131,10 +131,13 @@ def budget_text(budget: str, size: str) -> str:
 
 class UnreachableBudget(PassFailure):
     """No plan a pass found meets the budget; its advice is the budget that would hold ``peak``,
-    the lowest peak found (bytes out of an ``unoptimized`` peak, written ``peak_text``)."""
+    the lowest peak found (bytes out of an ``unoptimized`` peak, written ``peak_text``). ``needs``
+    is ``peak`` where no plan of the pass gets under it, and None where the pass stopped short
+    of the lowest (``bound=False``: select's ``lowest=false``, past its estimate)."""
 
-    def __init__(self, reason: str, peak: int, unoptimized: int, peak_text: str) -> None:
+    def __init__(self, reason: str, peak: int, unoptimized: int, peak_text: str, *, bound: bool = True) -> None:
         super().__init__(reason, advice=reachable_budget(peak, unoptimized, peak_text))
+        self.needs = peak if bound else None
 
 
 def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:

@@ -489,7 +489,8 @@ class SelectPass(Pass):
         if not self.lowest:
             return UnreachableBudget(f"budget {budget} ({budget_text}) is out of reach: the best plan peaks at "
                                      f"{lowest} ({share}) {where} (lowest=false: the lowest reachable peak was not "
-                                     "searched)", plan.predicted_peak, base.peak_bytes, lowest)  # fmt: skip
+                                     "searched)", plan.predicted_peak, base.peak_bytes, lowest,
+                                     bound=False)  # fmt: skip
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
             if not optimizer_passes_ran:

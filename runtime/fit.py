@@ -204,7 +204,7 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         top = failed.batch_size - 1 if failed is not None else None
         with timed("plan"):
             found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
-                           frozenset(planner.graphs))  # fmt: skip
+                           frozenset(planner.graphs), limit_bytes)  # fmt: skip
         result.tried.extend(found.tried)
         result.stopped_at_max_batch = found.capped
         progress(result)

@@ -45,6 +45,19 @@ class FitPoint:
     budget: int = 0  #: the planning budget, bytes
     seconds: float = 0.0  #: what capturing (the first time) and planning it took
     too_slow: bool = False  #: it fits in memory, but its plan is predicted slower than the bound allows
+    #: when it does not fit: the bytes every plan of it needs at least (0 when unknown: select
+    #: stopped at a plan above the budget without searching for the lowest)
+    needs: int = 0
+
+    def shortfall(self, limit: int) -> str:
+        """What it needs against ``limit`` (of which the planning budget is what the margin leaves):
+        ``it needs at least 3.2 MiB, the limit is 2.0 MiB (1.8 MiB to plan for after the margin)``."""
+        if self.too_slow:
+            return f"its plan fits in {readable_bytes(self.budget)} but is too slow"
+        held = f" ({readable_bytes(self.budget)} to plan for after the margin)" if self.budget < limit else ""
+        needs = (f"it needs at least {readable_bytes(self.needs)}" if self.needs else
+                 f"its best plan peaks at {readable_bytes(self.predicted_peak)}")  # fmt: skip
+        return f"{needs}, the limit is {readable_bytes(limit)}{held}"
 
 
 @dataclass
@@ -126,13 +139,14 @@ class FitResult:
 
 
 def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batch: int | None = None,
-           cheap: frozenset[int] = frozenset()) -> Search:  # fmt: skip
+           cheap: frozenset[int] = frozenset(), limit: int | None = None) -> Search:  # fmt: skip
     """The largest batch size in 1..max_batch for which ``predict`` says it fits (fitting is
     assumed monotone in the batch size): doubling from ``start`` (or bisecting below it), then
     bisection until the gap to the smallest size that does not fit is at most 1/16 of the size
     found (each try is a capture and a plan: the last few percent are not worth their minutes).
     Bisection tries the size in ``cheap`` (already captured) nearest the middle when one lies in
-    the middle half of the gap."""
+    the middle half of the gap. ``limit`` (the budget when not given) is what a failure names as
+    the memory batch 1 would need to fit in."""
     top = MAX_BATCH if max_batch is None else max_batch
     found = Search()
     if top < 1:
@@ -163,9 +177,9 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
             middle = min(near, key=lambda b: abs(b - middle)) if near else middle
             low, high = (middle, high) if fits(middle) else (low, middle)
     if low == 0:
-        found.failure = (f"not even batch size 1 fits in {readable_bytes(budget)}: {cache[1].note}; give it more "
-                         "memory (the limit less its margin must hold batch 1's lowest peak) or train a smaller "
-                         "model")  # fmt: skip
+        first = cache[1]
+        found.failure = (f"not even batch size 1 fits: {first.shortfall(limit or budget)}; give it more memory or "
+                         f"train a smaller model; planning batch 1: {first.note}")  # fmt: skip
         return found
     found.best = cache[low]
     found.capped = low == MAX_BATCH
@@ -254,7 +268,8 @@ class Planner:
                 raise FitError(f"planning batch {batch} failed: {failure}") from failure
             plan = context.artifacts.get("plan")  # none when select failed on its estimate alone
             # select's advice (another budget) is no answer here: the search sets the budget itself.
-            return FitPoint(batch, False, plan.predicted_peak if plan else 0, failure.reason, budget), context
+            return FitPoint(batch, False, plan.predicted_peak if plan else 0, failure.reason, budget,
+                            needs=failure.cause.needs or 0), context  # fmt: skip
         plan = context.artifacts["plan"]
         # The plan's own estimate of what recomputation costs, relative to the step without it: the
         # price of a larger batch (per-op times scaled from the profiled batch, so a rough one).

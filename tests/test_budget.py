@@ -80,6 +80,8 @@ def test_an_unreachable_budget_gives_the_reachable_one_as_advice() -> None:
     assert failure.reason == "budget 0.5 (500 B) is unreachable"
     assert failure.advice == "ask for budget 'min' or a budget of at least 0.65 (650 B)"
     assert str(failure) == f"{failure.reason}; {failure.advice}"
+    assert failure.needs == 650  # no plan of the pass peaks lower: what --fit reports a batch needs
+    assert UnreachableBudget("out of reach", 650, 1000, "650 B", bound=False).needs is None  # a lower plan may exist
 
 
 @pytest.mark.parametrize(("text", "message"), [
