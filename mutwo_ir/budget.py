@@ -1,10 +1,13 @@
-"""Memory budgets: a fraction of the unoptimized peak (``0.5``) or an amount of bytes (``"6GiB"``)."""
+"""Memory budgets: a fraction of the unoptimized peak (``0.5``) or an amount of bytes (``"6GiB"``);
+memory sizes read from text and written for messages."""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
+
+from mutwo.ir.pass_base import PassFailure
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -84,16 +87,33 @@ def parse_bytes(text: str) -> int:
     return value.bytes
 
 
+#: The units sizes are written in, largest first. Sizes stay in MiB past a GiB, as the tools have
+#: always printed them (``16,384.0 MiB``), with thousands separated.
+SIZE_UNITS = (("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _unit_of(size: int) -> int:
+    """The index in :data:`SIZE_UNITS` of the largest unit ``size`` fills (bytes for less than a KiB)."""
+    return next(index for index, (_, scale) in enumerate(SIZE_UNITS) if abs(size) >= scale or scale == 1)
+
+
+def readable_bytes(size: int, unit: str | None = None) -> str:
+    """``1.8 MiB``, ``12.0 KiB``, ``512 B``, ``16,384.0 MiB``: a size in the largest unit it fills,
+    so that a small share of a breakdown does not read as ``0.0 MiB``, or in ``unit``."""
+    name, scale = SIZE_UNITS[_unit_of(size)] if unit is None else (unit, dict(SIZE_UNITS)[unit])
+    return f"{size:,} B" if scale == 1 else f"{size / scale:,.1f} {name}"
+
+
 def sizes(*values: int) -> list[str]:
-    """Byte counts written for one message: in MiB with one decimal, or, where two different
-    counts would read the same that way or all are under 1 MiB (a tiny model's), in KiB, then in
-    bytes."""
-    units = (("MiB", 2**20), ("KiB", 2**10)) if max(values, default=0) >= 2**20 else (("KiB", 2**10),)
-    for unit, scale in units:
-        texts = [f"{value / scale:.1f} {unit}" for value in values]
+    """Byte counts written for one message in one unit, so that they compare at a glance: the unit
+    the largest fills, or a smaller one where two different counts would read the same in it (a
+    budget just under the lowest peak must not read as that peak)."""
+    texts: list[str] = []
+    for unit, _ in SIZE_UNITS[_unit_of(max(values, default=0)):]:
+        texts = [readable_bytes(value, unit) for value in values]
         if len(set(texts)) == len(set(values)):
-            return texts
-    return [f"{value} B" for value in values]
+            break
+    return texts
 
 
 def counted(count: int, noun: str, plural: str | None = None) -> str:
@@ -109,8 +129,15 @@ def budget_text(budget: str, size: str) -> str:
     return size if budget == size else f"{size} ({budget})"
 
 
-#: How a failure to reach a budget starts its advice (``--fit``, which sets the budget itself, drops it).
-REACHABLE_ADVICE = "ask for budget 'min' or a budget of at least"
+class UnreachableBudget(PassFailure):
+    """No plan a pass found meets the budget; its advice is the budget that would hold ``peak``,
+    the lowest peak found (bytes out of an ``unoptimized`` peak, written ``peak_text``). ``needs``
+    is ``peak`` where no plan of the pass gets under it, and None where the pass stopped short
+    of the lowest (``bound=False``: select's ``lowest=false``, past its estimate)."""
+
+    def __init__(self, reason: str, peak: int, unoptimized: int, peak_text: str, *, bound: bool = True) -> None:
+        super().__init__(reason, advice=reachable_budget(peak, unoptimized, peak_text))
+        self.needs = peak if bound else None
 
 
 def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:
@@ -119,4 +146,4 @@ def reachable_budget(lowest: int, unoptimized: int, lowest_text: str) -> str:
     hundredths = math.ceil(round(100 * lowest / unoptimized, 9))
     while hundredths < 100 and int(hundredths / 100 * unoptimized) < lowest:  # as Budget.resolve rounds
         hundredths += 1
-    return f"{REACHABLE_ADVICE} {hundredths / 100:g} ({lowest_text})"
+    return f"ask for budget 'min' or a budget of at least {hundredths / 100:g} ({lowest_text})"

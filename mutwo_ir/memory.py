@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mutwo.ir.budget import readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import KIND_PRECEDENCE, Liveness, compute_liveness
 from mutwo.ir.node import NodeKind
@@ -65,14 +66,6 @@ def describe_breakdown(breakdown: Mapping[str, int]) -> str:
     parts = sorted(((value, BREAKDOWN_NAMES.get(kind, kind)) for kind, value in breakdown.items() if value),
                    reverse=True)  # fmt: skip
     return ", ".join(f"{name} {readable_bytes(value)}" for value, name in parts) or "nothing"
-
-
-def readable_bytes(size: int) -> str:
-    """``1.8 MiB``, ``12.0 KiB``, ``512 B``: each size in the largest unit it fills, so that a small
-    share of a breakdown does not read as ``0.0 MiB``."""
-    if size >= 2**20:
-        return f"{size / 2**20:.1f} MiB"
-    return f"{size / 2**10:.1f} KiB" if size >= 2**10 else f"{size} B"
 
 
 def main_device(graph: Graph) -> str:

@@ -36,11 +36,16 @@ class PassOptionError(ValueError):
 
 
 class PassFailure(RuntimeError):
-    """A pass could not do its work; ``node`` is the node involved, when there is one."""
+    """A pass could not do its work: ``reason`` says why, ``node`` is the node involved, when
+    there is one, and ``advice`` what to do instead, when the pass knows. The message reads
+    ``"{reason}; {advice}"``; a caller that acts on the failure itself (``--fit``, which sets the
+    budget that select's advice would change) reads ``reason`` alone."""
 
-    def __init__(self, message: str, node: Node | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, reason: str, node: Node | None = None, advice: str | None = None) -> None:
+        super().__init__(f"{reason}; {advice}" if advice else reason)
+        self.reason = reason
         self.node = node
+        self.advice = advice
 
 
 @dataclass(frozen=True)

@@ -62,15 +62,22 @@ class PipelineFailure(RuntimeError):
         self.pipeline_so_far = pipeline_so_far
         self.cause = cause
         self.crashed = not isinstance(cause, (PassFailure, VerificationError))
+        super().__init__(self._describe(str(cause)))
+        #: The message without the advice of a :class:`PassFailure` that gives one: what failed and why.
+        self.reason = self._describe(cause.reason) if isinstance(cause, PassFailure) else str(self)
+
+    def _describe(self, cause_text: str) -> str:
+        """``pass 'NAME' failed after [...]: `` and the first line of ``cause_text``, with the node involved."""
+        cause = self.cause
         node = getattr(cause, "node", None)
         where = f" at {format_node(node)}" if node is not None and node.graph is not None else ""
-        first_line = (str(cause).splitlines() or [""])[0]
+        first_line = (cause_text.splitlines() or [""])[0]
         if self.crashed:
             frame = innermost_frame(cause) or innermost_frame(cause, lambda path: False)
             raised = f" (raised at {describe_frame(frame)})" if frame is not None else ""
             first_line = f"{type(cause).__name__}{': ' if first_line else ''}{first_line}{raised}"
-        after = f"after [{','.join(pipeline_so_far)}]" if pipeline_so_far else "as the first pass"
-        super().__init__(f"pass '{pass_name}' failed {after}: {first_line or type(cause).__name__}{where}")
+        after = f"after [{','.join(self.pipeline_so_far)}]" if self.pipeline_so_far else "as the first pass"
+        return f"pass '{self.pass_name}' failed {after}: {first_line or type(cause).__name__}{where}"
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mutwo.ir.budget import readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.optimizer_updates import Item, OptimizerUpdates, analyse, schedule
@@ -11,10 +12,11 @@ from mutwo.ir.pass_base import PassContext, option
 from mutwo.passes.optimizer_schedule import (
     ScheduleOutcome,
     SchedulingPass,
+    change,
     check_when,
-    mib,
     optimizer_peak,
     parse_bytes,
+    raised_peak,
     try_schedule,
 )  # fmt: skip
 
@@ -45,8 +47,8 @@ class ForeachBucketsPass(SchedulingPass):
     def _applied(self, outcome: ScheduleOutcome) -> str:
         details = outcome.details
         return (f"{details['buckets']} buckets of at most {self.max_bytes} of temporaries; optimizer step's peak "
-                f"{mib(details['optimizer_peak_before'])} -> {mib(details['optimizer_peak_after'])}, simulated peak "
-                f"{mib(outcome.peak_before)} -> {mib(outcome.peak_after)}")  # fmt: skip
+                f"{change(details['optimizer_peak_before'], details['optimizer_peak_after'])}, simulated peak "
+                f"{change(outcome.peak_before, outcome.peak_after)}")  # fmt: skip
 
     def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
         limit = parse_bytes("max_bytes", self.max_bytes)
@@ -68,10 +70,10 @@ class ForeachBucketsPass(SchedulingPass):
         def keep_it(old: Graph, before: MemorySimulation, new: Graph, after: MemorySimulation) -> str:
             peaks["before"], peaks["after"] = optimizer_peak(old, before), optimizer_peak(new, after)
             if self.when == "lower" and after.peak_bytes > before.peak_bytes:
-                return f"it would raise the simulated peak from {mib(before.peak_bytes)} to {mib(after.peak_bytes)}"
+                return raised_peak(before, after)
             if self.when == "lower" and peaks["after"] >= peaks["before"]:
-                return (f"the optimizer step's peak ({mib(peaks['before'])}) would not drop: its temporaries are "
-                        "not what is live there")  # fmt: skip
+                return (f"the optimizer step's peak ({readable_bytes(peaks['before'])}) would not drop: its "
+                        "temporaries are not what is live there")  # fmt: skip
             return ""
 
         before, after, reason = try_schedule(graph, ctx, updates, plan, lambda _: None, keep_it)

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mutwo.ir.budget import readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.node import Node, NodeKind, Phase
 from mutwo.ir.optimizer_updates import Item, OptimizerUpdates, analyse, schedule
 from mutwo.ir.pass_base import PassContext, option
-from mutwo.passes.optimizer_schedule import ScheduleOutcome, SchedulingPass, check_when, mib, parse_bytes, try_schedule
+from mutwo.passes.optimizer_schedule import (
+    ScheduleOutcome,
+    SchedulingPass,
+    change,
+    check_when,
+    parse_bytes,
+    raised_peak,
+    try_schedule,
+)  # fmt: skip
 
 
 def returned_gradients(graph: Graph) -> list[Node]:
@@ -60,8 +69,8 @@ class OptimizerInBackwardPass(SchedulingPass):
 
     def _applied(self, outcome: ScheduleOutcome) -> str:
         return (f"{outcome.details['moved_parameters']} parameter updates run in the backward, "
-                f"{mib(outcome.details['freed_gradient_bytes'])} of gradients freed after their update; "
-                f"simulated peak {mib(outcome.peak_before)} -> {mib(outcome.peak_after)}")  # fmt: skip
+                f"{readable_bytes(outcome.details['freed_gradient_bytes'])} of gradients freed after their update; "
+                f"simulated peak {change(outcome.peak_before, outcome.peak_after)}")  # fmt: skip
 
     def _run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
         limit = parse_bytes("group_bytes", self.group_bytes)
@@ -90,8 +99,8 @@ class OptimizerInBackwardPass(SchedulingPass):
 
         def keep_it(_: Graph, before: MemorySimulation, __: Graph, after: MemorySimulation) -> str:
             if self.when == "lower" and after.peak_bytes > before.peak_bytes:
-                return (f"it would raise the simulated peak from {mib(before.peak_bytes)} to {mib(after.peak_bytes)} "
-                        f"(at %{after.peak_node}, {after.peak_phase}); when=always applies it anyway")
+                return (f"{raised_peak(before, after)} (at %{after.peak_node}, {after.peak_phase}); when=always "
+                        "applies it anyway")
             return ""
 
         before, after, reason = try_schedule(graph, ctx, updates, plan, drop_gradient_outputs, keep_it)

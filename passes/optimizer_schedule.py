@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import BudgetError
+from mutwo.ir.budget import BudgetError, sizes
 from mutwo.ir.budget import parse_bytes as budget_bytes
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
@@ -16,7 +16,6 @@ from mutwo.ir.optimizer_updates import OptimizerUpdates, Schedule, apply
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.passes.memory import simulate_with_profile
 
-MIB = 2**20
 WHEN = ("lower", "always")
 
 
@@ -80,8 +79,14 @@ def optimizer_peak(graph: Graph, simulation: MemorySimulation) -> int:
                default=0)  # fmt: skip
 
 
-def mib(value: int) -> str:
-    return f"{value / MIB:.1f} MiB"
+def change(before: int, after: int) -> str:
+    """``1.2 MiB -> 0.9 MiB``: a peak before and after, in one unit that tells them apart."""
+    return " -> ".join(sizes(before, after))
+
+
+def raised_peak(before: MemorySimulation, after: MemorySimulation) -> str:
+    """Why a new order is not kept under ``when=lower``: the simulated peak it would raise."""
+    return "it would raise the simulated peak from {} to {}".format(*sizes(before.peak_bytes, after.peak_bytes))
 
 
 class SchedulingPass(Pass):

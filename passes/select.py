@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, budget_text, counted, parse_budget, reachable_budget, sizes
+from mutwo.ir.budget import Budget, UnreachableBudget, budget_text, counted, parse_budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import Headroom, MemorySimulation, allocation_size, describe_breakdown, simulate
@@ -350,7 +350,7 @@ class SelectPass(Pass):
         plan.refused = refused
         plan.publish(ctx, "plan", "plan", "select")
         if not plan.met:
-            raise PassFailure(self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts))
+            raise self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts)
         return plan
 
     def _greedy_plan(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], base: MemorySimulation,
@@ -413,11 +413,11 @@ class SelectPass(Pass):
         greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
         if state.peak > budget_bytes:
             budget_text, estimate, unoptimized = sizes(budget_bytes, state.peak, base.peak_bytes)
-            raise PassFailure(f"budget {budget} ({budget_text}) is out of reach: recomputing every activation idle at "
-                              f"the peak, the estimate stays at {estimate} ({100 * state.peak / base.peak_bytes:.0f}% "
-                              f"of the unoptimized {unoptimized}), and recompute blocks only add to it (lowest=false: "
-                              "the lowest reachable peak was not searched); "
-                              + reachable_budget(state.peak, base.peak_bytes, estimate))  # fmt: skip
+            share = f"{100 * state.peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
+            raise UnreachableBudget(f"budget {budget} ({budget_text}) is out of reach: recomputing every activation "
+                                    f"idle at the peak, the estimate stays at {estimate} ({share}), and recompute "
+                                    "blocks only add to it (lowest=false: the lowest reachable peak was not searched)",
+                                    state.peak, base.peak_bytes, estimate)  # fmt: skip
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, time_model: TimeModel,
                     device: str, replay_random: bool = True) -> list[Candidate]:  # fmt: skip
@@ -478,16 +478,19 @@ class SelectPass(Pass):
                     predicted_breakdown=dict(exact.breakdown), clones=sum(len(b.nodes) for b in blocks))
 
     def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget,
-                     optimizer_passes_ran: bool) -> str:  # fmt: skip
+                     optimizer_passes_ran: bool) -> UnreachableBudget:  # fmt: skip
+        """The failure of a plan that misses its budget: where it peaks, why no plan gets lower, and
+        (as advice) the budget it meets."""
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
         budget_text, lowest, unoptimized = sizes(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)
         share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
-        fix = reachable_budget(plan.predicted_peak, base.peak_bytes, lowest)
         if not self.lowest:
-            return (f"budget {budget} ({budget_text}) is out of reach: the best plan peaks at {lowest} ({share}) "
-                    f"{where} (lowest=false: the lowest reachable peak was not searched); {fix}")  # fmt: skip
+            return UnreachableBudget(f"budget {budget} ({budget_text}) is out of reach: the best plan peaks at "
+                                     f"{lowest} ({share}) {where} (lowest=false: the lowest reachable peak was not "
+                                     "searched)", plan.predicted_peak, base.peak_bytes, lowest,
+                                     bound=False)  # fmt: skip
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
             if not optimizer_passes_ran:
@@ -498,5 +501,7 @@ class SelectPass(Pass):
             if plan.refused:
                 why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
                 why += ", ...)" if len(plan.refused) > 1 else ")"
-        return (f"budget {budget} ({budget_text}) is unreachable: the lowest peak recomputation reaches is {lowest} "
-                f"({share}) {where}, holding {describe_breakdown(plan.predicted_breakdown)}; {why}; {fix}")
+        return UnreachableBudget(f"budget {budget} ({budget_text}) is unreachable: the lowest peak recomputation "
+                                 f"reaches is {lowest} ({share}) {where}, holding "
+                                 f"{describe_breakdown(plan.predicted_breakdown)}; {why}",
+                                 plan.predicted_peak, base.peak_bytes, lowest)  # fmt: skip

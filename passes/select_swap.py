@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, budget_text, parse_budget, reachable_budget, sizes
+from mutwo.ir.budget import Budget, UnreachableBudget, budget_text, parse_budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.mask_replay import mask_holder
@@ -252,11 +252,12 @@ class SelectSwapPass(Pass):
                     "docs/swap.md)")
         if not plan.met:
             budget_size, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
-            raise PassFailure(f"budget {budget} ({budget_size}) is unreachable: the lowest peak select-swap reaches "
-                              f"with {self.allow} is {lowest} ({100 * plan.predicted_peak / base.peak_bytes:.0f}% of "
-                              f"the unoptimized {unoptimized}), at %{plan.predicted_peak_node} in the "
-                              f"{plan.predicted_peak_phase} phase; "
-                              + reachable_budget(plan.predicted_peak, base.peak_bytes, lowest))  # fmt: skip
+            raise UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak select-swap "
+                                    f"reaches with {self.allow} is {lowest} "
+                                    f"({100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized "
+                                    f"{unoptimized}), at %{plan.predicted_peak_node} in the "
+                                    f"{plan.predicted_peak_phase} phase", plan.predicted_peak, base.peak_bytes,
+                                    lowest)  # fmt: skip
         return plan
 
     @staticmethod

@@ -27,12 +27,13 @@ import gc
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from mutwo.ir import to_fx
-from mutwo.ir.budget import BudgetError, parse_bytes
+from mutwo.ir.budget import BudgetError, parse_bytes, readable_bytes
 from mutwo.passes.select import Plan
 from mutwo.runtime.api import CapturedGraph, capture_graph
 from mutwo.runtime.capture import LossFn
@@ -45,7 +46,6 @@ from mutwo.runtime.fit_search import (
     FitResult,
     Planner,
     Search,
-    mib,
     search,
 )
 from mutwo.runtime.profiler import device_bytes, measure_iterations, profile_graph
@@ -103,8 +103,8 @@ def measure_capped(batch: int, lowered: CapturedGraph, limit_bytes: int) -> Meas
         up): a failed run's own last retry is not thrashing."""
         stats = torch.cuda.memory_stats(device)
         reserved, allocated = stats.get("reserved_bytes.all.peak", 0), stats.get("allocated_bytes.all.peak", 0)
-        held = (f"; the allocator had reserved {mib(reserved)} for a peak of {mib(allocated)} allocated"
-                if reserved > 1.05 * allocated else "")  # fmt: skip  (segments round up by a few percent)
+        held = (f"; the allocator had reserved {readable_bytes(reserved)} for a peak of {readable_bytes(allocated)} "
+                "allocated" if reserved > 1.05 * allocated else "")  # fmt: skip  (segments round up by a few percent)
         return max(0, stats.get("num_alloc_retries", 0) - retries_before - failed), reserved, held
 
     try:
@@ -164,14 +164,17 @@ class Fitted:
 def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int, *,
         margin: float = DEFAULT_MARGIN, max_slowdown: float | None = None, measure: Measure | None = None,
         max_runs: int = MAX_RUNS, log: Callable[[str], None] = lambda message: None,
-        progress: Callable[[FitResult], None] = lambda result: None) -> Fitted:  # fmt: skip
+        progress: Callable[[FitResult], None] = lambda result: None,
+        timed: Callable[[str], AbstractContextManager[object]] = lambda phase: nullcontext()) -> Fitted:  # fmt: skip
     """Profile the iteration at ``start`` once, search (``capture_at(batch)`` captures it at a
     batch size), rewrite the batch found and, with ``measure`` (given, or by default on a GPU),
     run it capped at the limit, stepping back after a failed run (see the module docstring).
     ``result.best`` is None when no batch measured within the limit; ``result.failure`` says why.
     ``progress`` sees the result so far after every search and every measured run. With
     ``max_slowdown``, a batch fits only if its plan also predicts at most that many times the time
-    of the step without recomputation (a rough bound: per-op times are scaled from ``start``)."""
+    of the step without recomputation (a rough bound: per-op times are scaled from ``start``).
+    ``timed(phase)`` surrounds its phases, ``profile``, ``plan`` (which captures the batch sizes it
+    tries with ``capture_at``) and ``measure``, for a caller that times them (``--time-passes``)."""
     budget = int(limit_bytes * (1 - check_margin(margin)))
     check_max_slowdown(max_slowdown)
     began = time.perf_counter()
@@ -184,7 +187,8 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         measure = measure_capped
     note(f"profiling batch size {start} once; other batch sizes scale its times linearly")
     try:
-        profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1, iteration_runs=0)
+        with timed("profile"):
+            profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1, iteration_runs=0)
     except torch.OutOfMemoryError:
         raise FitError(f"profiling batch size {start} ran out of memory (it runs unoptimized): start the search "
                        "from a smaller batch size") from None
@@ -198,20 +202,23 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
     guess = start
     while True:
         top = failed.batch_size - 1 if failed is not None else None
-        found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
-                       frozenset(planner.graphs))  # fmt: skip
+        with timed("plan"):
+            found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
+                           frozenset(planner.graphs), limit_bytes)  # fmt: skip
         result.tried.extend(found.tried)
         result.stopped_at_max_batch = found.capped
         progress(result)
         if found.best is None or (fitting is not None and found.best.batch_size <= fitting.batch_size):
             break  # nothing new to measure at this budget
-        planned = planner.rewrite(found.best.batch_size, budget)
+        with timed("plan"):
+            planned = planner.rewrite(found.best.batch_size, budget)
         if measure is None:
             result.best = planned.point
             return Fitted(result, planned.context.artifacts["plan"])
         point = planned.point
-        note(f"measuring batch {point.batch_size} capped at {mib(limit_bytes)}")
-        attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
+        note(f"measuring batch {point.batch_size} capped at {readable_bytes(limit_bytes)}")
+        with timed("measure"):
+            attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
         result.attempts.append(attempt)
         progress(result)
         note(attempt.describe())
@@ -252,7 +259,7 @@ def _nothing_fits(result: FitResult, last: Search) -> str:
         return last.failure
     runs = "; ".join(a.describe() for a in result.attempts)
     then = f"; then {last.failure}" if last.best is None and last.failure else ""
-    return (f"no batch size measured within {mib(result.limit_bytes)} in {len(result.attempts)} runs "
+    return (f"no batch size measured within {readable_bytes(result.limit_bytes)} in {len(result.attempts)} runs "
             f"({runs}){then}; give a larger limit or a larger margin")  # fmt: skip
 
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import REACHABLE_ADVICE, Budget, counted
+from mutwo.ir.budget import Budget, UnreachableBudget, counted, readable_bytes
 from mutwo.ir.graph import Graph
-from mutwo.ir.pass_base import PassContext, PassFailure
+from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.registry import PassRegistry
@@ -28,13 +28,6 @@ ASSUMPTIONS = ("per-op times and workspaces measured once at the profiled batch 
                "is measured under a cap at the limit")  # fmt: skip
 #: The largest batch size the search tries.
 MAX_BATCH = 1 << 16
-MIB = 2**20
-
-
-def mib(size: int) -> str:
-    """Bytes as MiB for messages: ``16,384.0 MiB``, ``14,745.6 MiB``, ``0.25 MiB``."""
-    value = size / MIB
-    return f"{value:,.1f} MiB" if value >= 1 else f"{value:.3g} MiB"
 
 
 class FitError(ValueError):
@@ -52,6 +45,19 @@ class FitPoint:
     budget: int = 0  #: the planning budget, bytes
     seconds: float = 0.0  #: what capturing (the first time) and planning it took
     too_slow: bool = False  #: it fits in memory, but its plan is predicted slower than the bound allows
+    #: when it does not fit: the bytes every plan of it needs at least (0 when unknown: select
+    #: stopped at a plan above the budget without searching for the lowest)
+    needs: int = 0
+
+    def shortfall(self, limit: int) -> str:
+        """What it needs against ``limit`` (of which the planning budget is what the margin leaves):
+        ``it needs at least 3.2 MiB, the limit is 2.0 MiB (1.8 MiB to plan for after the margin)``."""
+        if self.too_slow:
+            return f"its plan fits in {readable_bytes(self.budget)} but is too slow"
+        held = f" ({readable_bytes(self.budget)} to plan for after the margin)" if self.budget < limit else ""
+        needs = (f"it needs at least {readable_bytes(self.needs)}" if self.needs else
+                 f"its best plan peaks at {readable_bytes(self.predicted_peak)}")  # fmt: skip
+        return f"{needs}, the limit is {readable_bytes(limit)}{held}"
 
 
 @dataclass
@@ -76,7 +82,8 @@ class Attempt:
                    measured.error, fits, measured.allocator_retries, measured.reserved_peak)  # fmt: skip
 
     def describe(self) -> str:
-        head = f"batch {self.batch_size} (planned for {mib(self.planned_budget)}, predicted {mib(self.predicted_peak)})"
+        head = (f"batch {self.batch_size} (planned for {readable_bytes(self.planned_budget)}, predicted "
+                f"{readable_bytes(self.predicted_peak)})")
         # Each retry empties the allocator's cache and synchronises: near the limit a cache
         # fragmented by large tensors makes every iteration pay for it.
         retried = (f"; the allocator emptied its cache and retried {self.allocator_retries} times (a fragmented "
@@ -86,7 +93,8 @@ class Attempt:
             return f"{head}: {self.error}{retried}"
         peak = self.measured_peak or 0
         where = "within the limit" if self.fits else "over the limit"
-        return f"{head}: measured {mib(peak)}, {where} ({pace(self.measured_seconds, self.batch_size)}){retried}"
+        pace_text = pace(self.measured_seconds, self.batch_size)
+        return f"{head}: measured {readable_bytes(peak)}, {where} ({pace_text}){retried}"
 
 
 def pace(seconds: float | None, batch_size: int) -> str:
@@ -131,13 +139,14 @@ class FitResult:
 
 
 def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batch: int | None = None,
-           cheap: frozenset[int] = frozenset()) -> Search:  # fmt: skip
+           cheap: frozenset[int] = frozenset(), limit: int | None = None) -> Search:  # fmt: skip
     """The largest batch size in 1..max_batch for which ``predict`` says it fits (fitting is
     assumed monotone in the batch size): doubling from ``start`` (or bisecting below it), then
     bisection until the gap to the smallest size that does not fit is at most 1/16 of the size
     found (each try is a capture and a plan: the last few percent are not worth their minutes).
     Bisection tries the size in ``cheap`` (already captured) nearest the middle when one lies in
-    the middle half of the gap."""
+    the middle half of the gap. ``limit`` (the budget when not given) is what a failure names as
+    the memory batch 1 would need to fit in."""
     top = MAX_BATCH if max_batch is None else max_batch
     found = Search()
     if top < 1:
@@ -168,8 +177,9 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
             middle = min(near, key=lambda b: abs(b - middle)) if near else middle
             low, high = (middle, high) if fits(middle) else (low, middle)
     if low == 0:
-        found.failure = (f"not even batch size 1 fits in {mib(budget)}: {cache[1].note}; give it more memory (the "
-                         "limit less its margin must hold batch 1's lowest peak) or train a smaller model")  # fmt: skip
+        first = cache[1]
+        found.failure = (f"not even batch size 1 fits: {first.shortfall(limit or budget)}; give it more memory or "
+                         f"train a smaller model; planning batch 1: {first.note}")  # fmt: skip
         return found
     found.best = cache[low]
     found.capped = low == MAX_BATCH
@@ -229,9 +239,9 @@ class Planner:
                               verify=False)  # fmt: skip
         point.seconds = time.perf_counter() - began
         summary = point.note.splitlines()[0] if point.note else ""
-        peak = f"predicted peak {mib(point.predicted_peak)}" if point.predicted_peak else "not simulated"
+        peak = f"predicted peak {readable_bytes(point.predicted_peak)}" if point.predicted_peak else "not simulated"
         verdict = "fits" if point.fits else "fits, but too slow," if point.too_slow else "does not fit"
-        self.log(f"batch {batch}: {verdict} in {mib(budget)}, {peak} ({summary}; "
+        self.log(f"batch {batch}: {verdict} in {readable_bytes(budget)}, {peak} ({summary}; "
                  f"{point.seconds:.1f} s)")  # fmt: skip
         return point
 
@@ -253,13 +263,13 @@ class Planner:
         try:
             PassManager(pipeline, Instrumentation(verify=verify)).run(graph, context)
         except PipelineFailure as failure:
-            if failure.pass_name != "select" or not isinstance(failure.cause, PassFailure):
+            if not isinstance(failure.cause, UnreachableBudget):
                 # Not "the budget is out of reach" but a crash: that is no answer about fitting.
                 raise FitError(f"planning batch {batch} failed: {failure}") from failure
             plan = context.artifacts.get("plan")  # none when select failed on its estimate alone
             # select's advice (another budget) is no answer here: the search sets the budget itself.
-            reason = str(failure).split(f"; {REACHABLE_ADVICE}")[0]
-            return FitPoint(batch, False, plan.predicted_peak if plan else 0, reason, budget), context
+            return FitPoint(batch, False, plan.predicted_peak if plan else 0, failure.reason, budget,
+                            needs=failure.cause.needs or 0), context  # fmt: skip
         plan = context.artifacts["plan"]
         # The plan's own estimate of what recomputation costs, relative to the step without it: the
         # price of a larger batch (per-op times scaled from the profiled batch, so a rough one).

@@ -10,7 +10,9 @@ imported.
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +24,7 @@ import torch
 import mutwo.ir.registry as registry_module
 from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
 from mutwo.runtime.backends import BackendError
+from mutwo.tools.cli import OutputFolder
 from mutwo.tools.config import DEFAULT_PIPELINE
 from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
 
@@ -784,6 +787,49 @@ def test_a_backend_refusal_after_the_passes_leaves_nothing_written(
     assert code == EXIT_USAGE, err
     assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before, "the earlier run's files changed"
     assert not list(tmp_path.glob("**/*staging*")), "a staging folder is left"
+
+
+#: A run that stages its output and waits to be killed: prints its staging folder, then sleeps.
+STAGE_AND_WAIT = """\
+import sys, time
+from pathlib import Path
+from mutwo.tools.cli import OutputFolder
+output = OutputFolder.make(Path(sys.argv[1]))
+(output.staging / "half-written.txt").write_text("cut off")
+print(output.staging, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_run_s_staging_folder_is_removed_by_the_next_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A run killed with SIGKILL cleans nothing up: its hidden staging folder stays. The next run for
+    the same output removes it, its process being gone, and keeps what may still be in use: a
+    live process's stage, another host's, another output's, and one named before stages held
+    their owner. What the run commits is only what it wrote."""
+    out = tmp_path / "out"
+    live = OutputFolder.make(out)  # this process's, alive throughout
+    assert live.staging.name.startswith(f".out.mutwo-staging-{os.getpid()}@{socket.gethostname()}-")
+    killed = subprocess.Popen([sys.executable, "-c", STAGE_AND_WAIT, str(out)], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout is not None
+    stage = Path(killed.stdout.readline().strip())
+    killed.kill()
+    killed.wait()
+    assert (stage / "half-written.txt").is_file() and stage.parent == tmp_path  # no output folder yet
+    assert stage.name.startswith(f".out.mutwo-staging-{killed.pid}@")
+    kept = [live.staging, tmp_path / f".out.mutwo-staging-{killed.pid}@elsewhere.example-a1b2",
+            tmp_path / f".other.mutwo-staging-{killed.pid}@{socket.gethostname()}-a1b2",
+            tmp_path / ".out.mutwo-staging-a1b2"]  # fmt: skip
+    for folder in kept[1:]:
+        folder.mkdir()
+    code, _, err = run_cli(capsys, "-q", "--device", "cpu", "-p", "stats", "-o", out, TINY_MLP)
+    assert code == EXIT_OK, err
+    assert not stage.exists(), "the killed run's staging folder is left"
+    assert all(folder.is_dir() for folder in kept), "a staging folder that may be in use was removed"
+    assert {p.name for p in tmp_path.iterdir()} == {"out", *(folder.name for folder in kept)}
+    summary = json.loads((out / "summary.json").read_text())
+    assert {p.name for p in out.iterdir()} == set(summary["files"]), "the output holds what the run did not write"
+    live.discard()
 
 
 def test_a_quiet_compiled_run_prints_nothing(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mutwo
+from mutwo.ir.budget import readable_bytes
 from mutwo.ir.memory import simulate
 from mutwo.passes.select import SelectPass
 from mutwo.runtime.api import CapturedGraph
@@ -65,6 +66,23 @@ def test_search_says_when_it_stops_at_the_largest_batch_it_tries(tmp_path: Path)
 def test_search_says_when_not_even_one_sample_fits() -> None:
     found = search(_linear(100, 10_000, 5_000), 4, 5_000)
     assert found.best is None and "not even batch size 1 fits" in found.failure
+    # batch 1 peaks at 10,100 B against a limit of 6,000 B, planned at 5,000 B
+    found = search(_linear(100, 10_000, 5_000), 4, 5_000, limit=6_000)
+    assert found.failure.startswith("not even batch size 1 fits: its best plan peaks at 9.9 KiB, the limit is 5.9 KiB "
+                                    "(4.9 KiB to plan for after the margin); give it more memory")  # fmt: skip
+
+
+def test_a_batch_that_does_not_fit_says_what_it_needs_against_the_limit() -> None:
+    """The bytes every plan needs where select knows them (its estimate, or the lowest peak it
+    searched for), else the best plan's peak; a batch too slow says so instead."""
+    point = FitPoint(1, False, 0, "select failed", 2 * 2**30, needs=int(3.2 * 2**30))
+    assert point.shortfall(int(2.5 * 2**30)) == ("it needs at least 3,276.8 MiB, the limit is 2,560.0 MiB "
+                                                 "(2,048.0 MiB to plan for after the margin)")  # fmt: skip
+    assert point.shortfall(2 * 2**30) == "it needs at least 3,276.8 MiB, the limit is 2,048.0 MiB"  # no margin
+    planned = FitPoint(1, False, 3 * 2**20, "select failed", 2 * 2**20)
+    assert planned.shortfall(2 * 2**20) == "its best plan peaks at 3.0 MiB, the limit is 2.0 MiB"
+    slow = FitPoint(1, False, 2**20, "over the bound of 1.00×", 2 * 2**20, too_slow=True)
+    assert slow.shortfall(2 * 2**20) == "its plan fits in 2.0 MiB but is too slow"
 
 
 def test_fit_on_cpu_writes_the_batch_plan_and_peaks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,12 +108,32 @@ def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path:
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert main([EXAMPLE, "--fit", "1KiB", "--batch-size", "2", "-o", str(tmp_path), "-q"]) == 1
     err = capsys.readouterr().err
-    assert "mutwo-opt: failed: not even batch size 1 fits in" in err
-    assert "give it more memory" in err and "ask for budget" not in err  # --fit sets the budget itself
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     fit = json.loads((tmp_path / "fit.json").read_text())
+    needs = fit["tried"][1]["needs"]  # select's estimate for batch 1, which no plan gets under
+    assert needs > 2**10 and fit["tried"][1]["predicted_peak"] == 0  # refused on the estimate: nothing simulated
+    assert (f"mutwo-opt: failed: not even batch size 1 fits: it needs at least {readable_bytes(needs)}, the limit is "
+            "1.0 KiB (921 B to plan for after the margin); give it more memory or train a smaller model; planning "
+            "batch 1: pass 'select' failed") in err  # fmt: skip
+    assert "ask for budget" not in err  # --fit sets the budget itself
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert fit["finished"] and fit["best"] is None and fit["plan"] is None
     assert [p["batch_size"] for p in fit["tried"]] == [2, 1] and fit["failure"] in err
+
+
+def test_fit_times_its_phases(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--time-passes with --fit prints the search's phase table, as a normal run prints its own, and
+    fit.json keeps the phases: the captures count apart from the planning they happen in, and the
+    phases with the rest add up to the total (a search that finds nothing prints it too)."""
+    assert main([EXAMPLE, "--fit", "1KiB", "--batch-size", "2", "--time-passes", "-o", str(tmp_path), "-q"]) == 1
+    stdout = capsys.readouterr().out
+    table = stdout[stdout.index("===== mutwo-opt run timing ====="):].splitlines()
+    rows = {line.split(None, 2)[2]: float(line.split()[0]) for line in table[2:]}
+    assert set(rows) == {"capture", "profile", "plan", "other (setup, reports, files)", "total"}
+    assert rows["capture"] > 0 and rows["profile"] > 0 and rows["plan"] > 0
+    assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(rows["total"], abs=1e-3)
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert set(fit["phase_seconds"]) == {"capture", "profile", "plan"}
+    assert fit["phase_seconds"]["capture"] == pytest.approx(rows["capture"], abs=1e-3)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -205,7 +243,7 @@ def test_fit_fails_in_one_line_when_no_run_fits() -> None:
     with pytest.raises(FitError) as error:
         _mlp_fit("256KiB", FakeGpu(fits_up_to=0))
     message = str(error.value)
-    assert message.startswith("no batch size measured within 0.25 MiB in 4 runs (batch ")
+    assert message.startswith("no batch size measured within 256.0 KiB in 4 runs (batch ")  # once '0.25 MiB'
     assert "out of memory under the cap" in message and "\n" not in message
 
 

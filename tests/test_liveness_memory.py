@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from mutwo.ir import from_fx
+from mutwo.ir.budget import readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import compute_liveness
-from mutwo.ir.memory import BREAKDOWN_NAMES, describe_breakdown, readable_bytes, simulate
+from mutwo.ir.memory import BREAKDOWN_NAMES, describe_breakdown, simulate
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.pass_base import PassContext
 from mutwo.passes.liveness import COLUMNS, LivenessPass

@@ -12,10 +12,12 @@ import pytest
 import torch
 from torch import nn
 
+from mutwo.ir.memory import MemorySimulation
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.ir.optimizer_updates import analyse
 from mutwo.ir.pass_base import PassContext
 from mutwo.passes.optimizer_in_backward import OptimizerInBackwardPass
+from mutwo.passes.optimizer_schedule import ScheduleOutcome, change, raised_peak
 from mutwo.runtime.api import Optimized, optimize_graph
 from mutwo.runtime.step import GraphStep
 from mutwo.runtime.training import TrainingOptions
@@ -94,6 +96,19 @@ def test_optimizer_in_backward_lowers_tiny_gpt2_peak_by_the_freed_gradients() ->
     assert outcome.details["freed_gradient_bytes"] == gradient_bytes
     assert outcome.peak_before - outcome.peak_after >= gradient_bytes
     assert optimized.context.artifacts["memory"].peak_bytes == outcome.peak_after
+
+
+def test_a_small_model_s_peaks_read_apart_not_as_zero_mib() -> None:
+    """A peak before and after is written in one unit that tells the two apart, and a small size
+    in KiB (each once read '0.0 MiB' or '0.1 MiB')."""
+    kib = 2**10
+    outcome = ScheduleOutcome(True, "", 120 * kib, 100 * kib, {"moved_parameters": 2, "freed_gradient_bytes": 20 * kib})
+    assert OptimizerInBackwardPass()._applied(outcome) == ("2 parameter updates run in the backward, 20.0 KiB of "
+                                                           "gradients freed after their update; simulated peak "
+                                                           "120.0 KiB -> 100.0 KiB")  # fmt: skip
+    assert change(3 * 2**20, 3 * 2**20 + 4 * kib) == "3,072.0 KiB -> 3,076.0 KiB"
+    before, after = (MemorySimulation("cpu", [], 0, peak, 0, 0, "optimizer", {}) for peak in (90 * kib, 100 * kib))
+    assert raised_peak(before, after) == "it would raise the simulated peak from 90.0 KiB to 100.0 KiB"
 
 
 def test_optimizer_in_backward_keeps_gradients_when_asked() -> None:

@@ -676,6 +676,29 @@ def test_a_pass_failure_is_reported_without_a_location(graph: Graph) -> None:
     assert str(error.value) == "pass 'refuses' failed as the first pass: no plan fits"
 
 
+def test_a_pass_failure_keeps_its_advice_apart_from_its_reason(graph: Graph) -> None:
+    """The message reads as one line, reason then advice; a caller that acts on the failure itself
+    reads the reason alone, from the failure or from the pipeline's."""
+    failure = PassFailure("no plan fits", advice="ask for more")
+    assert (str(failure), failure.reason, failure.advice) == ("no plan fits; ask for more", "no plan fits",
+                                                              "ask for more")  # fmt: skip
+    assert str(PassFailure("no plan fits")) == "no plan fits" and PassFailure("no plan fits").advice is None
+
+    @dataclass(frozen=True)
+    class Advises(Pass):
+        """Refuses with advice (test pass)."""
+
+        name = "advises"
+
+        def run(self, graph: Graph, ctx: PassContext) -> None:
+            raise failure
+
+    with pytest.raises(PipelineFailure) as error:
+        run_pipeline(graph, Advises())
+    assert str(error.value) == "pass 'advises' failed as the first pass: no plan fits; ask for more"
+    assert error.value.reason == "pass 'advises' failed as the first pass: no plan fits"
+
+
 def test_print_ir_after_all(graph: Graph, tmp_path: Path) -> None:
     printed: list[str] = []
     passes = [AddDeadNode(), PassRegistry().get("dce")()]

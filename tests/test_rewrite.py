@@ -34,11 +34,11 @@ from typing import Any
 import pytest
 
 from mutwo.ir import from_fx
-from mutwo.ir.budget import parse_budget, parse_bytes, sizes
+from mutwo.ir.budget import UnreachableBudget, parse_budget, parse_bytes, sizes
 from mutwo.ir.dot import HIGHLIGHT_COLOUR
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import Phase
-from mutwo.ir.pass_base import PassContext, PassFailure
+from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.replay import batch_norm_from_stats, rng_state, run_with_rng_state
@@ -484,7 +484,9 @@ def test_min_is_at_most_any_reachable_budget(workdir: Path) -> None:
     _minimum, min_ctx = _pipeline(original, inputs, "min", fixed_profile=True)
     with pytest.raises(PipelineFailure) as failure:
         _pipeline(original, inputs, "0.55", fixed_profile=True)
-    assert isinstance(failure.value.cause, PassFailure) and "is unreachable" in str(failure.value)
+    cause = failure.value.cause
+    assert isinstance(cause, UnreachableBudget) and "is unreachable" in cause.reason
+    assert cause.advice is not None and cause.advice.startswith("ask for budget 'min' or a budget of at least")
     lowest = min_ctx.artifacts["plan"].predicted_peak
     assert lowest <= reached, f"'min' reaches {lowest} B but budget 0.6 reached {reached} B"
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import shutil
+import socket
 import tempfile
 import traceback
 from collections.abc import Iterable, Sequence
@@ -82,9 +84,12 @@ class OutputFolder:
 
     @classmethod
     def make(cls, path: Path) -> OutputFolder:
-        """Stage output for ``path``: inside it when it exists, else in its nearest existing parent."""
+        """Stage output for ``path``: inside it when it exists, else in its nearest existing parent.
+        Stages of ``path`` that killed runs left behind are removed first (:func:`remove_stale_stages`)."""
+        remove_stale_stages(path)
         home = next(folder for folder in (path, *path.parents) if folder.exists())
-        return cls(path, Path(tempfile.mkdtemp(prefix=f".{path.name or 'out'}.mutwo-staging-", dir=home)))
+        owner = f"{os.getpid()}@{socket.gethostname()}"
+        return cls(path, Path(tempfile.mkdtemp(prefix=f"{_stage_prefix(path)}{owner}-", dir=home)))
 
     def commit(self) -> None:
         """Move everything staged into the output folder (made with its parents), then drop the stage."""
@@ -100,3 +105,37 @@ class OutputFolder:
     def discard(self) -> None:
         """Remove the staging folder and everything in it."""
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _stage_prefix(path: Path) -> str:
+    """How the names of ``path``'s staging folders begin; the owner's ``PID@HOST-`` follows."""
+    return f".{path.name or 'out'}.mutwo-staging-"
+
+
+def remove_stale_stages(path: Path) -> None:
+    """Remove the staging folders of ``path`` that runs killed on this host left (a SIGKILL runs no
+    cleanup), in every folder a stage of it can be in. A folder's name holds its owner's process
+    id and host: a live process's folder is kept, and so is another host's (on a shared file
+    system its processes cannot be asked) and one named in no such way."""
+    owned = re.compile(re.escape(_stage_prefix(path)) + r"(\d+)@" + re.escape(socket.gethostname()) + r"-[^/]+")
+    for home in (path, *path.parents):
+        try:
+            entries = list(home.iterdir())
+        except OSError:  # not there (yet), or not readable: nothing of ours to find
+            continue
+        for entry in entries:
+            match = owned.fullmatch(entry.name)
+            if match is not None and entry.is_dir() and process_gone(int(match.group(1))):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host, so that its stage is left for good. Another
+    user's process (which cannot be signalled) runs; a number no process can have is kept as well."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "last pass)")
     parser.add_argument("--dump-dot", action="store_true", help="write NN-<pass>-before.dot and -after.dot")
     parser.add_argument("--time-passes", action="store_true",
-                        help="print the time each pass took, then the whole run's: capture, passes, compile, check")
+                        help="print the time each pass took, then the whole run's: capture, passes, compile, check "
+                        "(with --fit, the search's: capture, profile, plan, measure)"),
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
                         help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
@@ -158,15 +159,24 @@ class MutwoOpt:
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
         self.output: OutputFolder | None = None  #: the output folder, once this run has made it
         self.phase_seconds: dict[str, float] = {}  #: capture, passes, compile, check, measure: seconds each
+        self.inner_seconds = 0.0  #: what the phases timed inside the current one took
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        """Count the time inside toward ``phase`` (summary.json's phase_seconds, --time-passes)."""
+        """Count the time inside toward ``phase`` (summary.json's phase_seconds, --time-passes); a
+        phase timed inside another counts toward itself alone (--fit captures while it plans)."""
         started = time.perf_counter()
+        outer, self.inner_seconds = self.inner_seconds, 0.0
         try:
             yield
         finally:
-            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + elapsed - self.inner_seconds
+            self.inner_seconds = outer + elapsed
+
+    def rounded_phases(self) -> dict[str, float]:
+        """The seconds of each phase to the millisecond: summary.json's and fit.json's phase_seconds."""
+        return {phase: round(seconds, 3) for phase, seconds in self.phase_seconds.items()}
 
     def phase_report(self) -> str:
         """The --time-passes table of the whole run: what the pass timing leaves out (the capture,
@@ -469,7 +479,7 @@ class MutwoOpt:
             "nodes_after": None,
             "pass_seconds": result.timings() if result else {},
             "total_seconds": round(time.perf_counter() - self.started, 3),
-            "phase_seconds": {phase: round(seconds, 3) for phase, seconds in self.phase_seconds.items()},
+            "phase_seconds": self.rounded_phases(),
             "peak_bytes_before": before.peak_bytes,
             "peak_phase_before": before.peak_phase,
             "peak_breakdown_before": before.breakdown,
