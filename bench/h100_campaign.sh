@@ -22,6 +22,8 @@
 #   plan-attribution  ResNet's three profiles again, each later one's times planned with the first one's
 #                memory and the other way round: which moves the plan (--attribute)       ~4 min
 #   plan-attribution-steadier  the same with profile{runs=7}, then with profile{isolate=true}   ~5 min
+#   cl-half-isolate  eager-cl, then mutwo inductor at half of its peak planned from an isolated, pooled
+#                profile (whose plans recompute 95 batch norms and ran fastest eagerly)  ~6.5 min
 # Done on 2026-11-24, fifth session (bench/results/issue17_h100_swap_bert/, issue18_h100_swap_trace/,
 # time_model/isolate_*; docs/benchmarks.md "BERT swap under Inductor and the ResNet swap trace"):
 #   tests        the CUDA tests: 32 passed                                                   ~3 min
@@ -90,7 +92,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -216,6 +218,9 @@ case "$section" in
         --model resnet152-cl:128 --budget 11825791744 --profiles 3 --inductor 0 --attribute --iterations 5 \
         --profile-options "$options" 2>&1 | grep -v Warn | tail -9
     done ;;
+  cl-half-isolate)
+    timeout 570 python3 bench/compare.py --out "$OUT/cl_half_isolate_resnet152.json" --models resnet152-cl:128 \
+      --timeout 480 --isolate-profile --variants eager,mutwo@inductor-eager0.5 ;;
   plan-stability)
     timeout 900 python3 bench/plan_stability.py --out "$OUT/plan_stability_resnet152_cl.json" --model resnet152-cl:128 \
       --budget 11825791744 --profiles 3 --inductor 2; first=$?
