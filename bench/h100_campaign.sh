@@ -8,6 +8,9 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
+# Worth measuring next: ResNet-152-cl b128 at half of eager's peak from select-swap's recompute-only
+# plan with profile{runs=7} (select-swap's plans ran 125.3 ms where select's ran 132.4 in one run);
+# the CUDA tests after the sixth session's merge (not run: device time spent).
 # Sixth session (2026-11-25), in order (start bert-cal3 cl-half-same-run):
 #   bert-cal3    BERT-base b64: checkpointing, then swap+recompute under Inductor at its peak measured
 #                in the same run, --calibrate-peak 3 (599.8 ms with 2 rounds, 5.0 ms over issue 17's
