@@ -972,6 +972,20 @@ def test_the_plan_is_logged_as_a_prefixed_line_then_rows(planned: Path, tmp_path
         assert ("storage producer" in err) == bool(rows)
 
 
+def test_one_profile_makes_one_plan_and_summary_json_names_it(planned: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    tiny = ["-q", "--device", "cpu", "--batch-size", "64", "-p", "select,rewrite", "--profile-from",
+            planned / "profile.json", TINY_MLP]  # fmt: skip
+    fingerprints = {}
+    for run, budget in (("first", "min"), ("again", "min"), ("none", "1")):
+        code, _, err = run_cli(capsys, "--budget", budget, "-o", tmp_path / run, *tiny)
+        assert code == EXIT_OK, err
+        summary = json.loads((tmp_path / run / "summary.json").read_text())
+        fingerprints[run] = summary["plan_fingerprint"]
+        assert re.fullmatch(r"[0-9a-f]{12}", fingerprints[run]), summary
+    assert fingerprints["first"] == fingerprints["again"] != fingerprints["none"]
+
+
 # -- --list-passes and --help --------------------------------------------------------------------
 def test_list_passes_prints_every_pass_with_its_summary(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "--list-passes")

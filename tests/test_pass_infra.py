@@ -758,7 +758,7 @@ def test_time_passes(graph: Graph) -> None:
 SUMMARY_KEYS = {
     "model", "batch_size", "device", "torch_version", "nodes_before", "nodes_after", "pass_seconds",
     "peak_bytes_before", "peak_bytes_after", "measured_peak_bytes_before", "measured_peak_bytes_after",
-    "recomputed", "equivalent",
+    "recomputed", "plan_fingerprint", "equivalent",
 }  # fmt: skip
 
 

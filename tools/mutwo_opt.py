@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -494,6 +495,7 @@ class MutwoOpt:
             "iteration_seconds_after": measured.get("iteration_seconds_after"),
             "reports": reports,
             "recomputed": None,
+            "plan_fingerprint": None,
             "swapped": None,
             "swapped_bytes": None,
             "cloned_nodes": None,
@@ -543,6 +545,7 @@ class MutwoOpt:
             "peak_breakdown_after": after.breakdown,
             "persistent_bytes": after.persistent_bytes,
             "recomputed": len(recomputed),
+            "plan_fingerprint": plan_fingerprint(recomputed, swapped),
             "swapped": len(swapped),
             "swapped_bytes": sum(offload.tensors[0].storage_bytes for offload, _, _ in swaps),
             "cloned_nodes": sum(1 for n in final if n.origin is not None),
@@ -731,6 +734,15 @@ def artifact_file(path: Path) -> str | None:
 
 
 #: The files named first when a run says what it wrote (the rest are counted).
+def plan_fingerprint(recomputed: set[Any], swapped: set[Any]) -> str:
+    """Which activations of the captured graph a run recomputes and which it swaps, hashed: two runs
+    of one model and budget made the same plan exactly when these agree. Plans made from two
+    profiles may differ (per-node times move between profiles, docs/benchmarks.md, "Why one budget
+    gives several plans"); ``--profile-from`` reuses one profile and so one plan."""
+    text = ";".join([",".join(sorted(map(str, recomputed))), ",".join(sorted(map(str, swapped)))])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
 MAIN_FILES = ("summary.json", "final.ir.txt", "final_graph.py", "plan.json", "swap_plan.json", "profile.json")
 #: What a failure inside a pass adds to its one line: where the traceback is.
 DEBUG_HINT = "run again with --debug for the traceback"
