@@ -216,11 +216,13 @@ case "$section" in
     timeout 580 python3 bench/plan_stability.py --out "$OUT/plan_attribution_resnet152_cl.json" --model resnet152-cl:128 \
       --budget 11825791744 --profiles 3 --inductor 0 --attribute --iterations 5 ;;
   plan-attribution-steadier)
+    status=0
     for options in runs=7 isolate=true; do
       timeout 280 python3 bench/plan_stability.py --out "$OUT/plan_attribution_resnet152_cl_${options%%=*}.json" \
         --model resnet152-cl:128 --budget 11825791744 --profiles 3 --inductor 0 --attribute --iterations 5 \
-        --profile-options "$options" 2>&1 | grep -v Warn | tail -9
-    done ;;
+        --profile-options "$options" > "$BG-$options.log" 2>&1 || status=$?
+      grep -v Warn "$BG-$options.log" | tail -9
+    done; exit $status ;;
   cl-half-isolate)
     timeout 570 python3 bench/compare.py --out "$OUT/cl_half_isolate_resnet152.json" --models resnet152-cl:128 \
       --timeout 480 --isolate-profile --variants eager,mutwo@inductor-eager0.5 ;;

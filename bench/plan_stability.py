@@ -5,7 +5,11 @@ plans ``select`` at one budget from each profile as measured and pooled (the pro
 
 Why: at half of eager's peak, ResNet-152 channels-last b128 under Inductor was planned four times
 on the H100 with one budget and ran 124.3, 125.3, 131.0 and 132.4 ms: plans that recomputed 29 or
-55 batch norms, predicted within 0.5 ms of each other (docs/benchmarks.md, sixth session).
+55 batch norms, predicted 131.6-132.9 ms, in an order unrelated to what they ran
+(docs/benchmarks.md, sixth session).
+
+A ``plan_id`` hashes the storages a plan recomputes; it is comparable across runs of this script,
+not with mutwo-opt's ``plan_fingerprint`` (another hash of the same facts, from the final graph).
 
     python bench/plan_stability.py --out $OUT/plan_stability.json --model resnet152-cl:128 \\
         --budget 11825791744 --profiles 3 --inductor 2
@@ -153,7 +157,6 @@ def main() -> None:
             row = {"plan_id": plan_id, "backend": backend, **compiled.describe(),
                    **measure_step(PlannedStep(step, training.batch), training.device, warmup=3,
                                   iterations=args.iterations)}  # fmt: skip
-            row.pop("iteration_ms_all", None)
             result["timed"].append(row)
             print(json.dumps(row), flush=True)
             write()

@@ -11,7 +11,10 @@ their times, so equal work is priced equally and the plan follows the model, not
 A signature is the op, the shapes and dtypes of the tensors it reads, how each operand was made
 when it is a view (a transposed matrix runs another GEMM kernel than a contiguous one of the same
 shape) and every non-tensor argument. Placeholders, the output and collectives keep their own
-times: they are not repeated work.
+times: they are not repeated work. The IR records no strides or devices (:class:`TensorMeta`), so
+two nodes whose operands differ only in layout or device share a signature: in a channels-last
+ResNet a few ``threshold_backward`` nodes with an NCHW operand pool with NHWC ones (found in a CPU
+capture; BERT has no such group).
 """
 
 from __future__ import annotations

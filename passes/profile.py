@@ -75,9 +75,9 @@ class ProfilePass(Pass):
                               "ctx.services['profiler']")  # fmt: skip
         # Only asked for when set: a profiler service of (graph, runs, warmup) keeps working.
         profile = profiler(graph, runs=self.runs, warmup=self.warmup, **({"isolate": True} if self.isolate else {}))
-        if self.pool:
-            pooling = pool_times(graph, profile.nodes)
-            profile.meta["pooled"] = pooling.to_json()
+        pooling = pool_times(graph, profile.nodes) if self.pool else None
+        # Recorded either way, so that a reused profile.json says which kind it is.
+        profile.meta["pooled"] = pooling.to_json() if pooling is not None else False
         ctx.artifacts["profile"] = profile
         ctx.save_json("profile.json", profile.to_json())
         if ctx.out_dir is not None:
@@ -87,7 +87,7 @@ class ProfilePass(Pass):
         ctx.log(f"profile: {len(profile.nodes)} nodes, {total * 1e3:.1f} ms summed over nodes"
                 + (f", iteration {profile.iteration.seconds * 1e3:.1f} ms" if profile.iteration else "")
                 + (f"; {pooling.pooled_nodes} nodes pooled into {pooling.groups} groups of the same work"
-                   if self.pool and pooling.groups else ""))  # fmt: skip
+                   if pooling is not None and pooling.groups else ""))  # fmt: skip
         unsteady = unsteady_runs(profile.meta.get("run_seconds", []))
         if unsteady:
             ctx.log(f"profile: warning: {unsteady}")

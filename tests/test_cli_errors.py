@@ -26,7 +26,7 @@ from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
 from mutwo.runtime.backends import BackendError
 from mutwo.tools.cli import OutputFolder
 from mutwo.tools.config import DEFAULT_PIPELINE
-from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main, plan_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -984,6 +984,10 @@ def test_one_profile_makes_one_plan_and_summary_json_names_it(planned: Path, tmp
         fingerprints[run] = summary["plan_fingerprint"]
         assert re.fullmatch(r"[0-9a-f]{12}", fingerprints[run]), summary
     assert fingerprints["first"] == fingerprints["again"] != fingerprints["none"]
+    # It is the recomputed storages themselves, not how many there are.
+    chosen = {entry["storage"] for entry in json.loads((tmp_path / "first" / "plan.json").read_text())["entries"]}
+    assert chosen and fingerprints["first"] == plan_fingerprint(chosen, set())
+    assert fingerprints["none"] == plan_fingerprint(set(), set())
 
 
 # -- --list-passes and --help --------------------------------------------------------------------

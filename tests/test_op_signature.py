@@ -62,14 +62,32 @@ def test_the_repeated_blocks_get_their_median_and_the_others_keep_their_own_time
     assert summary.largest_deviation > 0
 
 
-def test_a_transposed_operand_is_other_work_than_a_contiguous_one_of_the_same_shape() -> None:
-    graph, n = build_small_graph()  # mm(x, t(w)) in the forward, mm(t(gh), x) in the backward
-    assert op_signature(n.h) != op_signature(n.gw)
+def test_views_arguments_and_keywords_are_part_of_the_work_and_shapes_alone_are_not() -> None:
+    graph, n = build_small_graph()  # mm(x, t(w)): w is (3, 3), so t(w) has w's shape
+    aten = torch.ops.aten
     assert op_signature(n.x) is None and op_signature(n.out) is None  # placeholders and the output keep theirs
-    again = graph.create_node("call_function", torch.ops.aten.relu.default, (n.h,), name="relu_again",
-                              tensors=n.r.tensors)  # fmt: skip
-    assert op_signature(again) == op_signature(n.r)
-    assert op_signature(n.upd) != op_signature(n.h)  # a keyword argument is part of the work
+
+    def call(target: object, *args: object, **kwargs: object) -> object:
+        return graph.create_node("call_function", target, args, kwargs, name="extra", tensors=n.h.tensors)
+
+    same = call(aten.mm.default, n.x, n.wt)
+    contiguous = call(aten.mm.default, n.x, n.w)  # same shapes, but not a transposed view
+    assert op_signature(same) == op_signature(n.h) != op_signature(contiguous)
+    assert op_signature(call(aten.relu.default, n.h)) == op_signature(n.r)
+    assert op_signature(call(aten.sum.dim_IntList, n.r, [0])) != op_signature(call(aten.sum.dim_IntList, n.r, [1]))
+    assert op_signature(call(aten.add.Tensor, n.h, n.h, alpha=2)) != op_signature(
+        call(aten.add.Tensor, n.h, n.h, alpha=3))  # fmt: skip
+
+
+def test_replay_times_are_pooled_among_the_nodes_that_have_one() -> None:
+    graph = repeated_blocks()
+    profile = noisy_profile(graph)
+    blocks = [n.id for n in graph if n.op_name == "aten.addmm.default" and n.phase.value == "forward"][1:4]
+    for node_id, replay in zip(blocks, (1e-3, 2e-3, 9e-3), strict=True):
+        profile.nodes[node_id].replay_seconds = replay
+    pool_times(graph, profile.nodes)
+    assert [profile.nodes[i].replay_seconds for i in blocks] == [2e-3] * 3
+    assert all(p.replay_seconds is None for i, p in profile.nodes.items() if i not in blocks)
 
 
 def test_the_profile_pass_pools_by_default_and_records_it_and_pool_false_keeps_each_time() -> None:
@@ -79,6 +97,6 @@ def test_the_profile_pass_pools_by_default_and_records_it_and_pool_false_keeps_e
         ctx = PassContext()
         ctx.services["profiler"] = lambda g, runs, warmup: noisy_profile(g)
         into.append(ProfilePass(pool=pool).run(graph, ctx))
-    assert pooled[0].meta["pooled"]["groups"] > 0 and "pooled" not in raw[0].meta
+    assert pooled[0].meta["pooled"]["groups"] > 0 and raw[0].meta["pooled"] is False
     times = lambda profile: {p.seconds for p in profile.nodes.values()}  # noqa: E731
     assert len(times(pooled[0])) < len(times(raw[0])) == len(raw[0].nodes)

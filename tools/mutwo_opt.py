@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dump-dot", action="store_true", help="write NN-<pass>-before.dot and -after.dot")
     parser.add_argument("--time-passes", action="store_true",
                         help="print the time each pass took, then the whole run's: capture, passes, compile, check "
-                        "(with --fit, the search's: capture, profile, plan, measure)"),
+                        "(with --fit, the search's: capture, profile, plan, measure)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
                         help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
@@ -733,16 +733,18 @@ def artifact_file(path: Path) -> str | None:
     return next((r.filename for r in REUSED if all(key in data for key in r.fields)), None)
 
 
-#: The files named first when a run says what it wrote (the rest are counted).
 def plan_fingerprint(recomputed: set[Any], swapped: set[Any]) -> str:
     """Which activations of the captured graph a run recomputes and which it swaps, hashed: two runs
-    of one model and budget made the same plan exactly when these agree. Plans made from two
-    profiles may differ (per-node times move between profiles, docs/benchmarks.md, "Why one budget
-    gives several plans"); ``--profile-from`` reuses one profile and so one plan."""
+    of one model and pipeline with the same fingerprint recompute and swap the same activations
+    (how the clones are built and what other passes did is not in it; every plan that recomputes
+    and swaps nothing has the same one). Plans made from two profiles may differ (per-node times
+    move between profiles, docs/benchmarks.md, "Why one budget gives several plans");
+    ``--profile-from`` reuses one profile and so one plan."""
     text = ";".join([",".join(sorted(map(str, recomputed))), ",".join(sorted(map(str, swapped)))])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+#: The files named first when a run says what it wrote (the rest are counted).
 MAIN_FILES = ("summary.json", "final.ir.txt", "final_graph.py", "plan.json", "swap_plan.json", "profile.json")
 #: What a failure inside a pass adds to its one line: where the traceback is.
 DEBUG_HINT = "run again with --debug for the traceback"
