@@ -15,8 +15,9 @@ from mutwo.passes.select import SelectPass
 from mutwo.runtime.api import CapturedGraph
 from mutwo.runtime.fit import FitError, FitPoint, FitResult, Measure, Measured, search
 from mutwo.runtime.fit_search import MAX_BATCH
+from mutwo.tools import mutwo_opt
 from mutwo.tools.fit import summary
-from mutwo.tools.mutwo_opt import main
+from mutwo.tools.mutwo_opt import MutwoOpt, main
 from tests import models
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_mlp.yaml")
@@ -134,6 +135,19 @@ def test_fit_times_its_phases(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     fit = json.loads((tmp_path / "fit.json").read_text())
     assert set(fit["phase_seconds"]) == {"capture", "profile", "plan"}
     assert fit["phase_seconds"]["capture"] == pytest.approx(rows["capture"], abs=1e-3)
+
+
+def test_a_phase_timed_inside_another_counts_toward_itself_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--fit captures while it plans: the capture's seconds count as capture, not also as plan."""
+    clock = iter([0.0, 2.0, 5.0, 9.0, 10.0, 10.5])  # plan 0-9 with a capture 2-5 in it; then capture 10-10.5
+    monkeypatch.setattr(mutwo_opt.time, "perf_counter", lambda: next(clock))
+    run = type("Run", (), {"timed": MutwoOpt.timed, "phase_seconds": {}, "inner_seconds": 0.0})()
+    with run.timed("plan"):
+        with run.timed("capture"):
+            pass
+    with run.timed("capture"):
+        pass
+    assert run.phase_seconds == {"capture": 3.5, "plan": 6.0}
 
 
 @pytest.mark.parametrize(("argv", "message"), [
