@@ -8,9 +8,12 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Worth measuring next: ResNet-152-cl b128 at half of eager's peak from select-swap's recompute-only
-# plan with profile{runs=7} (select-swap's plans ran 125.3 ms where select's ran 132.4 in one run);
-# the CUDA tests after the sixth session's merge (not run: device time spent).
+# Worth measuring next (after the sixth session): the CUDA tests (not run since its merge: device
+# time spent); whether profile{isolate=true} should be the CUDA default: BERT-base b64 at
+# checkpointing's peak under Inductor with --isolate-profile --calibrate-peak 2, recompute only and
+# swap, beside the default profile's rows in one run (its two isolated rows of 2026-11-24 were
+# slower, by less than the plan-to-plan spread found since), and ResNet-152-cl b128 at half of
+# eager's peak from isolated profiles twice more (125.2 ms once, steady; target 124.0 ms).
 # Sixth session (2026-11-25), in order (start bert-cal3 cl-half-same-run):
 #   bert-cal3    BERT-base b64: checkpointing, then swap+recompute under Inductor at its peak measured
 #                in the same run, --calibrate-peak 3 (599.8 ms with 2 rounds, 5.0 ms over issue 17's
