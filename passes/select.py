@@ -412,9 +412,9 @@ class SelectPass(Pass):
         state = GreedyResult()
         greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
         if state.peak > budget_bytes:
-            budget_text, estimate, unoptimized = sizes(budget_bytes, state.peak, base.peak_bytes)
+            budget_size, estimate, unoptimized = sizes(budget_bytes, state.peak, base.peak_bytes)
             share = f"{100 * state.peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
-            raise UnreachableBudget(f"budget {budget} ({budget_text}) is out of reach: recomputing every activation "
+            raise UnreachableBudget(f"budget {budget} ({budget_size}) is out of reach: recomputing every activation "
                                     f"idle at the peak, the estimate stays at {estimate} ({share}), and recompute "
                                     "blocks only add to it (lowest=false: the lowest reachable peak was not searched)",
                                     state.peak, base.peak_bytes, estimate)  # fmt: skip
@@ -484,10 +484,10 @@ class SelectPass(Pass):
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
-        budget_text, lowest, unoptimized = sizes(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)
+        budget_size, lowest, unoptimized = sizes(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)
         share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
         if not self.lowest:
-            return UnreachableBudget(f"budget {budget} ({budget_text}) is out of reach: the best plan peaks at "
+            return UnreachableBudget(f"budget {budget} ({budget_size}) is out of reach: the best plan peaks at "
                                      f"{lowest} ({share}) {where} (lowest=false: the lowest reachable peak was not "
                                      "searched)", plan.predicted_peak, base.peak_bytes, lowest,
                                      bound=False)  # fmt: skip
@@ -501,7 +501,7 @@ class SelectPass(Pass):
             if plan.refused:
                 why += f" ({len(plan.refused)} random ops cannot be replayed: {plan.refused[0]}"
                 why += ", ...)" if len(plan.refused) > 1 else ")"
-        return UnreachableBudget(f"budget {budget} ({budget_text}) is unreachable: the lowest peak recomputation "
+        return UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak recomputation "
                                  f"reaches is {lowest} ({share}) {where}, holding "
                                  f"{describe_breakdown(plan.predicted_breakdown)}; {why}",
                                  plan.predicted_peak, base.peak_bytes, lowest)  # fmt: skip
