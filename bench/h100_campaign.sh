@@ -14,6 +14,11 @@
 # swap, beside the default profile's rows in one run (its two isolated rows of 2026-11-24 were
 # slower, by less than the plan-to-plan spread found since), and ResNet-152-cl b128 at half of
 # eager's peak from isolated profiles twice more (125.2 ms once, steady; target 124.0 ms).
+# Seventh session (2026-11-25), in order (start tests-all swap-options-bert):
+#   tests-all    every test marked cuda, in every test file (the tests section runs five files)  ~5 min
+#   swap-options-bert  BERT-base b64 planned by select-swap at one budget (the calibrated budget of
+#                2026-11-24's 599.8 ms row) with contention 0.1 (the default), 0.05 and 0.02, the
+#                three plans compiled and timed in one process (bench/swap_options.py)      ~10 min
 # Sixth session (2026-11-25), in order (start bert-cal3 cl-half-same-run):
 #   bert-cal3    BERT-base b64: checkpointing, then swap+recompute under Inductor at its peak measured
 #                in the same run, --calibrate-peak 3 (599.8 ms with 2 rounds, 5.0 ms over issue 17's
@@ -98,7 +103,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests-all, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -144,6 +149,11 @@ case "$section" in
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
     [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
+  tests-all)
+    timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
+  swap-options-bert)
+    timeout 1150 python3 bench/swap_options.py --out "$OUT/swap_options_bert.json" --model bert:64 \
+      --budget 22425894912 --options ';contention=0.05;contention=0.02' --compile 3 ;;
   tests)
     timeout 540 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider \
       tests/test_stream_trace.py tests/test_fit.py tests/test_cuda.py tests/test_cuda_swap.py tests/test_backends.py ;;

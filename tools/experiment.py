@@ -324,7 +324,7 @@ def _plan_row(plan: Any, swap_plan: Any, graph: Any) -> dict[str, Any]:
         row["planned_peak_bytes"] = plan.predicted_peak
         row["recomputed_ops"] = dict(Counter(e["op"] for e in plan.entries).most_common(8))
     if swap_plan is not None:
-        row.update(_swap_plan_row(swap_plan))
+        row.update(swap_plan_row(swap_plan))
     if plan is not None or swap_plan is not None:
         # What the clones replay, and how (a copy, with a generator state, from batch-norm statistics).
         row["cloned_ops"] = dict(Counter(f"{graph.node(n.origin).op_name} ({describe(n.target)})"
@@ -396,7 +396,7 @@ class PlannedStep:
         return getattr(self.step.compiled.run, "recorded_peak_absolute", 0)
 
 
-def _swap_plan_row(plan: Any) -> dict[str, Any]:
+def swap_plan_row(plan: Any) -> dict[str, Any]:
     """What a select-swap plan chose and predicted, for a results row."""
     swapped, recomputed = plan.of("swap"), plan.of("recompute")
     return {
