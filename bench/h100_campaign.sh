@@ -14,7 +14,15 @@
 # swap, beside the default profile's rows in one run (its two isolated rows of 2026-11-24 were
 # slower, by less than the plan-to-plan spread found since), and ResNet-152-cl b128 at half of
 # eager's peak from isolated profiles twice more (125.2 ms once, steady; target 124.0 ms).
-# Seventh session (2026-11-25), in order (start tests-all swap-options-bert):
+# Seventh session (2026-11-25), second machine (start tests-all bert-swap-contention cl-half-swap-contention):
+#   tests-all    again, after the fit cap counts what the process already holds              ~4 min
+#   bert-swap-contention  BERT-base b64: checkpointing, then swap+recompute under Inductor at its peak,
+#                --calibrate-peak 2, copies priced at the contention the profile measures on the graph
+#                (swap-options-bert: a 0.05 plan ran 562.6 ms where 0.1's ran 613.2)     ~10 min
+#   cl-half-swap-contention  ResNet-152-cl b128: eager, then swap+recompute under Inductor at half its
+#                peak, contention measured (select-swap's choice against recompute only follows it) ~8 min
+# Seventh session (2026-11-25), first machine (start tests-all swap-options-bert; ran, results in
+# bench/results/session7_h100/):
 #   tests-all    every test marked cuda, in every test file (the tests section runs five files)  ~5 min
 #   swap-options-bert  BERT-base b64 planned by select-swap at one budget (the calibrated budget of
 #                2026-11-24's 599.8 ms row) with contention 0.1 (the default), 0.05 and 0.02, the
@@ -103,7 +111,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests-all, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -151,6 +159,12 @@ case "$section" in
     [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
   tests-all)
     timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
+  bert-swap-contention)
+    timeout 1500 python3 bench/compare.py --out "$OUT/bert_swap_contention_b64.json" --models bert:64 --timeout 1150 \
+      --calibrate-peak 2 --variants checkpoint,mutwo-swap@inductor-checkpoint ;;
+  cl-half-swap-contention)
+    timeout 1200 python3 bench/compare.py --out "$OUT/cl_half_swap_contention_resnet152.json" \
+      --models resnet152-cl:128 --timeout 850 --variants eager,mutwo-swap@inductor-eager0.5 ;;
   swap-options-bert)
     timeout 1150 python3 bench/swap_options.py --out "$OUT/swap_options_bert.json" --model bert:64 \
       --budget 22425894912 --options ';contention=0.05;contention=0.02' --compile 3 ;;

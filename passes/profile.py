@@ -48,7 +48,9 @@ class ProfilePass(Pass):
 
     On CUDA: CUDA events per node, allocated bytes before and after and the peak inside each op
     (its workspace); whole iterations are timed separately without per-node synchronisation. On
-    CPU: wall-clock per node, memory from the simulator. With ``pool`` (the default), nodes doing
+    CPU: wall-clock per node, memory from the simulator. On CUDA it also measures how much
+    host-device copies in flight slow the iteration (``contention``, :mod:`mutwo.runtime.copy_contention`),
+    which select-swap prices its copies with. With ``pool`` (the default), nodes doing
     the same work (same op, operand shapes and dtypes, views and arguments: the repeated blocks of
     a network) get the median of their times, so that the plan does not follow one node's noise
     (:mod:`mutwo.ir.op_signature`). Writes profile.json, nodes.csv and activations.csv;
@@ -61,6 +63,8 @@ class ProfilePass(Pass):
     warmup: int = option(1, "runs discarded before measuring")
     isolate: bool = option(False, "CUDA: spin the GPU before each node so its time is its kernels' alone, not the "
                                   "host's launch time (which a view or a small op otherwise measures)")  # fmt: skip
+    contention: bool = option(True, "CUDA: also time whole iterations with host-device copies in flight, to price "
+                                    "select-swap's copies beside compute on this graph (a few iterations)")  # fmt: skip
     pool: bool = option(True, "give nodes doing the same work (op, operand shapes, views, arguments) the median of "
                               "their times, so repeated blocks are priced alike")  # fmt: skip
 
@@ -74,7 +78,8 @@ class ProfilePass(Pass):
             raise PassFailure("profile needs the runtime's profiler; run it through mutwo-opt or put one in "
                               "ctx.services['profiler']")  # fmt: skip
         # Only asked for when set: a profiler service of (graph, runs, warmup) keeps working.
-        profile = profiler(graph, runs=self.runs, warmup=self.warmup, **({"isolate": True} if self.isolate else {}))
+        asked = {**({"isolate": True} if self.isolate else {}), **({} if self.contention else {"contention": False})}
+        profile = profiler(graph, runs=self.runs, warmup=self.warmup, **asked)
         pooling = pool_times(graph, profile.nodes) if self.pool else None
         # Recorded either way, so that a reused profile.json says which kind it is.
         profile.meta["pooled"] = pooling.to_json() if pooling is not None else False

@@ -157,9 +157,9 @@ class SelectSwapPass(Pass):
                                      "plan is predicted faster at the budget (the plan records the other)")  # fmt: skip
     fused: bool = option(False, FUSED_OPTION)
     contention: float | None = option(None, "how much longer compute runs while a copy is in flight, e.g. 0.1 for "
-                                            "10% (default: the transfer model's, 0.1 on CUDA as measured on the H100, "
-                                            "0 where copies do not overlap compute); 0 prices copies beside compute "
-                                            "as free")  # fmt: skip
+                                            "10% (default: as the profile measured it on this graph on CUDA, else "
+                                            "0.1, the H100's for ResNet-152; 0 where copies do not overlap compute); "
+                                            "0 prices copies beside compute as free")  # fmt: skip
     min_gain: float = option(0.01, "with keep_faster, keep a plan with swaps only when it is predicted at least "
                                    "this fraction faster than recompute only (default 1%: smaller gains are within "
                                    "the measured spread between runs; copies cost pinned memory and HBM bandwidth)")
@@ -187,9 +187,7 @@ class SelectSwapPass(Pass):
                       "leave memory")  # fmt: skip
         profile, liveness, base = begin.profile, begin.liveness, begin.base
         budget, budget_bytes = begin.budget, begin.budget_bytes
-        transfer = self._transfer(ctx, base.device)
-        if self.contention is not None:
-            transfer = replace(transfer, compute_slowdown=self.contention)
+        transfer = self._contended(self._transfer(ctx, base.device), profile, ctx)
         seconds = recompute_time_model(graph, profile, ctx, self.name, self.fused)
         allowed = {a.strip() for a in self.allow.split(",") if a.strip()}
         # A compiled backend replays dropouts from their masks and no random op from a generator
@@ -367,6 +365,23 @@ class SelectSwapPass(Pass):
             if trial.simulation.peak_bytes <= limit and cost(trial) < cost(best):
                 best = trial
         return best
+
+    def _contended(self, transfer: TransferModel, profile: Any, ctx: PassContext) -> TransferModel:
+        """``transfer`` with the contention its copies are priced at: the option, else what the
+        profile measured on this graph (mutwo.runtime.copy_contention), else the machine model's."""
+        if self.contention is not None:
+            return replace(transfer, compute_slowdown=self.contention)
+        if not transfer.overlap:
+            return transfer  # copies on the compute timeline already cost their whole time
+        measured = profile.meta.get("copy_contention")
+        if measured is None:
+            ctx.log(f"select-swap: the profile did not measure how much copies slow this graph (a profile from "
+                    f"before mutwo measured it, or profile{{contention=false}}): copies beside compute are priced "
+                    f"at {transfer.compute_slowdown * 100:g}%, the H100's for ResNet-152")  # fmt: skip
+            return transfer
+        ctx.log(f"select-swap: copies beside compute are priced at {measured['slowdown'] * 100:.1f}%, measured on "
+                f"this graph")  # fmt: skip
+        return replace(transfer, compute_slowdown=float(measured["slowdown"]))
 
     def _transfer(self, ctx: PassContext, device: str) -> TransferModel:
         if self.bandwidth is not None:

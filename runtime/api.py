@@ -118,16 +118,16 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
     context = PassContext(out_dir=out_dir, device=str(device), log=log)
     context.services["budget"] = budget
     context.services["keep_grads"] = keep_grads
-    context.services["profiler"] = lambda g, runs, warmup, isolate=False: profile_graph(
-        g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate)
+    context.services["profiler"] = lambda g, runs, warmup, isolate=False, contention=True: profile_graph(
+        g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate, contention=contention)
     context.services["transfer"] = lambda: measure_transfers(device)
     if device.type == "cuda":
         context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
     dp = lowered.binding.data_parallel
     if dp is not None:  # every rank plans from the same numbers, so every rank makes the same plan
         profiler = context.services["profiler"]
-        context.services["profiler"] = lambda g, runs, warmup, isolate=False: distributed.agreed_profile(
-            profiler(g, runs, warmup, isolate), dp)
+        context.services["profiler"] = lambda g, runs, warmup, isolate=False, contention=True: \
+            distributed.agreed_profile(profiler(g, runs, warmup, isolate, contention), dp)  # fmt: skip
         if "device_memory" in context.services:
             context.services["device_memory"] = distributed.smallest(context.services["device_memory"], dp)
     return context

@@ -239,13 +239,16 @@ def require_same_graph(graph: Graph, dp: DataParallel, what: str) -> None:
 
 def agreed_profile(profile: Profile, dp: DataParallel) -> Profile:
     """The profile every rank plans with: each node's slowest time, slowest replay (batch norms
-    replayed from their statistics) and largest workspace over the ranks, and the slowest whole
-    iteration."""
+    replayed from their statistics) and largest workspace over the ranks, the slowest whole
+    iteration and the largest slowdown of its copies (``meta["copy_contention"]``)."""
     ids = sorted(profile.nodes)
     # A node without a replay time has one on no rank (the same graph): -1 marks it.
     rows = [[profile.nodes[i].seconds, float(profile.nodes[i].workspace),
              -1.0 if profile.nodes[i].replay_seconds is None else profile.nodes[i].replay_seconds] for i in ids]
-    rows.append([profile.iteration.seconds if profile.iteration else 0.0, 0.0, -1.0])
+    # The last row: the iteration, and how much copies slow it (-1: not measured, the same on every rank).
+    contention = profile.meta.get("copy_contention")
+    rows.append([profile.iteration.seconds if profile.iteration else 0.0,
+                 -1.0 if contention is None else float(contention["slowdown"]), -1.0])  # fmt: skip
     values = torch.tensor(rows, dtype=torch.float64, device=dp.device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=dp.group)
     merged = values.cpu().tolist()
@@ -254,6 +257,8 @@ def agreed_profile(profile: Profile, dp: DataParallel) -> Profile:
              for i, row in zip(ids, merged, strict=False)}  # fmt: skip
     iteration = dataclasses.replace(profile.iteration, seconds=merged[-1][0]) if profile.iteration else None
     meta = {**profile.meta, "reduced_over_ranks": dp.world_size}
+    if contention is not None:  # select-swap prices copies with the largest slowdown of any rank
+        meta["copy_contention"] = {**contention, "slowdown": merged[-1][1]}
     return dataclasses.replace(profile, nodes=nodes, iteration=iteration, meta=meta)
 
 

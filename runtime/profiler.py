@@ -201,11 +201,14 @@ def profile_graph(
     iteration_runs: int = 5,
     progress: Callable[[str], None] | None = None,
     isolate: bool = False,
+    contention: bool = True,
 ) -> Profile:
     """Measure every node of ``graph`` (median of ``runs`` after ``warmup``) and whole iterations.
 
     ``isolate`` (CUDA): time each node's GPU work without the host's launch time
-    (:class:`_TimingInterpreter`); it has no effect on CPU, where the wall clock is the op's time."""
+    (:class:`_TimingInterpreter`); it has no effect on CPU, where the wall clock is the op's time.
+    ``contention`` (CUDA, with ``iteration_runs``): also how much host-device copies in flight slow
+    the iteration (:mod:`mutwo.runtime.copy_contention`), in ``meta["copy_contention"]``."""
     if runs < 1:
         raise ValueError("profile needs at least one measured run")
     module = to_fx(graph)
@@ -249,9 +252,16 @@ def profile_graph(
     # On CPU the node times already add up to the iteration; only CUDA needs whole-iteration runs
     # (launch gaps and the allocator show only there) and has a peak to measure.
     iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs and cuda else None
-    return Profile(str(device), fingerprint(graph), nodes, runs, iteration,
-                   meta={"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None,
-                         "isolated": bool(spin), "run_seconds": run_seconds})  # fmt: skip
+    meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "isolated": bool(spin), "run_seconds": run_seconds}  # fmt: skip
+    if contention and iteration is not None:
+        from mutwo.runtime.copy_contention import measure_copy_contention  # it times iterations with this module
+
+        meta["copy_contention"] = measure_copy_contention(module, inputs).to_json()
+        if progress is not None:
+            progress(f"profile: host-device copies in flight slow this iteration by "
+                     f"{meta['copy_contention']['slowdown'] * 100:.1f}%")  # fmt: skip
+    return Profile(str(device), fingerprint(graph), nodes, runs, iteration, meta=meta)
 
 
 def _elapsed(start: Any, end: Any, cuda: bool) -> float:
@@ -260,10 +270,11 @@ def _elapsed(start: Any, end: Any, cuda: bool) -> float:
 
 
 def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *, runs: int = 10,
-                       warmup: int = 3) -> IterationMeasurement:  # fmt: skip
+                       warmup: int = 3, before_each: Callable[[], None] | None = None) -> IterationMeasurement:
     """Median time of whole iterations of ``module`` on clones of ``inputs``, and on CUDA the peak
     of the iteration's own memory: the allocator's peak minus what was allocated before that is not
-    one of the iteration's inputs."""
+    one of the iteration's inputs. ``before_each`` runs before each iteration's clock starts (on
+    CUDA: work it enqueues on other streams runs beside the iteration)."""
     device = device_of(inputs)
     cuda = device.type == "cuda"
     state = [t.clone() for t in inputs]
@@ -276,6 +287,8 @@ def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *
                 torch.cuda.reset_peak_memory_stats(device)
                 baseline = torch.cuda.memory_allocated(device) - device_bytes(state, device)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if before_each is not None:
+                    before_each()
                 start.record()
                 outputs = module(*state)
                 end.record()
@@ -284,6 +297,8 @@ def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *
                 seconds = start.elapsed_time(end) / 1e3
                 run_peak = torch.cuda.max_memory_allocated(device) - baseline
             else:
+                if before_each is not None:
+                    before_each()
                 begin = time.perf_counter()
                 outputs = module(*state)
                 del outputs

@@ -263,10 +263,11 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     if budget is not None:
         if saved.exists():
             profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
-            # Made the way this run's profile pass makes them: isolated or not, and pooled (an
-            # older profile.json, from before pooling, is measured again).
+            # Made the way this run's profile pass makes them: isolated or not, pooled, and on
+            # CUDA with the copies' contention measured (an older profile.json is measured again).
             same_kind = bool(profile.meta.get("isolated")) == (isolate_profile and training.device.type == "cuda") \
-                and bool(profile.meta.get("pooled"))
+                and bool(profile.meta.get("pooled")) \
+                and ("copy_contention" in profile.meta or training.device.type != "cuda")
             if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
                 context.artifacts["profile"] = profile
                 passes = ",".join(planning)

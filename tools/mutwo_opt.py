@@ -45,7 +45,7 @@ from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
 from mutwo.ir.swap import swap_nodes
 from mutwo.ir.time_model import TimeModel
-from mutwo.ir.timeline import graph_timeline
+from mutwo.ir.timeline import TransferModel, graph_timeline
 from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.passes.select_swap import SwapPlan
@@ -527,7 +527,9 @@ class MutwoOpt:
             reports.append("memory_timeline_input.png")
         swaps = swap_nodes(final)
         if swaps and profile is not None and "transfer" in ctx.artifacts:
-            timeline = graph_timeline(final, TimeModel.of(original, profile), ctx.artifacts["transfer"])
+            swap_plan = ctx.artifacts.get("swap-plan")  # its copies priced as the plan priced them (contention)
+            transfer = TransferModel.from_json(swap_plan.transfer) if swap_plan is not None else ctx.artifacts["transfer"]
+            timeline = graph_timeline(final, TimeModel.of(original, profile), transfer)
             swap_timeline(out / "swap_timeline.png", final, timeline, after, f"{title}: compute and copies")
             reports.append("swap_timeline.png")
         # Recomputed: activations of the input whose backward readers now read a clone instead
