@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -163,6 +164,9 @@ class SelectSwapPass(Pass):
     min_gain: float = option(0.01, "with keep_faster, keep a plan with swaps only when it is predicted at least "
                                    "this fraction faster than recompute only (default 1%: smaller gains are within "
                                    "the measured spread between runs; copies cost pinned memory and HBM bandwidth)")
+    duplex: bool = option(False, "let copies out run on into the backward pass, beside the copies in (CUDA): on the "
+                                 "H100 copies in then ran at 45 GB/s instead of 55, which the copy model does not "
+                                 "price, and a BERT-base plan that did stalled 51 ms over its prediction")  # fmt: skip
     refine: int = option(32, "with swap allowed, then try turning this many of the plan's costliest recomputations "
                              "into swaps, one at a time, keeping each that the exact simulation predicts faster "
                              "within the budget (0: off)")  # fmt: skip
@@ -296,7 +300,8 @@ class SelectSwapPass(Pass):
         evaluation it reached."""
         durations = [seconds(n) for n in graph]
         forward = sum(d for d, n in zip(durations, graph, strict=True) if n.phase is Phase.FORWARD)
-        timeline = Timeline(durations, transfer.overlap, ceiling=forward, compute_slowdown=transfer.compute_slowdown)
+        timeline = Timeline(durations, transfer.overlap, ceiling=forward, compute_slowdown=transfer.compute_slowdown,
+                            offload_deadline=self._deadline(forward, transfer))  # fmt: skip
         curve = torch.tensor(base.curve, dtype=torch.int64)
 
         def peak_after(candidate: SwapCandidate) -> tuple[int, int]:
@@ -354,9 +359,12 @@ class SelectSwapPass(Pass):
             timeline = Timeline(durations, transfer.overlap, ceiling=forward,
                                 compute_slowdown=transfer.compute_slowdown,
                                 recomps=[c for c in best.chosen if c.action == RECOMPUTE and c is not candidate],
-                                swaps=[c for c in best.chosen if c.action == SWAP])  # fmt: skip
+                                swaps=[c for c in best.chosen if c.action == SWAP],
+                                offload_deadline=self._deadline(forward, transfer))  # fmt: skip
             swap = replace(candidate, action=SWAP, swappable=True)
-            _, swap.prompt = swap_overhead(timeline, swap, int(torch.argmax(best.projected)))
+            overhead, swap.prompt = swap_overhead(timeline, swap, int(torch.argmax(best.projected)))
+            if not math.isfinite(overhead):
+                continue  # its copy out would end after the forward pass
             try:
                 trial = evaluate(graph, liveness, sites, [swap if c is candidate else c for c in best.chosen],
                                  workspace, seconds, transfer, mask_replay)  # fmt: skip
@@ -382,6 +390,11 @@ class SelectSwapPass(Pass):
         ctx.log(f"select-swap: copies beside compute are priced at {measured['slowdown'] * 100:.1f}%, measured on "
                 f"this graph")  # fmt: skip
         return replace(transfer, compute_slowdown=float(measured["slowdown"]))
+
+    def _deadline(self, forward_seconds: float, transfer: TransferModel) -> float:
+        """When every copy out must have ended: the end of the forward pass, unless ``duplex`` or
+        the copies run on the compute timeline (where the two directions never overlap)."""
+        return math.inf if self.duplex or not transfer.overlap else forward_seconds
 
     def _transfer(self, ctx: PassContext, device: str) -> TransferModel:
         if self.bandwidth is not None:
