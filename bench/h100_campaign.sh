@@ -14,6 +14,8 @@
 # swap, beside the default profile's rows in one run (its two isolated rows of 2026-11-24 were
 # slower, by less than the plan-to-plan spread found since), and ResNet-152-cl b128 at half of
 # eager's peak from isolated profiles twice more (125.2 ms once, steady; target 124.0 ms).
+# Seventh session (2026-11-25), fourth machine (start bert-swap-window): bert-swap-deadline again with
+#   copies out bounded by 80% of the forward pass (offload_window, the new default)             ~8 min
 # Seventh session (2026-11-25), third machine (start tests-swap bert-swap-deadline):
 #   tests-swap   the CUDA swap and contention tests after the offload deadline                ~2 min
 #   bert-swap-deadline  bert-swap-contention again, copies out bounded by the end of the forward pass
@@ -115,7 +117,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -166,6 +168,9 @@ case "$section" in
   tests-swap)
     timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests/test_cuda_swap.py \
       tests/test_copy_contention.py ;;
+  bert-swap-window)
+    timeout 1500 python3 bench/compare.py --out "$OUT/bert_swap_window_b64.json" --models bert:64 --timeout 1150 \
+      --calibrate-peak 2 --variants checkpoint,mutwo-swap@inductor-checkpoint ;;
   bert-swap-deadline)
     timeout 1500 python3 bench/compare.py --out "$OUT/bert_swap_deadline_b64.json" --models bert:64 --timeout 1150 \
       --calibrate-peak 2 --variants checkpoint,mutwo-swap@inductor-checkpoint ;;

@@ -531,6 +531,8 @@ def test_bad_value_for_a_typed_option(workdir: Path, capsys: pytest.CaptureFixtu
     ("profile,select-swap{refine=-1},insert-swap", ["pass 'select-swap'", "refine must be a number of recomputations"]),
     ("profile,select-swap{budget=lots},insert-swap", ["pass 'select-swap'", "budget 'lots'", "'min'"]),
     ("profile,select-swap{contention=-0.1},insert-swap", ["pass 'select-swap'", "contention must be a fraction"]),
+    ("profile,select-swap{offload_window=0},insert-swap", ["pass 'select-swap'", "offload_window must be a fraction"]),
+    ("profile,select-swap{offload_window=1.5},insert-swap", ["pass 'select-swap'", "offload_window must be a fraction"]),
     ("profile,insert-swap", ["pass 'insert-swap' needs swap-plan", "run select-swap before it"]),
 ], ids=["select-budget-word", "select-budget-negative", "profile-runs-zero", "loaded-pass", "swap-allow-word",
         "swap-bandwidth-negative", "swap-refine-negative", "swap-budget-word", "swap-contention-negative",
