@@ -532,11 +532,11 @@ def test_bad_value_for_a_typed_option(workdir: Path, capsys: pytest.CaptureFixtu
     ("profile,select-swap{budget=lots},insert-swap", ["pass 'select-swap'", "budget 'lots'", "'min'"]),
     ("profile,select-swap{contention=-0.1},insert-swap", ["pass 'select-swap'", "contention must be a fraction"]),
     ("profile,select-swap{offload_window=0},insert-swap", ["pass 'select-swap'", "offload_window must be a fraction"]),
-    ("profile,select-swap{offload_window=1.5},insert-swap", ["pass 'select-swap'", "offload_window must be a fraction"]),
+    ("profile,select-swap{offload_window=2},insert-swap", ["pass 'select-swap'", "offload_window must be a fraction"]),
     ("profile,insert-swap", ["pass 'insert-swap' needs swap-plan", "run select-swap before it"]),
 ], ids=["select-budget-word", "select-budget-negative", "profile-runs-zero", "loaded-pass", "swap-allow-word",
         "swap-bandwidth-negative", "swap-refine-negative", "swap-budget-word", "swap-contention-negative",
-        "insert-swap-without-plan"])  # fmt: skip
+        "swap-offload-window-zero", "swap-offload-window-over-one", "insert-swap-without-plan"])  # fmt: skip
 def test_bad_option_value_is_refused_before_capture(pipeline: str, words: list[str], workdir: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     # Caught when the pipeline is built: the forward below would fail capture if it were reached.
