@@ -170,7 +170,7 @@ class SelectSwapPass(Pass):
     offload_window: float = option(0.8, "without duplex, the fraction of the forward pass's profiled time by which "
                                         "copies out must have ended (a compiled forward runs faster than its eager "
                                         "profile: on the H100 BERT-base's 8.2 GB of copies out, 80% of its forward, "
-                                        "ran as predicted; 10.2 GB, all of it, ran 5% over)")  # fmt: skip
+                                        "ran 2.5% over its prediction; 10.2 GB, all of it, 5.1% over)")  # fmt: skip
     refine: int = option(32, "with swap allowed, then try turning this many of the plan's costliest recomputations "
                              "into swaps, one at a time, keeping each that the exact simulation predicts faster "
                              "within the budget (0: off)")  # fmt: skip

@@ -5,7 +5,7 @@ they take memory bandwidth and copy-engine traffic the kernels would use. How mu
 kernels. On the H100 ResNet-152's memory-bound kernels ran 1.08-1.10x longer while a copy was in
 flight (docs/benchmarks.md, "Swap and recompute"); BERT-base b64's swap plan under Inductor ran
 562.6 ms against 556.4 ms profiled without a plan: with 2.2 ms of recompute, at most 4 ms for
-copies in flight about 320 ms (8.2 GB each way), about 1.3% (docs/benchmarks.md, seventh session).
+copies in flight about 310 ms (8.6 GB each way), about 1.3% (docs/benchmarks.md, seventh session).
 One constant for both priced BERT's swaps about seven times too high, and its planner recomputed
 22 matmuls it could have swapped.
 

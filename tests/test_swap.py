@@ -509,11 +509,13 @@ def test_refined_swaps_with_overlapping_copies_are_placed_inside_their_windows(m
     CPU, where the measured one does not overlap): it prices each turn at the plan's peak, after
     the recomputed tensors' first backward use; every prefetch must still land after its offload
     and by its wait. Before the prompt was clamped to the window, this plan failed insert-swap's
-    topological-order check, as ResNet-152's did on the H100 (2026-11-24)."""
+    topological-order check, as ResNet-152's did on the H100 (2026-11-24). ``duplex``: copies out
+    are not bounded by the forward pass, whose measured length on a loaded CPU would decide which
+    turns are taken."""
     _recompute_first(monkeypatch)
     transfer = TransferModel(1e11, 1e11, 0.0, overlap=True, device="cpu")
-    rewritten = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0},select-swap{keep_faster=false},"
-                                 "insert-swap", "0.8", transfer=transfer)  # fmt: skip
+    rewritten = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0},select-swap{keep_faster=false,"
+                                 "duplex=true},insert-swap", "0.8", transfer=transfer)  # fmt: skip
     plan: SwapPlan = rewritten.ctx.artifacts["swap-plan"]
     assert plan.of(SWAP) and not plan.of(RECOMPUTE)  # every recomputation turned into a swap
     _check_placement(rewritten)

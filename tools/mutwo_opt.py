@@ -528,7 +528,7 @@ class MutwoOpt:
         swaps = swap_nodes(final)
         if swaps and profile is not None and "transfer" in ctx.artifacts:
             swap_plan = ctx.artifacts.get("swap-plan")  # its copies priced as the plan priced them (contention)
-            transfer = TransferModel.from_json(swap_plan.transfer) if swap_plan is not None else ctx.artifacts["transfer"]
+            transfer = ctx.artifacts["transfer"] if swap_plan is None else TransferModel.from_json(swap_plan.transfer)
             timeline = graph_timeline(final, TimeModel.of(original, profile), transfer)
             swap_timeline(out / "swap_timeline.png", final, timeline, after, f"{title}: compute and copies")
             reports.append("swap_timeline.png")
