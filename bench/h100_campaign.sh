@@ -8,12 +8,10 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Worth measuring next (after the sixth session): the CUDA tests (not run since its merge: device
-# time spent); whether profile{isolate=true} should be the CUDA default: BERT-base b64 at
-# checkpointing's peak under Inductor with --isolate-profile --calibrate-peak 2, recompute only and
-# swap, beside the default profile's rows in one run (its two isolated rows of 2026-11-24 were
-# slower, by less than the plan-to-plan spread found since), and ResNet-152-cl b128 at half of
-# eager's peak from isolated profiles twice more (125.2 ms once, steady; target 124.0 ms).
+# Worth measuring next (after the seventh session): bert-swap-window once more (588.2 ms, 16.9%
+# faster than checkpointing, one run); the swap rows of ResNet-152-cl at checkpointing's peak and
+# BERT at half of eager's with the measured contention and the offload bound; ResNet-152 b128 at
+# compile-0.5's peak against torch.compile 0.5 (issue 17's last row, ~1% behind on 2026-11-24).
 # Seventh session (2026-11-25), fourth machine (start bert-swap-window): bert-swap-deadline again with
 #   copies out bounded by 80% of the forward pass (offload_window, the new default)             ~8 min
 # Seventh session (2026-11-25), third machine (start tests-swap bert-swap-deadline):
