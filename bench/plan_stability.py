@@ -55,6 +55,34 @@ def plan(lowered: Any, profile: Any, budget: Budget, backend: str) -> tuple[Any,
     return graph, context.artifacts["plan"]
 
 
+def captured(model: str) -> tuple[str, int, Any, Any]:
+    """``name:batch`` built from its config and captured: (name, batch, training, lowered)."""
+    name, _, batch = model.rpartition(":")
+    training = build_training(config_path(name), int(batch))
+    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
+    return name, int(batch), training, lowered
+
+
+def run_header(name: str, batch: int) -> dict[str, Any]:
+    """What a results file says about where and when it was measured."""
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "model": name, "batch_size": batch}  # fmt: skip
+
+
+def time_plan(graph: Any, lowered: Any, training: Any, backend: str, iterations: int) -> dict[str, Any]:
+    """``graph`` (a plan of ``lowered``'s graph) compiled for ``backend`` and timed on the
+    training batch (3 warm-up iterations): its compile record and measurements."""
+    step = GraphStep(graph, lowered.captured, lowered.binding, backend)
+    compiled = step.compile(step.flat_inputs(training.batch))
+    gc.collect()
+    torch.cuda.empty_cache()
+    row = {"backend": backend, **compiled.describe(),
+           **measure_step(PlannedStep(step, training.batch), training.device, warmup=3, iterations=iterations)}
+    del step, compiled
+    gc.collect()
+    return row
+
+
 def describe(chosen: Any) -> dict[str, Any]:
     """A plan's identity (a hash of the recomputed storages), what it recomputes and predicts."""
     keys = sorted(str(entry["storage"]) for entry in chosen.entries)
@@ -114,13 +142,9 @@ def main() -> None:
                         help="also plan from each later profile's times with the first one's memory and the other "
                              "way round: which of the two moves the plan")  # fmt: skip
     args = parser.parse_args()
-    name, _, batch = args.model.rpartition(":")
-    training = build_training(config_path(name), int(batch))
-    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
+    name, batch, training, lowered = captured(args.model)
     budget = parse_budget(args.budget)
-    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "model": name,
-                              "batch_size": int(batch), "budget": args.budget, "plans": [], "timed": []}  # fmt: skip
+    result: dict[str, Any] = {**run_header(name, batch), "budget": args.budget, "plans": [], "timed": []}
     write = lambda: Path(args.out).write_text(json.dumps(result, indent=2))  # noqa: E731
     graphs: dict[str, Any] = {}
     raws: list[Any] = []
@@ -150,18 +174,10 @@ def main() -> None:
                                + [r["plan_id"] for r in result["plans"]]))  # fmt: skip
     for position, plan_id in enumerate(order):
         for backend in ("eager", "inductor") if position < args.inductor else ("eager",):
-            step = GraphStep(graphs[plan_id], lowered.captured, lowered.binding, backend)
-            compiled = step.compile(step.flat_inputs(training.batch))
-            gc.collect()
-            torch.cuda.empty_cache()
-            row = {"plan_id": plan_id, "backend": backend, **compiled.describe(),
-                   **measure_step(PlannedStep(step, training.batch), training.device, warmup=3,
-                                  iterations=args.iterations)}  # fmt: skip
+            row = {"plan_id": plan_id, **time_plan(graphs[plan_id], lowered, training, backend, args.iterations)}
             result["timed"].append(row)
             print(json.dumps(row), flush=True)
             write()
-            del step, compiled
-            gc.collect()
 
 
 if __name__ == "__main__":

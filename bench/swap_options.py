@@ -21,7 +21,6 @@ becomes ``select-swap{SET},insert-swap``.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import sys
@@ -29,20 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from compare import config_path  # noqa: E402
+from plan_stability import captured, run_header, time_plan  # noqa: E402
 
 from mutwo.ir.budget import parse_budget  # noqa: E402
 from mutwo.ir.pass_manager import PassManager, PipelineFailure  # noqa: E402
 from mutwo.ir.registry import PassRegistry  # noqa: E402
-from mutwo.runtime.api import capture_graph, pass_context  # noqa: E402
+from mutwo.runtime.api import pass_context  # noqa: E402
 from mutwo.runtime.backends import backend_services  # noqa: E402
-from mutwo.runtime.step import GraphStep  # noqa: E402
-from mutwo.tools.experiment import PlannedStep, build_training, measure_step, swap_plan_row  # noqa: E402
+from mutwo.tools.experiment import swap_plan_row  # noqa: E402
 
 
 def plan_id(plan: Any) -> str:
@@ -63,13 +59,9 @@ def main() -> None:
     parser.add_argument("--compile", type=int, default=2, help="distinct plans compiled and timed, in the order given")
     parser.add_argument("--iterations", type=int, default=10, help="measured iterations per timing (3 warm-up)")
     args = parser.parse_args()
-    name, _, batch = args.model.rpartition(":")
-    training = build_training(config_path(name), int(batch))
-    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
+    name, batch, training, lowered = captured(args.model)
     budget = parse_budget(args.budget)
-    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "model": name,
-                              "batch_size": int(batch), "budget": args.budget, "backend": args.backend,
+    result: dict[str, Any] = {**run_header(name, batch), "budget": args.budget, "backend": args.backend,
                               "plans": [], "timed": []}  # fmt: skip
     write = lambda: Path(args.out).write_text(json.dumps(result, indent=2))  # noqa: E731
     context = pass_context(lowered, budget, log=print)
@@ -106,18 +98,10 @@ def main() -> None:
         write()
     order = list(dict.fromkeys(r["plan_id"] for r in result["plans"] if "plan_id" in r))
     for identity in order[:args.compile]:
-        step = GraphStep(graphs[identity], lowered.captured, lowered.binding, args.backend)
-        compiled = step.compile(step.flat_inputs(training.batch))
-        gc.collect()
-        torch.cuda.empty_cache()
-        row = {"plan_id": identity, "backend": args.backend, **compiled.describe(),
-               **measure_step(PlannedStep(step, training.batch), training.device, warmup=3,
-                              iterations=args.iterations)}  # fmt: skip
+        row = {"plan_id": identity, **time_plan(graphs[identity], lowered, training, args.backend, args.iterations)}
         result["timed"].append(row)
         print(json.dumps(row), flush=True)
         write()
-        del step, compiled
-        gc.collect()
 
 
 if __name__ == "__main__":

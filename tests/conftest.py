@@ -1,9 +1,12 @@
-"""Shared pytest configuration: CUDA tests are skipped on machines without a GPU."""
+"""Shared pytest configuration: CUDA tests are skipped on machines without a GPU; ``one_rank``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -13,3 +16,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A gloo process group of one rank in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -4,12 +4,10 @@ agreed over data-parallel ranks (mutwo.runtime.copy_contention)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mutwo.ir.timeline import TransferModel
 from mutwo.ir.to_fx import to_fx
@@ -52,15 +50,6 @@ def test_copies_are_priced_at_the_contention_the_profile_measured() -> None:
     plans = [r.ctx.artifacts["swap-plan"] for r in (machine, by_profile, by_option)]
     assert all(plan.of("swap") for plan in plans)
     assert [plan.transfer["compute_slowdown"] for plan in plans] == [0.1, 0.03, 0.2]
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_data_parallel_ranks_agree_on_the_contention(one_rank: None) -> None:
