@@ -17,7 +17,7 @@
 # Seventh session (2026-11-25), third machine (start tests-swap bert-swap-deadline):
 #   tests-swap   the CUDA swap and contention tests after the offload deadline                ~2 min
 #   bert-swap-deadline  bert-swap-contention again, copies out bounded by the end of the forward pass
-#                (select-swap's new default; copies in ran 45 GB/s instead of 55 beside copies out) ~10 min
+#                (select-swap's new default; copies in ran 17-29% slower beside copies out) ~10 min
 # Seventh session (2026-11-25), second machine (start tests-all bert-swap-contention cl-half-swap-contention):
 #   tests-all    again, after the fit cap counts what the process already holds              ~4 min
 #   bert-swap-contention  BERT-base b64: checkpointing, then swap+recompute under Inductor at its peak,

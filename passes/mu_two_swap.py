@@ -13,9 +13,9 @@ recomputation that lengthens the backward pass. Its prompt (the node where the p
 issued) is the latest one whose compute before the first backward use hides the copy in, but
 never before the current peak (the copy would bring the tensor back while memory is tightest);
 when even the earliest allowed prompt cannot hide it, the earliest is taken, and both are priced.
-With an offload deadline (the end of the forward pass, by default on CUDA), a swap whose copy out,
-or one it delays, would end after it is not taken: copies in ran 17% slower on the H100 while
-copies out ran beside them (45 against 55 GB/s), which the copy streams' model does not price.
+With an offload deadline (on CUDA by default, select-swap's offload_window of the forward pass), a
+swap whose copy out, or one it delays, would end after it is not taken: copies in ran 17-29%
+slower on the H100 while copies out ran beside them, which the copy streams' model does not price.
 
 Two refinements, as in ``select``: only candidates idle at the current peak are taken, and a
 candidate that cannot be recomputed has an infinite recompute time (it can still be swapped).

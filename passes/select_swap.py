@@ -165,7 +165,7 @@ class SelectSwapPass(Pass):
                                    "this fraction faster than recompute only (default 1%: smaller gains are within "
                                    "the measured spread between runs; copies cost pinned memory and HBM bandwidth)")
     duplex: bool = option(False, "let copies out run on into the backward pass, beside the copies in (CUDA): on the "
-                                 "H100 copies in then ran at 45 GB/s instead of 55, which the copy model does not "
+                                 "H100 copies in then ran 17-29% slower than alone, which the copy model does not "
                                  "price, and a BERT-base plan that did stalled 51 ms over its prediction")  # fmt: skip
     offload_window: float = option(0.8, "without duplex, the fraction of the forward pass's profiled time by which "
                                         "copies out must have ended (a compiled forward runs faster than its eager "
