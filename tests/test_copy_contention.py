@@ -38,7 +38,8 @@ def test_copies_are_priced_at_the_contention_the_profile_measured() -> None:
     """Without the option, select-swap prices copies beside compute at the slowdown the profile
     measured on the graph; a profile without one keeps the transfer model's; the option wins."""
     transfer = TransferModel(1e10, 1e10, 0.0, overlap=True, device="cpu", compute_slowdown=0.1)
-    pipeline = "select-swap{allow=swap,keep_faster=false,refine=0%s},insert-swap"
+    # duplex: which swaps fit the forward pass would follow this machine's measured times.
+    pipeline = "select-swap{allow=swap,keep_faster=false,refine=0,duplex=true%s},insert-swap"
     machine = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0}," + pipeline % "", "0.9",
                                transfer=transfer)  # fmt: skip
     profile = machine.ctx.artifacts["profile"]

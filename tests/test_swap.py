@@ -547,7 +547,8 @@ def test_the_contention_option_prices_the_plans_copies() -> None:
     """select-swap{contention=...} replaces the transfer model's slowdown; the plan's prediction
     includes the contention of its copies, as the rewritten graph's timeline computes it."""
     transfer = TransferModel(1e10, 1e10, 0.0, overlap=True, device="cpu")
-    pipeline = "select-swap{allow=swap,keep_faster=false,refine=0,contention=%s},insert-swap"
+    # duplex: which swaps fit the forward pass would follow this machine's measured times.
+    pipeline = "select-swap{allow=swap,keep_faster=false,refine=0,duplex=true,contention=%s},insert-swap"
     free = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0}," + pipeline % "0", "0.9",
                             transfer=transfer)  # fmt: skip
     dear = swapping.rewrite(models.cnn(batch_size=32), pipeline % "0.5", "0.9", free.ctx.artifacts["profile"],
