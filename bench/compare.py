@@ -11,6 +11,9 @@ variant's measured peak, so that iteration times are compared at equal memory:
 - ``mutwo-checkpoint``: the peak per-block checkpointing measured;
 - ``mutwo-compile0.5``: the peak ``compile-0.5`` (torch.compile, activation budget 0.5) measured.
 
+``compile@<mode>-<budget>`` is ``torch.compile(mode=<mode>)`` with that activation budget, for
+example ``compile@reduce-overhead-0.5`` (CUDA graphs, the row beside ``mutwo@inductor-cudagraphs``).
+
 ``mutwo+opt-<budget>`` is the same with the optimizer passes (optimizer-in-backward and
 foreach-buckets) before select; ``mutwo+opt-none`` runs them without recompute.
 ``mutwo@<backend>-<budget>`` runs the planned graph with a backend (docs/backends.md):
@@ -99,6 +102,35 @@ class Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
+class CompileVariant(NamedTuple):
+    """A ``torch.compile`` variant's name, ``compile[@mode]-<activation budget>``, taken apart."""
+
+    mode: str | None  #: torch.compile's mode; None for its default
+    budget: float  #: ``torch._functorch.config.activation_memory_budget``
+
+
+def compile_variant(variant: str) -> CompileVariant | None:
+    """``variant`` taken apart, or None when it is not a torch.compile variant."""
+    if not variant.startswith("compile"):
+        return None
+    head, budget = variant.rsplit("-", 1)
+    return CompileVariant(head.partition("@")[2] or None, float(budget))
+
+
+class PeakSinceStart:
+    """A step whose ``recorded_peak_bytes`` (which ``measure_step`` reads) is the device's peak over
+    every call, warm-up included, not only over the measured iterations after its reset."""
+
+    def __init__(self, step: Any, device: torch.device) -> None:
+        self.step, self.device = step, device
+        self.recorded_peak_bytes = torch.cuda.max_memory_allocated(device)
+
+    def __call__(self) -> Any:
+        result = self.step()
+        self.recorded_peak_bytes = max(self.recorded_peak_bytes, torch.cuda.max_memory_allocated(self.device))
+        return result
+
+
 def checkpoint_blocks(model: nn.Module) -> int:
     """Wrap every ResNet bottleneck / BERT encoder layer / GPT-2 block; return how many were wrapped."""
     wrapped = 0
@@ -179,13 +211,19 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
     runner: nn.Module = training.model
     if variant == "checkpoint":
         row["checkpointed_blocks"] = checkpoint_blocks(training.model)
-    if variant.startswith("compile"):
-        torch._functorch.config.activation_memory_budget = float(variant.split("-", 1)[1])
-        runner = torch.compile(training.model)
-    step = training.eager_step(runner)
+    compiled = compile_variant(variant)
+    if compiled is not None:
+        torch._functorch.config.activation_memory_budget = compiled.budget
+        runner = torch.compile(training.model, mode=compiled.mode)
+    step: Any = training.eager_step(runner)
     start = time.perf_counter()
     step()
     row["first_step_seconds"] = round(time.perf_counter() - start, 2)
+    if compiled is not None and compiled.mode is not None and training.device.type == "cuda":
+        # A mode such as reduce-overhead records CUDA graphs in the first steps, whose private pools
+        # hold the step's memory from then on; the measured iterations only replay and allocate
+        # nothing, so their peak is taken over every step since the process began.
+        step = PeakSinceStart(step, training.device)
     row.update(measure_after_planning(step, training.device, None, warmup=warmup, iterations=iterations, trace=trace))
     return row
 

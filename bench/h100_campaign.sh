@@ -8,10 +8,21 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
-# Worth measuring next (after the seventh session): bert-swap-window once more (588.2 ms, 16.9%
-# faster than checkpointing, one run); the swap rows of ResNet-152-cl at checkpointing's peak and
-# BERT at half of eager's with the measured contention and the offload bound; ResNet-152 b128 at
-# compile-0.5's peak against torch.compile 0.5 (issue 17's last row, ~1% behind on 2026-11-24).
+# Worth measuring next (after the eighth session): bert-swap-window once more (588.2 ms, 16.9%
+# faster than checkpointing, one run); issue 18's four rows side by side in one run (ResNet-152-cl
+# and BERT at half of eager's peak and at checkpointing's: recompute only under inductor-cudagraphs
+# and inductor, swap+recompute under inductor, checkpointing); the GPU time of a slow process of
+# mutwo@inductor-compile0.5 (the same compiled plan ran 118.3 and 128.0 ms, cl-compile05-trace).
+# Eighth session (2026-11-25), second machine (start cl-cudagraphs):
+#   cl-cudagraphs  ResNet-152-cl b128: eager, torch.compile 0.5, then mutwo inductor replayed as a CUDA
+#                graph at compile-0.5's peak and at half of eager's (the first machine's traces: mutwo's
+#                compiled steps leave the GPU idle 9-13 ms an iteration, and the same plan ran 118.3
+#                and 128.0 ms in two runs), and torch.compile 0.5 with mode=reduce-overhead  ~20 min
+# Eighth session (2026-11-25), first machine (start cl-compile05-trace):
+#   cl-compile05-trace  ResNet-152-cl b128, one run traced per kernel: eager, torch.compile 0.5, mutwo
+#                inductor at its peak, then torch.compile without a budget and mutwo inductor without
+#                recompute (where the ~1% to torch.compile 0.5 goes: the base step or the recomputes);
+#                kernel_summary_probe.py over the traces                                     ~20 min
 # Seventh session (2026-11-25), fourth machine (start bert-swap-window): bert-swap-deadline again with
 #   copies out bounded by 80% of the forward pass (offload_window, the new default)             ~8 min
 # Seventh session (2026-11-25), third machine (start tests-swap bert-swap-deadline):
@@ -115,7 +126,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -161,6 +172,14 @@ case "$section" in
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
     [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
+  cl-cudagraphs)
+    timeout 1700 python3 bench/compare.py --out "$OUT/cl_cudagraphs_resnet152.json" --models resnet152-cl:128 \
+      --timeout 600 --variants eager,compile-0.5,mutwo@inductor-cudagraphs-compile0.5,mutwo@inductor-cudagraphs-eager0.5,compile@reduce-overhead-0.5 ;;
+  cl-compile05-trace)
+    timeout 1700 python3 bench/compare.py --out "$OUT/cl_compile05_trace_resnet152.json" --models resnet152-cl:128 \
+      --timeout 600 --trace --variants eager,compile-0.5,mutwo@inductor-compile0.5,compile-1.0,mutwo@inductor-none
+    status=$?; python3 bench/kernel_summary_probe.py "$OUT/cl_compile05_trace_resnet152/*.trace.json.gz" \
+      "$OUT/kernels_cl_compile05_resnet152.json"; exit $status ;;
   tests-all)
     timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
   tests-swap)

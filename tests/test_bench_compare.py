@@ -43,6 +43,13 @@ def test_backend_variants_name_their_backend_and_budget() -> None:
     assert compare.budget_spec("mutwo@inductor-cudagraphs-compile0.5") == "compile0.5"
 
 
+def test_compile_variants_name_their_mode_and_activation_budget() -> None:
+    assert compare.compile_variant("compile-0.5") == (None, 0.5)
+    assert compare.compile_variant("compile@reduce-overhead-0.5") == ("reduce-overhead", 0.5)
+    assert compare.compile_variant("compile-1.0") == (None, 1.0)
+    assert compare.compile_variant("mutwo@inductor-compile0.5") is None
+
+
 def test_a_budget_naming_an_unmeasured_variant_is_refused() -> None:
     with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
         compare.mutwo_budget("checkpoint", ROWS[:1])
