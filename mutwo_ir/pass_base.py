@@ -65,6 +65,9 @@ class Pass:
     provides: ClassVar[tuple[str, ...]] = ()
     is_transform: ClassVar[bool] = False
     preserves: ClassVar[tuple[str, ...]] = ()
+    #: What the pass reads from the profile beyond per-node times and memory (``"contention"``:
+    #: how much copies slow compute); the profile measures it when a pass of the pipeline needs it.
+    profile_needs: ClassVar[tuple[str, ...]] = ()
 
     def run(self, graph: Graph, ctx: PassContext) -> Any:
         """Do the pass's work on ``graph``; the return value is kept as the pass's result."""
@@ -206,6 +209,9 @@ class PassContext:
     services: dict[str, Any] = field(default_factory=dict)
     analyses: AnalysisCache = field(default_factory=AnalysisCache)
     log: Callable[[str], None] = lambda message: None
+    #: What the passes of the running pipeline need from the profile (their ``profile_needs``),
+    #: set by :class:`~mutwo.ir.pass_manager.PassManager`.
+    profile_needs: frozenset[str] = frozenset()
 
     def analysis(self, graph: Graph, analysis: Pass) -> Any:
         """The (cached) result of an analysis pass on ``graph``."""

@@ -128,6 +128,7 @@ class PassManager:
         inst = self.instrumentation
         result = PipelineResult()
         done: list[str] = []
+        ctx.profile_needs = ctx.profile_needs.union(*(pass_.profile_needs for pass_ in self.passes))
         for index, pass_ in enumerate(self.passes, start=1):
             label = pass_.describe()
             stem = f"{index:02d}-{pass_.name}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +49,10 @@ class ProfilePass(Pass):
 
     On CUDA: CUDA events per node, allocated bytes before and after and the peak inside each op
     (its workspace); whole iterations are timed separately without per-node synchronisation. On
-    CPU: wall-clock per node, memory from the simulator. On CUDA it also measures how much
-    host-device copies in flight slow the iteration (``contention``, :mod:`mutwo.runtime.copy_contention`),
-    which select-swap prices its copies with. With ``pool`` (the default), nodes doing
+    CPU: wall-clock per node, memory from the simulator. On CUDA, when a pass of the pipeline
+    prices copies (select-swap), it also measures how much host-device copies in flight slow the
+    iteration (``contention``, :mod:`mutwo.runtime.copy_contention`); other pipelines skip those
+    iterations. With ``pool`` (the default), nodes doing
     the same work (same op, operand shapes and dtypes, views and arguments: the repeated blocks of
     a network) get the median of their times, so that the plan does not follow one node's noise
     (:mod:`mutwo.ir.op_signature`). Writes profile.json, nodes.csv and activations.csv;
@@ -63,8 +65,9 @@ class ProfilePass(Pass):
     warmup: int = option(1, "runs discarded before measuring")
     isolate: bool = option(False, "CUDA: spin the GPU before each node so its time is its kernels' alone, not the "
                                   "host's launch time (which a view or a small op otherwise measures)")  # fmt: skip
-    contention: bool = option(True, "CUDA: also time whole iterations with host-device copies in flight, to price "
-                                    "select-swap's copies beside compute on this graph (a few iterations)")  # fmt: skip
+    contention: bool | None = option(
+        None, "CUDA: also time whole iterations with host-device copies in flight, to price select-swap's copies "
+              "beside compute on this graph (a few iterations); default: when a pass of the pipeline prices copies")
     pool: bool = option(True, "give nodes doing the same work (op, operand shapes, views, arguments) the median of "
                               "their times, so repeated blocks are priced alike")  # fmt: skip
 
@@ -77,8 +80,12 @@ class ProfilePass(Pass):
         if profiler is None:
             raise PassFailure("profile needs the runtime's profiler; run it through mutwo-opt or put one in "
                               "ctx.services['profiler']")  # fmt: skip
-        # Only asked for when set: a profiler service of (graph, runs, warmup) keeps working.
-        asked = {**({"isolate": True} if self.isolate else {}), **({} if self.contention else {"contention": False})}
+        # Asked for only where set or where the service takes it: a profiler service of (graph,
+        # runs, warmup) keeps working, and measures what it measures by default.
+        contention = self.contention if self.contention is not None else "contention" in ctx.profile_needs
+        asked: dict[str, bool] = {"isolate": True} if self.isolate else {}
+        if self.contention is False or takes_keyword(profiler, "contention"):
+            asked["contention"] = contention
         profile = profiler(graph, runs=self.runs, warmup=self.warmup, **asked)
         pooling = pool_times(graph, profile.nodes) if self.pool else None
         # Recorded either way, so that a reused profile.json says which kind it is.
@@ -97,6 +104,16 @@ class ProfilePass(Pass):
         if unsteady:
             ctx.log(f"profile: warning: {unsteady}")
         return profile
+
+
+def takes_keyword(function: Any, name: str) -> bool:
+    """Whether ``function`` can be called with the keyword argument ``name`` (True when its
+    signature cannot be read)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 #: How far apart the fastest and slowest measured runs may be before the profile is called unsteady.

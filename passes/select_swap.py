@@ -150,6 +150,7 @@ class SelectSwapPass(Pass):
 
     name = "select-swap"
     requires = ("profile",)
+    profile_needs = ("contention",)
     provides = ("swap-plan", "transfer")
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
     allow: str = option("swap,recompute", "what it may choose for an activation: swap, recompute, or both")

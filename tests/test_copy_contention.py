@@ -9,6 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mutwo.ir.pass_base import PassContext
+from mutwo.ir.pass_manager import PassManager, PipelineFailure
+from mutwo.ir.registry import PassRegistry
 from mutwo.ir.timeline import TransferModel
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime import distributed
@@ -51,6 +54,36 @@ def test_copies_are_priced_at_the_contention_the_profile_measured() -> None:
     plans = [r.ctx.artifacts["swap-plan"] for r in (machine, by_profile, by_option)]
     assert all(plan.of("swap") for plan in plans)
     assert [plan.transfer["compute_slowdown"] for plan in plans] == [0.1, 0.03, 0.2]
+
+
+def _asked_for_contention(pipeline: str, service_takes_it: bool = True) -> object:
+    """What the profile pass, first in ``pipeline``, asks its profiler service for under
+    ``contention``; the service stops the pipeline there (no plan is made)."""
+    asked: list[object] = []
+
+    def service(g: object, runs: int, warmup: int, **options: object) -> object:
+        asked.append(options.get("contention", "not asked"))
+        raise RuntimeError("stop after asking")
+
+    ctx = PassContext()
+    ctx.services["profiler"] = service if service_takes_it else lambda g, runs, warmup: service(g, runs, warmup)
+    graph, _ = swapping.lower(models.mlp())
+    with pytest.raises(PipelineFailure, match="stop after asking"):
+        PassManager(PassRegistry().build_pipeline(pipeline)).run(graph, ctx)
+    assert ctx.profile_needs == ({"contention"} if "swap" in pipeline else set())  # the pipeline's needs
+    return asked[0]
+
+
+def test_the_profile_measures_contention_when_a_pass_of_the_pipeline_prices_copies() -> None:
+    """The copies' contention costs a few whole iterations on CUDA: the profile measures it for a
+    pipeline with select-swap, skips it for one without, and its option decides where set."""
+    assert _asked_for_contention("profile,select,rewrite") is False
+    assert _asked_for_contention("profile,select-swap,insert-swap") is True
+    assert _asked_for_contention("profile,swap") is True  # the macro: select-swap,insert-swap,...
+    assert _asked_for_contention("profile{contention=true},select,rewrite") is True
+    assert _asked_for_contention("profile{contention=false},select-swap,insert-swap") is False
+    # A service of (graph, runs, warmup) is not asked, and measures what it measures by default.
+    assert _asked_for_contention("profile,select,rewrite", service_takes_it=False) == "not asked"
 
 
 def test_data_parallel_ranks_agree_on_the_contention(one_rank: None) -> None:

@@ -117,3 +117,15 @@ def test_cuda_mutwo_opt_swaps_and_recomputes_with_check(tmp_path: Path, capsys: 
     assert summary["equivalent"] is True and summary["measured_peak_bytes_after"] is not None
     transfer = json.loads((out / "transfer.json").read_text())
     assert transfer["overlap"] is True and transfer["h2d_bytes_per_second"] > 1e9
+    # select-swap prices copies, so the profile of this pipeline measured their contention.
+    assert "copy_contention" in json.loads((out / "profile.json").read_text())["meta"]
+
+
+@pytest.mark.parametrize(("profile", "measured"), [("profile", False), ("profile{contention=true}", True)])
+def test_cuda_a_pipeline_without_swaps_skips_the_contention_iterations(tmp_path: Path, profile: str, measured: bool,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code = main(["-q", "--device", "cuda", "-o", str(out), "--budget", "0.9", "-p", f"{profile},select,rewrite",
+                 str(REPO / "examples/tiny_mlp.yaml")])  # fmt: skip
+    assert code == EXIT_OK, capsys.readouterr().err
+    assert ("copy_contention" in json.loads((out / "profile.json").read_text())["meta"]) is measured

@@ -257,17 +257,21 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     saved = folder / "profile.json"
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
-    profiling = "profile{isolate=true}" if isolate_profile else "profile"
+    # The run without a budget saves the profile the others reuse: on CUDA it measures the copies'
+    # contention too, which only swap pipelines read (and which their profile pass measures anyway).
+    profile_options = [*(["isolate=true"] if isolate_profile else []),
+                       *(["contention=true"] if budget is None and training.device.type == "cuda" else [])]
+    profiling = "profile" + ("{" + ",".join(profile_options) + "}" if profile_options else "")
     passes = ",".join([profiling, *planning])
     reused: list[str] = []  # what ran before this run's pipeline, in the run that profiled
     if budget is not None:
         if saved.exists():
             profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
-            # Made the way this run's profile pass makes them: isolated or not, pooled, and on
-            # CUDA with the copies' contention measured (an older profile.json is measured again).
+            # Made the way this run's profile pass makes them: isolated or not, pooled, and for a
+            # swap plan on CUDA with the copies' contention measured (else it is measured again).
             same_kind = bool(profile.meta.get("isolated")) == (isolate_profile and training.device.type == "cuda") \
                 and bool(profile.meta.get("pooled")) \
-                and ("copy_contention" in profile.meta or training.device.type != "cuda")
+                and ("copy_contention" in profile.meta or training.device.type != "cuda" or not swap)
             if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
                 context.artifacts["profile"] = profile
                 passes = ",".join(planning)
