@@ -646,8 +646,8 @@ def test_profile_pass_writes_its_tables(tmp_path: Path, captured_mlp: CapturedMl
 
 
 def test_profile_pass_asks_for_isolated_times_only_when_set(captured_mlp: CapturedMlp) -> None:
-    """``profile{isolate=true}`` reaches the profiler; without it the profiler is called as
-    (graph, runs, warmup), so a service of that shape keeps working. On CPU isolating changes
+    """``profile{isolate=true}`` reaches the profiler; without it ``isolate`` is not passed, so a
+    service of (graph, runs, warmup) keeps working. On CPU isolating changes
     nothing: the profile says it was not isolated."""
     graph, inputs = captured_mlp
     calls: list[dict[str, Any]] = []
@@ -660,7 +660,9 @@ def test_profile_pass_asks_for_isolated_times_only_when_set(captured_mlp: Captur
     ctx.services["profiler"] = profiler
     assert ProfilePass(runs=1, warmup=0).run(graph, ctx).meta["isolated"] is False
     isolated = ProfilePass.from_options({"isolate": "true", "runs": "1", "warmup": "0"}).run(graph, ctx)
-    assert calls == [{}, {"isolate": True}] and isolated.meta["isolated"] is False  # no GPU queue to isolate from
+    # A service taking keywords is told whether to measure the copies' contention (no swap pass here).
+    assert calls == [{"contention": False}, {"isolate": True, "contention": False}]
+    assert isolated.meta["isolated"] is False  # no GPU queue to isolate from
 
 
 def test_profile_pass_activation_times_are_hand_computable(tmp_path: Path) -> None:
