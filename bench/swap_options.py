@@ -66,7 +66,9 @@ def main() -> None:
     write = lambda: Path(args.out).write_text(json.dumps(result, indent=2))  # noqa: E731
     context = pass_context(lowered, budget, log=print)
     context.services.update(backend_services(args.backend))
-    PassManager(PassRegistry().build_pipeline("profile", set())).run(lowered.graph.copy(), context)
+    # Profiled alone, before the select-swap pipelines: asked to measure the copies' contention,
+    # which the default option set prices copies with (a pipeline of profile alone skips it).
+    PassManager(PassRegistry().build_pipeline("profile{contention=true}", set())).run(lowered.graph.copy(), context)
     profile, transfer = context.artifacts["profile"], None
     graphs: dict[str, Any] = {}
     for options in args.options.split(";"):
