@@ -13,6 +13,11 @@
 # and BERT at half of eager's peak and at checkpointing's: recompute only under inductor-cudagraphs
 # and inductor, swap+recompute under inductor, checkpointing); the GPU time of a slow process of
 # mutwo@inductor-compile0.5 (the same compiled plan ran 118.3 and 128.0 ms, cl-compile05-trace).
+# Ninth session (2026-11-25): issue 18's rows side by side, swap plans now recorded as CUDA graphs
+# (offloads freed at release points, runtime/swap_graphs.py), one machine per model:
+#   i18-resnet   ResNet-152-cl b128: eager, recompute only and swap+recompute under inductor-cudagraphs
+#                at half of eager's peak, checkpointing, the two again at checkpointing's peak ~28 min
+#   i18-bert     BERT-base b64: the same rows, checkpointing's peak first                   ~28 min
 # Eighth session (2026-11-25), second machine (start cl-cudagraphs):
 #   cl-cudagraphs  ResNet-152-cl b128: eager, torch.compile 0.5, then mutwo inductor replayed as a CUDA
 #                graph at compile-0.5's peak and at half of eager's (the first machine's traces: mutwo's
@@ -172,6 +177,12 @@ case "$section" in
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
     [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
+  i18-resnet)
+    timeout 1650 python3 bench/compare.py --out "$OUT/i18_resnet152_cl.json" --models resnet152-cl:128 --timeout 600 \
+      --variants eager,mutwo@inductor-cudagraphs-eager0.5,mutwo-swap@inductor-cudagraphs-eager0.5,checkpoint,mutwo@inductor-cudagraphs-checkpoint,mutwo-swap@inductor-cudagraphs-checkpoint ;;
+  i18-bert)
+    timeout 1650 python3 bench/compare.py --out "$OUT/i18_bert_b64.json" --models bert:64 --timeout 600 \
+      --variants checkpoint,mutwo@inductor-cudagraphs-checkpoint,mutwo-swap@inductor-cudagraphs-checkpoint,eager,mutwo@inductor-cudagraphs-eager0.5,mutwo-swap@inductor-cudagraphs-eager0.5 ;;
   cl-cudagraphs)
     timeout 1700 python3 bench/compare.py --out "$OUT/cl_cudagraphs_resnet152.json" --models resnet152-cl:128 \
       --timeout 600 --variants eager,compile-0.5,mutwo@inductor-cudagraphs-compile0.5,mutwo@inductor-cudagraphs-eager0.5,compile@reduce-overhead-0.5 ;;

@@ -43,13 +43,24 @@ _LIBRARY.define("offload_elements(Tensor x, int tag) -> Tensor")
 # functionalization orders its readers after it (a custom op returning an alias of its input
 # cannot be functionalized); Inductor's reinplacing then calls it on ``x`` itself.
 _LIBRARY.define("wait_(Tensor(a!) x, int tag) -> ()")
+# The release point of a swap recorded as a CUDA graph (mutwo.runtime.swap_graphs inserts it in the
+# fx graph of a graphed backend, never in the IR): the compute stream waits for the copy out into
+# ``host``, and the swap runtime drops the device tensor it kept for that copy, so its block is
+# freed here in the compute stream's order, without ``record_stream`` (whose free a capture
+# defers to its end). Declared as writing ``host`` so that the prefetch reading ``host`` stays
+# after it, under Inductor as in eager.
+_LIBRARY.define("release_(Tensor(a!) host, int tag) -> ()")
 
 OFFLOAD = torch.ops.mutwo.offload.default
 PREFETCH = torch.ops.mutwo.prefetch.default
 WAIT = torch.ops.mutwo.wait.default
 WAIT_IN_PLACE = torch.ops.mutwo.wait_.default
 OFFLOAD_ELEMENTS = torch.ops.mutwo.offload_elements.default
+RELEASE_IN_PLACE = torch.ops.mutwo.release_.default
 SWAP_OPS = (OFFLOAD, PREFETCH, WAIT)
+#: ``Graph.meta`` key of the release points insert-swap records: offload tag -> id of the node
+#: before which a step recorded as a CUDA graph frees the offloaded tensor (mutwo.runtime.swap_graphs).
+SWAP_RELEASES = "swap_releases"
 
 
 @torch.library.register_fake("mutwo::offload")
@@ -74,6 +85,11 @@ def _offload_elements_fake(x: torch.Tensor, tag: int) -> torch.Tensor:
 
 @torch.library.register_fake("mutwo::wait_")
 def _wait_in_place_fake(x: torch.Tensor, tag: int) -> None:
+    return None
+
+
+@torch.library.register_fake("mutwo::release_")
+def _release_in_place_fake(host: torch.Tensor, tag: int) -> None:
     return None
 
 

@@ -31,6 +31,13 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.node import Node
 from mutwo.ir.swap import swap_nodes
 
+#: How far past its copy out's predicted end a swap's release point lies, as a fraction of the time
+#: from the offload to that end (queueing included): the compute stream waits for the copy there
+#: in a step recorded as a CUDA graph (:func:`release_points`), and a CUDA graph replays compute
+#: about 10% faster than the profile that predicts it (docs/benchmarks.md), while copies run at the
+#: measured bandwidth. Releasing later holds the tensor a little longer; earlier would stall.
+RELEASE_MARGIN = 0.25
+
 #: ``TransferModel.compute_slowdown`` for copies beside compute on CUDA: kernels ran 1.10x longer
 #: while a copy was in flight on the H100 (the stream traces of 2026-11-23). Measured on that GPU
 #: only; select-swap's ``contention`` option sets another.
@@ -201,3 +208,21 @@ def graph_timeline(graph: Graph, seconds: Callable[[Node], float], model: Transf
                for k, (offload, prefetch, wait) in enumerate(swaps)]  # fmt: skip
     return GraphTimeline(start, end, records, clock[-1] + shift[-1] + schedule.contention, stalled,
                          schedule.contention)  # fmt: skip
+
+
+def release_points(graph: Graph, timeline: GraphTimeline, allowed: Callable[[Node], bool] = lambda node: True,
+                   margin: float = RELEASE_MARGIN) -> dict[int, int | None]:  # fmt: skip
+    """Per swap of ``graph`` (by tag), the id of the node before which the compute stream can wait
+    for its copy out without stalling (``timeline`` is ``graph``'s): the first node ``allowed``
+    accepts that starts ``margin`` of the copy's time after its predicted end; None when none
+    does before the swap's prefetch (the prefetch waits for the copy out anyway)."""
+    nodes = graph.nodes
+    points: dict[int, int | None] = {}
+    for record in timeline.swaps:
+        offload_at = graph.position(graph.node(record["offload"]))
+        prefetch_at = graph.position(graph.node(record["prefetch"]))
+        issued = timeline.start[offload_at]
+        due = issued + (record["copy_out"][1] - issued) * (1 + margin)
+        points[record["tag"]] = next((nodes[p].id for p in range(offload_at + 1, prefetch_at)
+                                      if timeline.start[p] >= due and allowed(nodes[p])), None)  # fmt: skip
+    return points

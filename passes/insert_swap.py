@@ -10,7 +10,7 @@ from mutwo.ir.node import StorageKey
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.recompute import NotRecomputable, replays_from_masks
-from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, rewrite
+from mutwo.ir.swap import SWAP_RELEASES, NotSwappable, Placement, SwapAnalysis, SwapRewrite, rewrite
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP
 
@@ -23,7 +23,9 @@ class InsertSwapPass(Pass):
     prefetch is issued before the node the plan chose and its wait sits right before its first
     backward use, whose readers (and their views) then read the swapped-in copy; recompute blocks
     go right before their first backward use as in insert-recompute, reading swapped-in copies
-    that are live there. Writes swaps.json and clones.json.
+    that are live there. The plan's release points (where a step recorded as a CUDA graph frees
+    each offloaded tensor, its copy out ended) go into the graph's metadata. Writes swaps.json and
+    clones.json.
     """
 
     name = "insert-swap"
@@ -45,6 +47,11 @@ class InsertSwapPass(Pass):
                              mask_replay=replays_from_masks(ctx))  # fmt: skip
         except (NotSwappable, NotRecomputable) as error:
             raise PassFailure(f"the swap plan cannot be realised: {error}") from None
+        # Where a step recorded as a CUDA graph frees each offloaded tensor (mutwo.runtime.swap_graphs);
+        # keyed by the offloads' tags, the ids of the tensors they copy.
+        graph.meta[SWAP_RELEASES] = {placement.site.base: entry["release_before"]
+                                     for placement, entry in zip(placements, plan.of(SWAP), strict=True)
+                                     if "release_before" in entry}  # fmt: skip
         ctx.artifacts["swapped"] = result
         ctx.save_json("swaps.json", result.swaps)
         ctx.save_json("clones.json", {str(k): v for k, v in sorted(result.clones.items())})

@@ -23,7 +23,7 @@ from mutwo.ir.recompute import NotRecomputable, Recompute, replays_from_masks
 from mutwo.ir.replay import rng_state
 from mutwo.ir.swap import NotSwappable, Placement, SwapAnalysis, SwapRewrite, SwapSite, rewrite
 from mutwo.ir.time_model import TimeModel
-from mutwo.ir.timeline import CUDA_COMPUTE_SLOWDOWN, GraphTimeline, TransferModel, graph_timeline
+from mutwo.ir.timeline import CUDA_COMPUTE_SLOWDOWN, GraphTimeline, TransferModel, graph_timeline, release_points
 from mutwo.passes.mu_two import GreedyResult, search
 from mutwo.passes.mu_two_swap import RECOMPUTE, SWAP, SwapCandidate, Timeline, schedule, swap_overhead
 from mutwo.passes.select import FUSED_OPTION, PlanData, recompute_time_model, start
@@ -83,7 +83,8 @@ class SwapPlan(PlanData):
 
     def csv(self) -> str:
         out = io.StringIO()
-        columns = ["action", "storage", "node", "op", "bytes", "prefetch_before", "d2h_seconds", "h2d_seconds",
+        columns = ["action", "storage", "node", "op", "bytes", "prefetch_before", "release_before", "d2h_seconds",
+                   "h2d_seconds",
                    "stall_seconds", "recompute_count", "seconds", "inactive_seconds"]  # fmt: skip
         writer = csv.DictWriter(out, columns, extrasaction="ignore")
         writer.writeheader()
@@ -473,6 +474,8 @@ class SelectSwapPass(Pass):
               seconds: TimeModel, transfer: TransferModel) -> SwapPlan:  # fmt: skip
         nodes = graph.nodes
         stalls = {s["tag"]: s["stall"] for s in best.timeline.swaps}
+        # Release points name nodes of this graph (the rewrite's own nodes get other ids each time).
+        releases = release_points(best.graph, best.timeline, allowed=lambda node: graph.has_node(node.id))
         entries = []
         for candidate in best.chosen:
             creator = graph.node(candidate.key.creator)
@@ -485,7 +488,10 @@ class SelectSwapPass(Pass):
             if candidate.action == SWAP:
                 site = sites[candidate.key]
                 assert candidate.prompt is not None
-                entry.update(prefetch_before=nodes[candidate.prompt].id, offload_after=nodes[site.last_forward_use].id,
+                prefetch_before = nodes[candidate.prompt].id
+                release_before = releases.get(site.base)
+                entry.update(prefetch_before=prefetch_before, offload_after=nodes[site.last_forward_use].id,
+                             release_before=prefetch_before if release_before is None else release_before,
                              wait_before=site.wait_before, d2h_seconds=candidate.d2h_seconds,
                              h2d_seconds=candidate.h2d_seconds, stall_seconds=stalls.get(site.base, 0.0))  # fmt: skip
             else:

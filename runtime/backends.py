@@ -38,6 +38,7 @@ from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.equivalence import Tolerance
 from mutwo.runtime.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
+from mutwo.runtime.swap_graphs import insert_release_points
 from mutwo.runtime.swap_inductor import SWAP_RULE_VERSION, compiled_swap_ops, offloaded_buffers_kept_from_reuse
 from mutwo.runtime.tracing import quiet_loggers, quiet_torch_errors
 
@@ -150,17 +151,6 @@ def check_backend(name: str) -> str:
     return name
 
 
-#: The backends that run a plan that swaps to host memory.
-SWAPPING_BACKENDS = ("eager", "inductor")
-
-
-def swap_refusal(backend: str) -> str:
-    """Why ``backend`` cannot run a plan that swaps, and what to do instead."""
-    return (f"the {backend} backend cannot run a plan that swaps to host memory (a CUDA graph replays its copies "
-            "without the host buffers and copy streams mutwo::offload/prefetch keep between calls): use --backend "
-            "eager or inductor, or plan with select,rewrite instead of swap")
-
-
 #: Inductor's C++ builder imports torch.utils.cpp_extension, which warns once per process, on a
 #: machine with a CUDA toolkit but no GPU, "No CUDA runtime is found, using CUDA_HOME=...": nothing a
 #: user compiling for the CPU can act on, and the line that broke mutwo-opt's one-line errors.
@@ -186,8 +176,6 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
                            f"state ({len(replays)}, e.g. {replays[0]}): plan for it (optimize(..., backend=...) and "
                            "mutwo-opt --backend tell select so) or use --backend eager")  # fmt: skip
     swaps = any(node.target in SWAP_OPS for node in module.graph.nodes)
-    if swaps and backend not in SWAPPING_BACKENDS:
-        raise BackendError(swap_refusal(backend))
     started = time.perf_counter()
     run: Callable[..., Any] = module
     cache_hit = None
@@ -197,6 +185,9 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     if backend.startswith("inductor"):
         functionalizable_host_calls(module)
         compiled_swap_ops(module)
+    if graphed and swaps:
+        insert_release_points(module, graph)
+    if backend.startswith("inductor"):
         mark_phases(module, graph)
         run, cache_hit = compile_inductor(module, inputs, swaps=swaps)
     if graphed:

@@ -12,7 +12,10 @@ What makes that correct for a training step:
   side stream, so that cuBLAS/cuDNN initialisation and Inductor's autotuning happen outside the
   capture and the real state is stepped only by replays;
 * random ops (dropout) draw from the default CUDA generator, which CUDA graphs support: each
-  replay advances its offset as the eager step would.
+  replay advances its offset as the eager step would;
+* a plan that swaps records its copies on the swap runtime's streams, joined to the graph by
+  events, into host buffers the recording takes out of the runtime's pool for as long as the graph
+  lives; an offloaded tensor is freed at its release point (:mod:`mutwo.runtime.swap_graphs`).
 
 What cannot be recorded is refused before anything runs (:func:`refuse_uncapturable`): a step
 on the CPU, inputs that live on the CPU (a learning rate given as a Python number, the step
@@ -27,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from mutwo.runtime.swap import RUNTIME as SWAP_RUNTIME
 
 #: Ops that read device values on the host: a CUDA graph would record the value read at capture.
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal")
@@ -82,6 +87,8 @@ class CudaGraphRunner:
         #: allocate nothing, so measurements of replays alone miss it (recording resets the peak)
         self.recorded_peak_bytes = 0
         self.recorded_peak_absolute = 0
+        #: the swap runtime's host buffers the recording copies into and out of (none without swaps)
+        self.host_buffers: list[torch.Tensor] = []
 
     def __call__(self, *flat: torch.Tensor) -> Any:
         if self.graph is None or any(kept and t.data_ptr() != s.data_ptr()
@@ -100,6 +107,10 @@ class CudaGraphRunner:
     def record(self, flat: Sequence[torch.Tensor]) -> None:
         """Warm up on copies of the state, then record one iteration on the live state."""
         self.graph, self.outputs = None, None  # free the previous recording's pool first
+        if self.host_buffers:  # the previous graph's replays have ended before they go back to the pool
+            torch.cuda.synchronize()
+            SWAP_RUNTIME.buffers.restore(self.host_buffers)
+            self.host_buffers = []
         self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
         side = torch.cuda.Stream(self.static[0].device)
         side.wait_stream(torch.cuda.current_stream())
@@ -108,14 +119,18 @@ class CudaGraphRunner:
             self.run(*[t.clone() for t in self.static])  # lazy initialisation, autotuning
             torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
         torch.cuda.current_stream().wait_stream(side)
+        # The warm-up's copies have ended: the recording must not wait for their events (a capture
+        # cannot wait for an event recorded outside it), and the swap runtime drops them.
+        torch.cuda.synchronize(self.static[0].device)
         graph = torch.cuda.CUDAGraph()
         # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
         # are the iteration's memory, and its peak is the only time the allocator sees them.
         device = self.static[0].device
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        with torch.cuda.graph(graph), torch.no_grad():
+        with SWAP_RUNTIME.recording() as host_buffers, torch.cuda.graph(graph), torch.no_grad():
             self.outputs = self.run(*self.static)
+        self.host_buffers = host_buffers
         self.recorded_peak_absolute = torch.cuda.max_memory_allocated(device)
         self.recorded_peak_bytes = self.recorded_peak_absolute - before
         self.graph = graph

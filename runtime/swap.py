@@ -10,13 +10,24 @@ On CUDA, for a swapped tensor ``x``:
 * ``prefetch(host)``: allocates the device tensor on the compute stream (like every other value
   of the graph), then the copy-in stream waits for the compute stream (the block may have been
   in use there until this point) and for the copy out, and copies the buffer in;
-* ``wait(x)``: the compute stream waits for that copy, and only there.
+* ``wait(x)``: the compute stream waits for that copy, and only there;
+* ``release_(host)`` (only in a step recorded as a CUDA graph, :mod:`mutwo.runtime.swap_graphs`):
+  the compute stream waits for the copy out into ``host``, at the node where the plan's timeline
+  says it has ended, and the runtime drops the device tensor it kept for the copy, so its block
+  is freed there in the compute stream's order. While a graph records, offloads do not call
+  ``record_stream`` (the caching allocator defers the free of a block used on another stream to
+  the end of a capture, so inside the graph an offloaded tensor's memory would never be reused);
+  they keep the tensor the copy reads until its release instead. The runtime, not the graph,
+  keeps it: Inductor may hand each extern call its own copy of a value (a layout change), so the
+  tensor a later op of the graph receives need not be the one the copy reads.
 
 Nothing else waits: the compute stream never waits for a copy out, and the host never waits for
 the device. A host buffer goes back to the pool with the event of the copy that read it last; the
 next copy out into it (an iteration later) waits for that event on the copy-out stream. Buffers
 are kept by size and never released, so after the first iteration no host memory is allocated
 (pinned memory comes from torch's caching host allocator, whose first allocation may synchronise).
+A CUDA graph reads and writes the host buffers its recording took at every replay: those leave
+the pool for as long as the graph lives (:meth:`SwapRuntime.recording`).
 
 On CPU the same ops copy into a separate host buffer and back (no streams), so the swap path runs
 and is checked bitwise in CI.
@@ -24,6 +35,8 @@ and is checked bitwise in CI.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -70,17 +83,51 @@ class HostBuffers:
         self._free: dict[tuple[int, bool], list[tuple[torch.Tensor, Any]]] = {}
         self.allocated_bytes = 0  #: host bytes allocated so far (they are never released)
         self.allocations = 0
+        self._taken: dict[int, torch.Tensor] | None = None  # data_ptr -> buffer, inside :meth:`reserved`
 
     def take(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, Any]:
         free = self._free.get((nbytes, pinned))
         if free:
-            return free.pop()
-        self.allocations += 1
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None
+            buffer, last_reader = free.pop()
+        elif pinned and torch.cuda.is_current_stream_capturing():
+            # Allocating pinned memory is not allowed while a stream is captured; the warm-up
+            # iteration before a recording allocates every buffer the recording takes.
+            raise RuntimeError(f"mutwo.offload: no free host buffer of {nbytes} bytes while a CUDA graph records; "
+                               "the warm-up iteration did not swap what the recorded one does")  # fmt: skip
+        else:
+            self.allocations += 1
+            self.allocated_bytes += nbytes
+            buffer, last_reader = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None
+        if self._taken is not None:
+            self._taken[buffer.data_ptr()] = buffer
+        return buffer, last_reader
 
     def give_back(self, buffer: torch.Tensor, last_reader: Any) -> None:
         self._free.setdefault((buffer.numel(), buffer.is_pinned()), []).append((buffer, last_reader))
+
+    @contextmanager
+    def reserved(self) -> Iterator[list[torch.Tensor]]:
+        """Buffers taken inside the block leave the pool after it, into the list it yields (a CUDA
+        graph recorded inside uses them at every replay). The caller has synchronised the device:
+        the events of the free buffers are dropped (a capture cannot wait for an event recorded
+        outside it)."""
+        for entries in self._free.values():
+            entries[:] = [(buffer, None) for buffer, _ in entries]
+        self._taken = {}
+        held: list[torch.Tensor] = []
+        try:
+            yield held
+        finally:
+            taken, self._taken = self._taken, None
+            for entries in self._free.values():
+                entries[:] = [(buffer, event) for buffer, event in entries if buffer.data_ptr() not in taken]
+            held.extend(taken.values())
+
+    def restore(self, held: list[torch.Tensor]) -> None:
+        """Return buffers :meth:`reserved` held to the pool (the graph that used them is gone and
+        the device synchronised)."""
+        for buffer in held:
+            self.give_back(buffer, None)
 
     @property
     def free_buffers(self) -> int:
@@ -96,6 +143,9 @@ class SwapRuntime:
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._copied_out: dict[int, tuple[torch.Tensor, Any]] = {}  # host data_ptr -> (buffer, copy-out event)
         self._copying_in: dict[int, Any] = {}  # device data_ptr -> copy-in event (None on CPU)
+        #: while recording, host data_ptr -> (copy-out event, the device tensor it reads) until its release
+        self._unreleased: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._recording = False
         self.offloads = 0  #: copies out started so far
 
     def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -103,6 +153,23 @@ class SwapRuntime:
         if device not in self._streams:
             self._streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
         return self._streams[device]
+
+    @contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """While a CUDA graph records a step (the device synchronised before): offloads leave the
+        free of their device tensor to an explicit ``release_``, which the prefetch refuses to
+        come before, and the host buffers taken leave the pool into the list yielded, for the
+        graph to keep (:meth:`HostBuffers.reserved`)."""
+        if self.in_flight:
+            raise RuntimeError(f"mutwo swap runtime: {self.in_flight} copies in flight when a CUDA graph starts "
+                               "recording; an earlier step left swaps unconsumed")  # fmt: skip
+        self._recording = True
+        try:
+            with self.buffers.reserved() as held:
+                yield held
+        finally:
+            self._recording = False
+            self._unreleased.clear()
 
     @property
     def in_flight(self) -> int:
@@ -140,17 +207,34 @@ class SwapRuntime:
                 host.copy_(x, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(copy_out)
-            x.record_stream(copy_out)  # its block is not reused before the copy has read it
+            if not self._recording:
+                x.record_stream(copy_out)  # its block is not reused before the copy has read it
         else:
             host.copy_(x)
+        if self._recording:
+            self._unreleased[host.data_ptr()] = (done, x)
         self._copied_out[host.data_ptr()] = (buffer, done)
         return host
+
+    def release(self, host: torch.Tensor, tag: int) -> None:
+        """``mutwo::release_``: when a CUDA graph records, the compute stream waits for the copy into
+        ``host`` and the device tensor it read is dropped, freed here unless the graph still holds
+        it; otherwise nothing (``record_stream`` already kept its block until the copy read it)."""
+        if host.data_ptr() not in self._copied_out:
+            raise RuntimeError(f"mutwo.release (tag {tag}): this host tensor is not the result of an offload "
+                               "still waiting for its prefetch")  # fmt: skip
+        done, x = self._unreleased.pop(host.data_ptr(), (None, None))
+        if done is not None and x is not None:
+            torch.cuda.current_stream(x.device).wait_event(done)
 
     def prefetch(self, host: torch.Tensor, device: torch.device, tag: int) -> torch.Tensor:
         entry = self._copied_out.pop(host.data_ptr(), None)
         if entry is None:
             raise RuntimeError(f"mutwo.prefetch (tag {tag}): this host tensor is not the result of an offload "
                                "still waiting for its prefetch")  # fmt: skip
+        if host.data_ptr() in self._unreleased:
+            raise RuntimeError(f"mutwo.prefetch (tag {tag}): its offload was not released; a step recorded "
+                               "as a CUDA graph frees an offloaded tensor at a mutwo::release_ first")  # fmt: skip
         buffer, copied_out = entry
         target = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
         ready = None
@@ -192,3 +276,4 @@ _IMPL.impl("offload_elements", RUNTIME.offload_elements, "CompositeExplicitAutog
 _IMPL.impl("prefetch", RUNTIME.prefetch, "CompositeExplicitAutograd")
 _IMPL.impl("wait", RUNTIME.wait, "CompositeExplicitAutograd")
 _IMPL.impl("wait_", RUNTIME.wait_in_place, "CompositeExplicitAutograd")
+_IMPL.impl("release_", RUNTIME.release, "CompositeExplicitAutograd")

@@ -143,11 +143,11 @@ def test_random_replays_are_not_planned_for_a_compiled_backend() -> None:
     assert any("cannot replay random ops" in m for m in messages)
 
 
-def test_inductor_runs_a_swap_plan_and_cuda_graphs_refuse_it() -> None:
+def test_inductor_runs_a_swap_plan() -> None:
     """A plan that swaps compiles under Inductor (``mutwo::wait`` becomes the in-place
     ``mutwo::wait_``, which Inductor reinplaces: a copy of the prefetched tensor instead would make
     the runtime refuse the wait) and trains like the eager graph of the same plan within the
-    compiled-step tolerance, every copy consumed; CUDA graphs still refuse it, in one line."""
+    compiled-step tolerance, every copy consumed."""
     workload = models.cnn(batch_size=32)
     swapping = optimize_graph(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn,
                               passes="profile{runs=1,warmup=0},swap", budget=parse_budget("0.8"))  # fmt: skip
@@ -161,9 +161,6 @@ def test_inductor_runs_a_swap_plan_and_cuda_graphs_refuse_it() -> None:
                           tolerance=compiled.tolerance)  # fmt: skip
     assert report.equivalent, report.summary()
     assert RUNTIME.in_flight == 0
-    with pytest.raises(BackendError, match="the cudagraphs backend cannot run a plan that swaps") as refused:
-        compile_graph(swapping.graph, swapping.inputs, "cudagraphs")
-    assert "\n" not in str(refused.value) and "use --backend eager or inductor" in str(refused.value)
 
 
 @pytest.mark.parametrize("options", ["allow=recompute", "keep_faster=false,bandwidth=2"])

@@ -438,14 +438,6 @@ def test_cuda_graphs_of_a_cpu_step(backend: str, workdir: Path, capsys: pytest.C
     assert f"--backend {backend} needs a CUDA device" in line and "use --backend eager or inductor" in line
 
 
-@pytest.mark.parametrize("pipeline", ["profile,swap", "profile,select-swap,insert-swap"])
-def test_a_swap_plan_for_a_compiled_backend(pipeline: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = expect_usage_error(capsys, workdir / "out", "--device", "cpu", "--backend", "cudagraphs", "--budget",
-                              "0.9", "-p", pipeline, good_config(workdir))  # fmt: skip
-    assert "the cudagraphs backend cannot run a plan that swaps to host memory" in line
-    assert "use --backend eager or inductor, or plan with select,rewrite instead of swap" in line
-
-
 @pytest.mark.parametrize("pipeline", ["profile,select{fused=true},rewrite",
                                       "profile,select-swap{fused=true},insert-swap"])
 def test_fused_pricing_for_a_backend_that_does_not_fuse(pipeline: str, workdir: Path,

@@ -53,13 +53,11 @@ from mutwo.runtime import distributed
 from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.backends import (
     BACKENDS,
-    SWAPPING_BACKENDS,
     BackendError,
     CompiledStep,
     CompileError,
     backend_services,
     compile_graph,
-    swap_refusal,
 )
 from mutwo.runtime.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.distributed import DataParallel
@@ -396,8 +394,6 @@ class MutwoOpt:
 
     def refuse_backend(self, config: Config, device: torch.device, manager: PassManager) -> None:
         """Backend choices that cannot work here, refused before anything is captured."""
-        if config.backend not in SWAPPING_BACKENDS and any(p.name == "insert-swap" for p in manager.passes):
-            raise UsageError(swap_refusal(config.backend))
         fused = next((p.name for p in manager.passes if getattr(p, "fused", False)), None)
         if fused is not None and not backend_services(config.backend)["fused_recompute"]:
             raise UsageError(f"{fused}{{fused=true}} prices recomputes as Inductor fuses them, but --backend is "
