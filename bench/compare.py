@@ -41,6 +41,17 @@ b2 takes about 6 minutes, BERT-base s512 b2 about 7, on two busy cores):
     python bench/compare.py --out /tmp/dry.json --models resnet152:2 --variants swap-study \
         --stand-in-budget 0.9 --warmup 0 --iterations 1
 
+``--parallel-planning N`` plans and compiles up to N mutwo variants at once, each in its own
+process, and then measures them one at a time, in order, each alone on the device (a worker waits
+after planning until the others have planned and its turn has come). A whole-iteration Inductor
+compile of ResNet-152 takes about 6.5 minutes of one core's work, so four compiled rows take 26
+minutes one after the other. Their plans must not measure anything while others run: they reuse
+the profile and copy model of a ``mutwo-none`` row run before them (required), and
+``--calibrate-peak`` (which measures while planning) is refused with it. Rows planned so record
+``planned_in_parallel`` and when they had planned and were measured (``planned_at``,
+``measured_from``, ``measured_until``, seconds since the epoch). A CUDA-graph backend captures
+another optimizer (capturable), so its rows reuse the profile of ``mutwo@cudagraphs-none``.
+
 ``--calibrate-peak N`` makes the ``mutwo@inductor`` rows re-plan up to N times until the compiled
 step's measured peak is within 3% of the budget (Inductor's fusion frees buffers the plan counts;
 :mod:`mutwo.runtime.peak_calibration`); the rows record every round under ``calibration``.
@@ -68,6 +79,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -191,20 +203,42 @@ def config_path(name: str) -> Path:
     return ROOT / CONFIGS[name] if name in CONFIGS else Path(name).resolve()
 
 
+def planned_in_parallel(variant: str) -> bool:
+    """Whether ``--parallel-planning`` plans ``variant`` beside others: a mutwo variant with a
+    budget (its plan reuses an earlier profile; the unbudgeted ``mutwo-none`` makes that profile)."""
+    parsed = mutwo_variant(variant)
+    return parsed is not None and parsed.spec != "none"
+
+
+def wait_for_turn(gate: Path, timings: dict[str, Any]) -> None:
+    """A worker planned beside others: say it is ready (``gate.ready``), then wait for ``gate.go``."""
+    timings["planned_at"] = time.time()
+    gate.with_suffix(".ready").touch()
+    while not gate.with_suffix(".go").exists():
+        time.sleep(0.2)
+    timings["measured_from"] = time.time()
+
+
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
            precision: str | None = None, trace: Path | None = None, isolate_profile: bool = False,
-           warmup: int = WARMUP, iterations: int = MEASURED, calibrate_peak: int = 0) -> dict[str, Any]:  # fmt: skip
+           warmup: int = WARMUP, iterations: int = MEASURED, calibrate_peak: int = 0,
+           gate: Path | None = None) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     own = mutwo_variant(variant)
     if own is not None:
         spec: Any = json.loads(budget) if budget else own.spec
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
+        timings: dict[str, Any] = {}
+        turn: Callable[[], None] | None = None if gate is None else lambda: wait_for_turn(gate, timings)
         row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile,
-                                calibrate_peak=calibrate_peak if own.backend == "inductor" else 0)  # fmt: skip
+                                calibrate_peak=calibrate_peak if own.backend == "inductor" else 0,
+                                before_measuring=turn)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
+        if gate is not None:
+            row.update(timings, planned_in_parallel=True, measured_until=time.time())
         return row
     training = build_training(config, batch_size, precision=precision)
     row: dict[str, Any] = {"precision": training.options.precision}
@@ -226,6 +260,107 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         step = PeakSinceStart(step, training.device)
     row.update(measure_after_planning(step, training.device, None, warmup=warmup, iterations=iterations, trace=trace))
     return row
+
+
+class Job(NamedTuple):
+    """A variant to run in a worker process: its row's first keys, its budget, its command line."""
+
+    base: dict[str, Any]
+    variant: str
+    budget: Any
+    argv: list[str]
+
+
+def worker_argv(args: argparse.Namespace, name: str, batch: str, variant: str, encoded_budget: str) -> list[str]:
+    """The command line of the worker process that runs one variant."""
+    return [sys.executable, __file__, "--worker", name, batch, variant, encoded_budget,
+            *(["--out", args.out] if args.out else []),
+            *(["--precision", args.precision] if args.precision else []),
+            *(["--trace"] if args.trace else []),
+            *(["--isolate-profile"] if args.isolate_profile else []),
+            "--calibrate-peak", str(args.calibrate_peak),
+            "--warmup", str(args.warmup), "--iterations", str(args.iterations)]  # fmt: skip
+
+
+def finished_row(base: dict[str, Any], returncode: int, stdout: str, stderr: str) -> dict[str, Any]:
+    """The row a worker printed last, or an error row from what it wrote to stderr."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if returncode == 0 and lines:
+        return json.loads(lines[-1])
+    return {**base, "error": "out of memory" if "OutOfMemoryError" in stderr else stderr.strip()[-400:]}
+
+
+def planning_groups(variants: list[str], parallel: int) -> list[list[str]]:
+    """``variants`` in order, as the groups they run in: with ``parallel`` above 1, consecutive
+    variants that :func:`planned_in_parallel` share a group; every other variant is alone."""
+    groups: list[list[str]] = []
+    for variant in variants:
+        if parallel > 1 and groups and planned_in_parallel(variant) and planned_in_parallel(groups[-1][-1]):
+            groups[-1].append(variant)
+        else:
+            groups.append([variant])
+    return groups
+
+
+def unprofiled(variants: list[str]) -> str | None:
+    """The first planned mutwo variant with no unbudgeted mutwo row before it whose profile it can
+    reuse (one that captures the same graph: CUDA-graph backends capture a capturable optimizer)."""
+    graphable: set[bool] = set()
+    for variant in variants:
+        parsed = mutwo_variant(variant)
+        if parsed is None:
+            continue
+        if parsed.spec == "none":
+            graphable.add(parsed.backend.endswith("cudagraphs"))
+        elif parsed.backend.endswith("cudagraphs") not in graphable:
+            return variant
+    return None
+
+
+def run_in_parallel(jobs: list[Job], parallel: int, timeout: int,
+                    gates: Path) -> Iterator[tuple[Job, dict[str, Any]]]:  # fmt: skip
+    """Plan and compile ``jobs`` in up to ``parallel`` worker processes at once, then let each
+    measure alone, in order; yield each job with its row as it ends. Each worker gets ``timeout``
+    seconds to plan and as many again to measure."""
+    gates.mkdir(parents=True, exist_ok=True)
+    for old in gates.iterdir():
+        old.unlink()
+    launched: list[tuple[Job, subprocess.Popen[str], Path, float]] = []
+
+    def planning() -> list[tuple[Job, subprocess.Popen[str], Path, float]]:
+        return [entry for entry in launched
+                if not entry[2].with_suffix(".ready").exists() and entry[1].poll() is None]  # fmt: skip
+
+    waiting, timed_out = list(jobs), set()
+    while waiting or planning():
+        while waiting and len(planning()) < parallel:
+            job, gate = waiting.pop(0), gates / str(len(launched))
+            with gate.with_suffix(".out").open("w") as out, gate.with_suffix(".err").open("w") as err:
+                process = subprocess.Popen([*job.argv, "--gate", str(gate)], cwd=ROOT, stdout=out, stderr=err,
+                                           text=True)  # fmt: skip
+            launched.append((job, process, gate, time.monotonic()))
+        for _, process, gate, started in planning():
+            if time.monotonic() - started > timeout:
+                process.kill()
+                timed_out.add(gate)
+        time.sleep(0.5)
+    for job, process, gate, _ in launched:
+        if process.poll() is None:  # planned and waiting for its turn
+            gate.with_suffix(".go").touch()
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                timed_out.add(gate)
+        if gate in timed_out:
+            yield job, {**job.base, "error": f"timeout after {timeout} s"}
+            continue
+        row = finished_row(job.base, process.returncode, gate.with_suffix(".out").read_text(),
+                           gate.with_suffix(".err").read_text())  # fmt: skip
+        if "error" not in row and not row.get("profile_reused"):
+            row["error"] = "planned beside other processes without a reused profile: its times are not its own"
+        yield job, row
 
 
 def main() -> None:
@@ -253,64 +388,82 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"warm-up iterations per variant (default {WARMUP})")
     parser.add_argument("--iterations", type=int, default=MEASURED,
                         help=f"measured iterations per variant (default {MEASURED}; 1 makes a CPU dry run short)")
+    parser.add_argument("--parallel-planning", type=int, default=1, metavar="N",
+                        help="plan and compile up to N mutwo variants at once, then measure them one at a time "
+                        "(they reuse the profile of a mutwo-none row before them; default 1: one after the other)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
+    parser.add_argument("--gate", type=Path, help=argparse.SUPPRESS)  # a worker planned beside others waits there
     args = parser.parse_args()
     scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
     if args.warmup < 0 or args.iterations < 1:
         parser.error("--warmup must be at least 0 and --iterations at least 1")
     if args.calibrate_peak < 0:
         parser.error("--calibrate-peak must be 0 (off) or a number of rounds")
+    if args.parallel_planning < 1:
+        parser.error("--parallel-planning must be at least 1 (1: one variant after the other)")
+    if args.parallel_planning > 1 and args.calibrate_peak:
+        parser.error("--parallel-planning cannot be combined with --calibrate-peak: calibration measures the "
+                     "compiled step while planning, beside the other processes' compiles")  # fmt: skip
     if args.trace and not torch.cuda.is_available():
         parser.error("--trace profiles CUDA streams and needs a GPU; run without --trace on a CPU")
     if args.worker:
         name, batch, variant, budget = args.worker
         trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
-                     trace, args.isolate_profile, args.warmup, args.iterations, args.calibrate_peak)  # fmt: skip
+                     trace, args.isolate_profile, args.warmup, args.iterations, args.calibrate_peak,
+                     args.gate)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
     references = [row for path in args.reference for row in json.loads(Path(path).read_text())["runs"]]
+
+    def record(job: Job, row: dict[str, Any]) -> None:
+        if job.budget is not None and job.budget == args.stand_in_budget and job.budget != budget_spec(job.variant):
+            row["stand_in_budget"] = job.budget  # not the measured peak the variant names
+        print(json.dumps({k: v for k, v in row.items() if k != "iteration_ms_all"}), flush=True)
+        rows.append(row)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+            Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
+                                                  "date": time.strftime("%Y-%m-%d"), "runs": rows,
+                                                  "reference_runs": references}, indent=2))  # fmt: skip
+
     for item in args.models.split(","):
         name, _, batch = item.rpartition(":")
         if name not in CONFIGS and not config_path(name).is_file():
             parser.error(f"--models: {name!r} is neither one of {', '.join(CONFIGS)} nor a YAML config file")
-        for variant in PRESETS.get(args.variants, args.variants.split(",")):
-            base = {"model": name, "batch_size": int(batch), "variant": variant}
-            spec = budget_spec(variant)
-            measured = [r for r in references + rows if r["model"] == name and r["batch_size"] == int(batch)]
-            try:
-                budget = None if spec is None else mutwo_budget(spec, measured, args.stand_in_budget)
-            except ValueError as error:
-                rows.append({**base, "error": str(error)})
-                print(json.dumps(rows[-1]), flush=True)
+        variants = PRESETS.get(args.variants, args.variants.split(","))
+        if args.parallel_planning > 1 and (missing := unprofiled(variants)):
+            parser.error(f"--parallel-planning: {missing} would profile beside other processes' compiles; run an "
+                         "unbudgeted row of its capture before it (mutwo-none, or mutwo@cudagraphs-none for a "
+                         "CUDA-graph backend), whose profile the planned rows reuse")  # fmt: skip
+        for group in planning_groups(variants, args.parallel_planning):
+            jobs: list[Job] = []
+            for variant in group:
+                base = {"model": name, "batch_size": int(batch), "variant": variant}
+                spec = budget_spec(variant)
+                measured = [r for r in references + rows if r["model"] == name and r["batch_size"] == int(batch)]
+                try:
+                    budget = None if spec is None else mutwo_budget(spec, measured, args.stand_in_budget)
+                except ValueError as error:
+                    rows.append({**base, "error": str(error)})
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
+                plain = {"bytes": budget.bytes} if isinstance(budget, Budget) else budget
+                encoded = json.dumps(plain) if budget else ""
+                jobs.append(Job(base, variant, budget, worker_argv(args, name, batch, variant, encoded)))
+            if len(jobs) > 1:
+                for job, row in run_in_parallel(jobs, args.parallel_planning, args.timeout, scratch / "gates"):
+                    record(job, row)
                 continue
-            encoded = json.dumps({"bytes": budget.bytes} if isinstance(budget, Budget) else budget) if budget else ""
-            try:
-                done = subprocess.run([sys.executable, __file__, "--worker", name, batch, variant, encoded,
-                                       *(["--out", args.out] if args.out else []),
-                                       *(["--precision", args.precision] if args.precision else []),
-                                       *(["--trace"] if args.trace else []),
-                                       *(["--isolate-profile"] if args.isolate_profile else []),
-                                       "--calibrate-peak", str(args.calibrate_peak),
-                                       "--warmup", str(args.warmup), "--iterations", str(args.iterations)], cwd=ROOT,
-                                      capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
-                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                    **base, "error": ("out of memory" if "OutOfMemoryError" in done.stderr else
-                                      done.stderr.strip()[-400:])}  # fmt: skip
-            except subprocess.TimeoutExpired:
-                row = {**base, "error": f"timeout after {args.timeout} s"}
-            if budget is not None and budget == args.stand_in_budget and budget != spec:
-                row["stand_in_budget"] = budget  # not the measured peak the variant names
-            print(json.dumps({k: v for k, v in row.items() if k != "iteration_ms_all"}), flush=True)
-            rows.append(row)
-            if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-                Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
-                                                      "date": time.strftime("%Y-%m-%d"), "runs": rows,
-                                                      "reference_runs": references}, indent=2))  # fmt: skip
+            for job in jobs:
+                try:
+                    done = subprocess.run(job.argv, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+                    row = finished_row(job.base, done.returncode, done.stdout, done.stderr)
+                except subprocess.TimeoutExpired:
+                    row = {**job.base, "error": f"timeout after {args.timeout} s"}
+                record(job, row)
 
 
 if __name__ == "__main__":

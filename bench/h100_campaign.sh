@@ -13,11 +13,16 @@
 # and BERT at half of eager's peak and at checkpointing's: recompute only under inductor-cudagraphs
 # and inductor, swap+recompute under inductor, checkpointing); the GPU time of a slow process of
 # mutwo@inductor-compile0.5 (the same compiled plan ran 118.3 and 128.0 ms, cl-compile05-trace).
-# Ninth session (2026-11-25): issue 18's rows side by side, swap plans now recorded as CUDA graphs
-# (offloads freed at release points, runtime/swap_graphs.py), one machine per model:
-#   i18-resnet   ResNet-152-cl b128: eager, recompute only and swap+recompute under inductor-cudagraphs
-#                at half of eager's peak, checkpointing, the two again at checkpointing's peak ~28 min
-#   i18-bert     BERT-base b64: the same rows, checkpointing's peak first                   ~28 min
+# Ninth session (2026-11-26): issue 18's rows side by side, swap plans now recorded as CUDA graphs
+# (offloads freed at release points, runtime/swap_graphs.py), one machine, in the background
+# (start i18-tests i18-resnet i18-bert). Each model's four compiled rows are planned and compiled
+# in four processes at once, then measured one at a time (compare.py --parallel-planning 4): the
+# compiles alone took 26 minutes for ResNet one after the other.
+#   i18-tests    every cuda-marked test (the CUDA-graph runner and the swap runtime changed)   ~4 min
+#   i18-resnet   ResNet-152-cl b128: eager, checkpointing, mutwo@cudagraphs-none (the profile), then
+#                recompute only and swap+recompute under inductor-cudagraphs at half of eager's
+#                peak and at checkpointing's                                                  ~13 min
+#   i18-bert     BERT-base b64: the same rows                                                  ~8 min
 # Eighth session (2026-11-25), second machine (start cl-cudagraphs):
 #   cl-cudagraphs  ResNet-152-cl b128: eager, torch.compile 0.5, then mutwo inductor replayed as a CUDA
 #                graph at compile-0.5's peak and at half of eager's (the first machine's traces: mutwo's
@@ -131,7 +136,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -177,12 +182,13 @@ case "$section" in
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
     [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
-  i18-resnet)
-    timeout 1650 python3 bench/compare.py --out "$OUT/i18_resnet152_cl.json" --models resnet152-cl:128 --timeout 600 \
-      --variants eager,mutwo@inductor-cudagraphs-eager0.5,mutwo-swap@inductor-cudagraphs-eager0.5,checkpoint,mutwo@inductor-cudagraphs-checkpoint,mutwo-swap@inductor-cudagraphs-checkpoint ;;
-  i18-bert)
-    timeout 1650 python3 bench/compare.py --out "$OUT/i18_bert_b64.json" --models bert:64 --timeout 600 \
-      --variants checkpoint,mutwo@inductor-cudagraphs-checkpoint,mutwo-swap@inductor-cudagraphs-checkpoint,eager,mutwo@inductor-cudagraphs-eager0.5,mutwo-swap@inductor-cudagraphs-eager0.5 ;;
+  i18-tests)
+    timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
+  i18-resnet|i18-bert)
+    if [ "$section" = i18-resnet ]; then model=resnet152-cl:128; stem=i18_resnet152_cl; else model=bert:64; stem=i18_bert_b64; fi
+    g=inductor-cudagraphs
+    timeout 1500 python3 bench/compare.py --out "$OUT/$stem.json" --models "$model" --timeout 900 --parallel-planning 4 \
+      --variants eager,checkpoint,mutwo@cudagraphs-none,mutwo@$g-eager0.5,mutwo-swap@$g-eager0.5,mutwo@$g-checkpoint,mutwo-swap@$g-checkpoint ;;
   cl-cudagraphs)
     timeout 1700 python3 bench/compare.py --out "$OUT/cl_cudagraphs_resnet152.json" --models resnet152-cl:128 \
       --timeout 600 --variants eager,compile-0.5,mutwo@inductor-cudagraphs-compile0.5,mutwo@inductor-cudagraphs-eager0.5,compile@reduce-overhead-0.5 ;;

@@ -138,3 +138,47 @@ def test_the_fused_pricing_ab_runs_each_configuration(tmp_path: Path, monkeypatc
     rows = json.loads(out.read_text())["runs"]
     assert [row["config"] for row in rows] == list(ab.CONFIGS)
     assert all("error" not in row and row["backend"] == "inductor" for row in rows), rows
+
+
+def test_parallel_planning_plans_the_rows_together_then_measures_each_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """--parallel-planning on the tiny config: both planned rows reuse mutwo-none's profile and copy
+    model, both have planned before either is measured, and they are measured one after the other, in order."""
+    out = tmp_path / "parallel.json"
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:512", "--out", str(out), "--stand-in-budget",
+                                      "0.9", "--warmup", "0", "--iterations", "1", "--parallel-planning", "2",
+                                      "--variants", "eager,mutwo-none,mutwo-eager0.5,mutwo-swap-eager0.5"])  # fmt: skip
+    compare.main()
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["eager", "mutwo-none", "mutwo-eager0.5", "mutwo-swap-eager0.5"]
+    assert all("error" not in r for r in runs), runs
+    first, second = runs[2:]
+    assert first["planned_in_parallel"] and second["planned_in_parallel"] and "planned_in_parallel" not in runs[1]
+    assert first["profile_reused"] and second["profile_reused"] and not runs[1]["profile_reused"]
+    assert max(first["planned_at"], second["planned_at"]) <= first["measured_from"]
+    assert first["measured_from"] < first["measured_until"] <= second["measured_from"] < second["measured_until"]
+    assert second["transfer"] == runs[1]["transfer"]  # priced with the copy model mutwo-none measured
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--variants", "eager,mutwo-eager0.5,mutwo-swap-eager0.5"], "mutwo-eager0.5 would profile beside"),
+    (["--variants", "eager,mutwo-none,mutwo@cudagraphs-eager0.5"], "mutwo@cudagraphs-eager0.5 would profile beside"),
+    (["--variants", "eager,mutwo-none,mutwo-eager0.5", "--calibrate-peak", "2"], "cannot be combined with"),
+    (["--variants", "eager", "--parallel-planning", "0"], "must be at least 1"),
+])  # fmt: skip
+def test_parallel_planning_refuses_rows_that_would_measure_while_others_compile(
+        extra: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    argv = ["compare.py", "--models", "tiny:4", "--parallel-planning", "2", *extra]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        compare.main()
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_planning_groups_join_consecutive_planned_rows_only() -> None:
+    variants = ["eager", "mutwo-none", "mutwo-eager0.5", "mutwo-swap-eager0.5", "checkpoint", "mutwo-checkpoint"]
+    assert compare.planning_groups(variants, 4) == [["eager"], ["mutwo-none"],
+                                                    ["mutwo-eager0.5", "mutwo-swap-eager0.5"],
+                                                    ["checkpoint"], ["mutwo-checkpoint"]]  # fmt: skip
+    assert compare.planning_groups(variants, 1) == [[v] for v in variants]

@@ -33,11 +33,14 @@ import torch
 
 from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.replay import describe
+from mutwo.ir.timeline import TransferModel
 from mutwo.runtime.training import PRECISIONS, TrainingOptions
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_OF_MEMORY = "out of memory"
+#: The copy model the unbudgeted run measures beside its profile.json, which the planned runs reuse.
+TRANSFER_FILE = "transfer.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +114,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       log: Callable[[str], None] = lambda message: None,
                       optimizer_passes: bool = False, swap: bool = False,
                       backend: str = "eager", trace: Path | None = None,
-                      isolate_profile: bool = False, calibrate_peak: int = 0) -> dict[str, Any]:  # fmt: skip
+                      isolate_profile: bool = False, calibrate_peak: int = 0,
+                      before_measuring: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
@@ -148,6 +152,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         return {**row, "error": message, "error_kind": "unreachable" if "unreachable" in message else "pass failed"}
     except BackendError as refused:  # a backend that cannot run this step: a result too
         return {**row, "error": str(refused), "error_kind": "backend"}
+    if before_measuring is not None:
+        before_measuring()
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations,
                                       trace=trace))  # fmt: skip
@@ -254,7 +260,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
     context.services.update(backend_services(backend))
-    saved = folder / "profile.json"
+    saved, saved_transfer = folder / "profile.json", folder / TRANSFER_FILE
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
     # The run without a budget saves the profile the others reuse: on CUDA it measures the copies'
@@ -274,6 +280,9 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                 and ("copy_contention" in profile.meta or training.device.type != "cuda" or not swap)
             if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
                 context.artifacts["profile"] = profile
+                if saved_transfer.exists():  # the copies priced as the run that profiled measured them
+                    context.artifacts["transfer"] = TransferModel.from_json(
+                        json.loads(saved_transfer.read_text(encoding="utf-8")))
                 passes = ",".join(planning)
                 reused = [f"{profiling} (from {folder.name}/{saved.name})"]
                 timing = folder / "timing.json"  # written by the run that profiled
@@ -289,10 +298,17 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         # Its pipeline starts after the reused profile: the failed pass is not "the first pass" of the plan.
         raise PipelineFailure(failure.pass_name, [*reused, *failure.pipeline_so_far], failure.cause) from failure.cause
     seconds = {record.name: record.seconds for record in result.records}
+    row["profile_reused"] = bool(reused)
     if "profile" in seconds:
         row["profile_seconds"] = round(seconds["profile"], 2)
         if budget is None:  # timing.json goes with the profile.json only this run writes
             write_atomic(folder / "timing.json", json.dumps({"profile_seconds": row["profile_seconds"]}))
+    if budget is None:
+        # The planned runs reuse this run's copy model with its profile, so that every swap plan of
+        # one comparison is priced alike, and a run planning beside others (compare.py
+        # --parallel-planning) does not time its copies against theirs.
+        row["transfer"] = context.services["transfer"]().to_json()
+        write_atomic(saved_transfer, json.dumps(row["transfer"]))
     row["select_rewrite_seconds"] = round(sum(v for k, v in seconds.items() if k != "profile"), 2)
     row["planning_seconds"] = round(row["capture_seconds"] + row.get("profile_seconds", 0.0)
                                     + row["select_rewrite_seconds"], 2)  # fmt: skip
