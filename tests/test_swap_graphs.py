@@ -128,3 +128,20 @@ def test_while_recording_an_offload_is_freed_only_at_its_release() -> None:
     with pytest.raises(RuntimeError, match="not the result of an offload"):
         torch.ops.mutwo.release_(torch.empty(4, 8), 7)
     assert RUNTIME.in_flight == 0
+
+
+def test_a_release_point_missing_from_the_graph_falls_back_to_the_prefetch_and_says_so(
+        planned: swapping.Rewritten, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """What tests/test_cuda_swap.py's control relies on: a release point naming no node of the
+    graph frees the offloaded tensor right before its prefetch, with a warning per swap."""
+    graph = planned.graph.copy()
+    graph.meta[SWAP_RELEASES] = dict.fromkeys(graph.meta[SWAP_RELEASES], -1)
+    module = to_fx(graph)
+    with caplog.at_level("WARNING", logger="mutwo.runtime.swap_graphs"):
+        inserted = insert_release_points(module, graph)
+    nodes = list(module.graph.nodes)
+    for offload in [n for n in nodes if n.target is OFFLOAD]:
+        (release,) = [u for u in offload.users if u.target is RELEASE_IN_PLACE]
+        (prefetch,) = [u for u in offload.users if u.target is PREFETCH]
+        assert nodes[nodes.index(release) + 1] is prefetch
+    assert inserted == sum("freed at its prefetch instead" in r.getMessage() for r in caplog.records) > 0
