@@ -13,6 +13,12 @@
 # and BERT at half of eager's peak and at checkpointing's: recompute only under inductor-cudagraphs
 # and inductor, swap+recompute under inductor, checkpointing); the GPU time of a slow process of
 # mutwo@inductor-compile0.5 (the same compiled plan ran 118.3 and 128.0 ms, cl-compile05-trace).
+# Worth measuring next (after the ninth session, which ran i18-tests, i18-resnet and i18-bert on an
+# H200: bench/results/session9_h200/): i18-trace, where ResNet's swap plan under CUDA graphs loses
+# 17 ms to recompute only (the traced run was cut off by the device budget; it now writes into $OUT
+# as it goes); test_cuda_swap.py's CUDA-graph test with its new control (not run on a GPU yet).
+#   i18-trace    ResNet-152-cl b128 at checkpointing's peak (the budget from session9's run):
+#                recompute only and swap+recompute under inductor-cudagraphs, traced per stream ~9 min
 # Ninth session (2026-11-26): issue 18's rows side by side, swap plans now recorded as CUDA graphs
 # (offloads freed at release points, runtime/swap_graphs.py), one machine, in the background
 # (start i18-tests i18-resnet i18-bert). Each model's four compiled rows are planned and compiled
@@ -136,7 +142,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -182,6 +188,11 @@ case "$section" in
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
     [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
+  i18-trace)
+    timeout 560 python3 bench/compare.py --out "$OUT/i18_trace_resnet152_cl.json" --models resnet152-cl:128 \
+      --timeout 500 --parallel-planning 2 --trace --reference bench/results/session9_h200/i18_resnet152_cl.json \
+      --variants mutwo@cudagraphs-none,mutwo@inductor-cudagraphs-checkpoint,mutwo-swap@inductor-cudagraphs-checkpoint
+    status=$?; rm -rf "$OUT/i18_trace_resnet152_cl/gates" "$OUT/i18_trace_resnet152_cl/resnet152_channels_last"; exit $status ;;
   i18-tests)
     timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
   i18-resnet|i18-bert)

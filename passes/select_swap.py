@@ -258,9 +258,11 @@ class SelectSwapPass(Pass):
         plan.alternative = alternative
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
         if plan.of(SWAP) and ctx.services.get("fused_recompute", False):
-            ctx.log("select-swap: under Inductor, swaps are priced with eager node times and the measured copy "
-                    "model (on the H100, BERT-base b64's swap plan ran within 2% of its prediction; "
-                    "docs/swap.md)")
+            ctx.log("select-swap: under Inductor, swaps and recomputes are priced with eager node times and the "
+                    "measured copy model; compiled recomputes may run faster than priced (ResNet-152-cl: the "
+                    "recompute-only plan ran 15% under its prediction, a plan with swaps 17% slower than it, while "
+                    "BERT-base's swap plans ran 6% faster than recompute only; docs/swap.md): compare with "
+                    "select,rewrite on your model")
         if not plan.met:
             budget_size, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
             raise UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak select-swap "

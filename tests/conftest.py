@@ -1,8 +1,11 @@
-"""Shared pytest configuration: CUDA tests are skipped on machines without a GPU; ``one_rank``."""
+"""Shared pytest configuration: CUDA tests are skipped on machines without a GPU; ``one_rank``;
+``evenly_timed``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -26,3 +29,23 @@ def one_rank() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def evenly_timed(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], None]:
+    """``evenly_timed(module)``: the ``profile_graph`` that ``module`` calls prices every node at
+    1 ms, so that a plan follows from the graph alone, not from how loaded the machine measuring
+    it is (its memory readings stay measured)."""
+
+    def patch(module: ModuleType) -> None:
+        measured = module.profile_graph
+
+        def evenly(*args: Any, **kwargs: Any) -> Any:
+            profile = measured(*args, **kwargs)
+            for node in profile.nodes.values():
+                node.seconds = 1e-3
+            return profile
+
+        monkeypatch.setattr(module, "profile_graph", evenly)
+
+    return patch

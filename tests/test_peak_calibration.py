@@ -4,7 +4,9 @@ measured peak is within 3% of the budget."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -231,7 +233,7 @@ def test_the_api_keeps_the_calibrated_plan_and_trains_with_it(monkeypatch: pytes
 
 
 def test_a_budget_that_plans_the_same_graph_again_is_not_compiled_or_measured_again(
-        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+        monkeypatch: pytest.MonkeyPatch, evenly_timed: Callable[[ModuleType], None]) -> None:  # fmt: skip
     """The MLP's plan at 0.9 peaks 4.6% under its budget (one recompute frees a whole layer's
     activation), so each round raises the budget by the gap and plans the same graph: its compile
     (minutes on a real model) and its peak are known from the first round. Every op is priced
@@ -239,15 +241,7 @@ def test_a_budget_that_plans_the_same_graph_again_is_not_compiled_or_measured_ag
     loaded CI machine once made a cheaper plan fit the second round."""
     real, measured = peak_calibration.measured_peak, []
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: measured.append(1) or real(run, inputs))
-    profile_graph = api.profile_graph
-
-    def evenly_timed(*args: Any, **kwargs: Any) -> Any:
-        profile = profile_graph(*args, **kwargs)
-        for node in profile.nodes.values():
-            node.seconds = 1e-3
-        return profile
-
-    monkeypatch.setattr(api, "profile_graph", evenly_timed)
+    evenly_timed(api)
     work = models.mlp(batch_size=512)
     optimized = optimize_graph(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch,
                                work.loss_fn, passes="profile{runs=1,warmup=0},select,rewrite",

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -504,21 +505,8 @@ def _recompute_first(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mu_two_swap, "choose", recompute_first)
 
 
-def _evenly_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The swap helpers' profiles price every node at 1 ms: a plan that follows from the times
-    alone, not from how loaded the machine measuring them is."""
-    measured = swapping.profile_graph
-
-    def evenly_timed(*args: Any, **kwargs: Any) -> Any:
-        profile = measured(*args, **kwargs)
-        for node in profile.nodes.values():
-            node.seconds = 1e-3
-        return profile
-
-    monkeypatch.setattr(swapping, "profile_graph", evenly_timed)
-
-
-def test_refined_swaps_with_overlapping_copies_are_placed_inside_their_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refined_swaps_with_overlapping_copies_are_placed_inside_their_windows(
+        monkeypatch: pytest.MonkeyPatch, evenly_timed: Callable[[ModuleType], None]) -> None:  # fmt: skip
     """The refinement under a copy model whose copies overlap the compute (a GPU's, given on a
     CPU, where the measured one does not overlap): it prices each turn at the plan's peak, after
     the recomputed tensors' first backward use; every prefetch must still land after its offload
@@ -528,7 +516,7 @@ def test_refined_swaps_with_overlapping_copies_are_placed_inside_their_windows(m
     turns are taken; and every op is priced alike, since under the measured times of a loaded CPU
     (beside another test run) one recomputation once stayed."""
     _recompute_first(monkeypatch)
-    _evenly_timed(monkeypatch)
+    evenly_timed(swapping)
     transfer = TransferModel(1e11, 1e11, 0.0, overlap=True, device="cpu")
     rewritten = swapping.rewrite(models.cnn(batch_size=32), "profile{runs=1,warmup=0},select-swap{keep_faster=false,"
                                  "duplex=true},insert-swap", "0.8", transfer=transfer)  # fmt: skip
