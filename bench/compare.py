@@ -75,7 +75,9 @@ config runs the whole comparison on a CPU in a minute (times and peaks are only 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -210,11 +212,17 @@ def planned_in_parallel(variant: str) -> bool:
     return parsed is not None and parsed.spec != "none"
 
 
-def wait_for_turn(gate: Path, timings: dict[str, Any]) -> None:
-    """A worker planned beside others: say it is ready (``gate.ready``), then wait for ``gate.go``."""
+def wait_for_turn(gate: Path, timings: dict[str, Any], parent: int) -> None:
+    """A worker planned beside others: say it is ready (``gate.ready``), then wait for ``gate.go``;
+    exit if compare.py (process ``parent``) is gone, rather than hold the device for nobody."""
+    if torch.cuda.is_available():  # what planning left in the cache is not kept while others measure
+        gc.collect()
+        torch.cuda.empty_cache()
     timings["planned_at"] = time.time()
     gate.with_suffix(".ready").touch()
     while not gate.with_suffix(".go").exists():
+        if os.getppid() != parent:
+            raise SystemExit(f"compare.py (process {parent}) ended before this worker's turn to measure")
         time.sleep(0.2)
     timings["measured_from"] = time.time()
 
@@ -229,7 +237,8 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         spec: Any = json.loads(budget) if budget else own.spec
         plan_for = Budget(bytes=spec["bytes"]) if isinstance(spec, dict) else spec
         timings: dict[str, Any] = {}
-        turn: Callable[[], None] | None = None if gate is None else lambda: wait_for_turn(gate, timings)
+        parent = os.getppid()
+        turn: Callable[[], None] | None = None if gate is None else lambda: wait_for_turn(gate, timings, parent)
         row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile,
@@ -269,6 +278,7 @@ class Job(NamedTuple):
     variant: str
     budget: Any
     argv: list[str]
+    refused: dict[str, Any] | None = None  #: the row of a variant whose budget could not be resolved
 
 
 def worker_argv(args: argparse.Namespace, name: str, batch: str, variant: str, encoded_budget: str) -> list[str]:
@@ -303,16 +313,17 @@ def planning_groups(variants: list[str], parallel: int) -> list[list[str]]:
 
 
 def unprofiled(variants: list[str]) -> str | None:
-    """The first planned mutwo variant with no unbudgeted mutwo row before it whose profile it can
-    reuse (one that captures the same graph: CUDA-graph backends capture a capturable optimizer)."""
-    graphable: set[bool] = set()
+    """The first planned mutwo variant whose profile would not be the one the last unbudgeted mutwo
+    row before it saved (there is one profile.json per model and batch, made by the last such row):
+    none ran, or it captured another graph (CUDA-graph backends capture a capturable optimizer)."""
+    graphable: bool | None = None  # the kind of graph the saved profile is of
     for variant in variants:
         parsed = mutwo_variant(variant)
         if parsed is None:
             continue
         if parsed.spec == "none":
-            graphable.add(parsed.backend.endswith("cudagraphs"))
-        elif parsed.backend.endswith("cudagraphs") not in graphable:
+            graphable = parsed.backend.endswith("cudagraphs")
+        elif graphable is None or parsed.backend.endswith("cudagraphs") != graphable:
             return variant
     return None
 
@@ -322,10 +333,24 @@ def run_in_parallel(jobs: list[Job], parallel: int, timeout: int,
     """Plan and compile ``jobs`` in up to ``parallel`` worker processes at once, then let each
     measure alone, in order; yield each job with its row as it ends. Each worker gets ``timeout``
     seconds to plan and as many again to measure."""
+    gates = gates.resolve()  # the workers run in ROOT, this process maybe elsewhere
     gates.mkdir(parents=True, exist_ok=True)
     for old in gates.iterdir():
         old.unlink()
     launched: list[tuple[Job, subprocess.Popen[str], Path, float]] = []
+    try:
+        yield from _plan_then_measure(jobs, parallel, timeout, gates, launched)
+    finally:  # an error here, or a caller that stopped early: no worker is left waiting at its gate
+        for _, process, _, _ in launched:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _plan_then_measure(jobs: list[Job], parallel: int, timeout: int, gates: Path,
+                       launched: list[tuple[Job, subprocess.Popen[str], Path, float]],
+                       ) -> Iterator[tuple[Job, dict[str, Any]]]:  # fmt: skip
+    """:func:`run_in_parallel`'s work; every worker it starts goes into ``launched``."""
 
     def planning() -> list[tuple[Job, subprocess.Popen[str], Path, float]]:
         return [entry for entry in launched
@@ -447,17 +472,21 @@ def main() -> None:
                 try:
                     budget = None if spec is None else mutwo_budget(spec, measured, args.stand_in_budget)
                 except ValueError as error:
-                    rows.append({**base, "error": str(error)})
-                    print(json.dumps(rows[-1]), flush=True)
+                    jobs.append(Job(base, variant, None, [], {**base, "error": str(error)}))
                     continue
                 plain = {"bytes": budget.bytes} if isinstance(budget, Budget) else budget
                 encoded = json.dumps(plain) if budget else ""
                 jobs.append(Job(base, variant, budget, worker_argv(args, name, batch, variant, encoded)))
-            if len(jobs) > 1:
-                for job, row in run_in_parallel(jobs, args.parallel_planning, args.timeout, scratch / "gates"):
-                    record(job, row)
+            runnable = [job for job in jobs if job.refused is None]
+            if len(runnable) > 1:  # rows in the variants' order, refused ones among them
+                measured_rows = run_in_parallel(runnable, args.parallel_planning, args.timeout, scratch / "gates")
+                for job in jobs:
+                    record(*((job, job.refused) if job.refused is not None else next(measured_rows)))
                 continue
             for job in jobs:
+                if job.refused is not None:
+                    record(job, job.refused)
+                    continue
                 try:
                     done = subprocess.run(job.argv, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
                     row = finished_row(job.base, done.returncode, done.stdout, done.stderr)

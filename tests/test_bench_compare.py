@@ -163,6 +163,7 @@ def test_parallel_planning_plans_the_rows_together_then_measures_each_alone(
 @pytest.mark.parametrize(("extra", "message"), [
     (["--variants", "eager,mutwo-eager0.5,mutwo-swap-eager0.5"], "mutwo-eager0.5 would profile beside"),
     (["--variants", "eager,mutwo-none,mutwo@cudagraphs-eager0.5"], "mutwo@cudagraphs-eager0.5 would profile beside"),
+    (["--variants", "mutwo@cudagraphs-none,mutwo-none,mutwo@cudagraphs-eager0.5"], "would profile beside"),
     (["--variants", "eager,mutwo-none,mutwo-eager0.5", "--calibrate-peak", "2"], "cannot be combined with"),
     (["--variants", "eager", "--parallel-planning", "0"], "must be at least 1"),
 ])  # fmt: skip
@@ -182,3 +183,20 @@ def test_planning_groups_join_consecutive_planned_rows_only() -> None:
                                                     ["mutwo-eager0.5", "mutwo-swap-eager0.5"],
                                                     ["checkpoint"], ["mutwo-checkpoint"]]  # fmt: skip
     assert compare.planning_groups(variants, 1) == [[v] for v in variants]
+
+
+def test_parallel_planning_keeps_the_variants_order_with_a_refused_budget_and_a_relative_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A budget naming an unmeasured variant is refused in its place among the rows planned
+    together, and an --out relative to a folder other than the repository's still gates the workers."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:512", "--out", "rel.json", "--stand-in-budget",
+                                      "0.9", "--warmup", "0", "--iterations", "1", "--parallel-planning", "2",
+                                      "--variants", "eager,mutwo-none,mutwo-eager0.5,mutwo-checkpoint,"
+                                      "mutwo-swap-eager0.5"])  # fmt: skip
+    compare.main()
+    runs = json.loads((tmp_path / "rel.json").read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["eager", "mutwo-none", "mutwo-eager0.5", "mutwo-checkpoint",
+                                            "mutwo-swap-eager0.5"]  # fmt: skip
+    assert "needs the checkpoint variant measured first" in runs[3]["error"]
+    assert all("error" not in r and r["planned_in_parallel"] for r in (runs[2], runs[4])), runs

@@ -19,10 +19,19 @@ from typing import Any
 import pytest
 import torch
 
+import mutwo.runtime.api as api
 import mutwo.tools.experiment as experiment
 import mutwo.tools.experiment_plots as experiment_plots
 from mutwo.ir.registry import PassRegistry
-from mutwo.tools.experiment import EXIT_OK, EXIT_USAGE, OUT_OF_MEMORY, main, measure_step, run_configuration
+from mutwo.tools.experiment import (
+    EXIT_OK,
+    EXIT_USAGE,
+    OUT_OF_MEMORY,
+    TRANSFER_FILE,
+    main,
+    measure_step,
+    run_configuration,
+)
 from mutwo.tools.experiment_plots import plot_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,6 +128,23 @@ def test_budget_run_skips_profiling_when_none_saved_a_matching_profile(
     assert "error" not in none and "error" not in budget, (none, budget)
     assert budget["profile_seconds"] == none["profile_seconds"]
     assert budget["iteration_ms"] > 0
+
+
+def test_the_unbudgeted_run_saves_the_copy_model_the_swap_runs_reuse(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The run that profiles replaces an older transfer.json with the copy model it measures; a swap
+    run reusing its profile plans with that model, not one it measures itself."""
+    monkeypatch.chdir(REPO)
+    stale = {"d2h_bytes_per_second": 1.0, "h2d_bytes_per_second": 1.0, "latency_seconds": 0.0, "overlap": False,
+             "device": "cpu", "compute_slowdown": 0.0}  # fmt: skip
+    (tmp_path / "b64").mkdir()
+    (tmp_path / "b64" / TRANSFER_FILE).write_text(json.dumps(stale))
+    none = run_configuration(CONFIG, 64, "none", tmp_path, device="cpu", warmup=0, iterations=1)
+    saved = json.loads((tmp_path / "b64" / TRANSFER_FILE).read_text())
+    assert saved == none["transfer"] and saved != stale
+    monkeypatch.setattr(api, "measure_transfers", lambda device: pytest.fail("the copies were measured again"))
+    swap = run_configuration(CONFIG, 64, "0.95", tmp_path, device="cpu", warmup=0, iterations=1, swap=True)
+    assert "error" not in swap and swap["profile_reused"] and swap["transfer"] == saved, swap
 
 
 # -- measure_step ---------------------------------------------------------------------------------

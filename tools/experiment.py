@@ -270,6 +270,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     profiling = "profile" + ("{" + ",".join(profile_options) + "}" if profile_options else "")
     passes = ",".join([profiling, *planning])
     reused: list[str] = []  # what ran before this run's pipeline, in the run that profiled
+    if budget is None:  # an older copy model must not outlive the profile it was measured with
+        saved_transfer.unlink(missing_ok=True)
     if budget is not None:
         if saved.exists():
             profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
