@@ -333,7 +333,6 @@ def run_in_parallel(jobs: list[Job], parallel: int, timeout: int,
     """Plan and compile ``jobs`` in up to ``parallel`` worker processes at once, then let each
     measure alone, in order; yield each job with its row as it ends. Each worker gets ``timeout``
     seconds to plan and as many again to measure."""
-    gates = gates.resolve()  # the workers run in ROOT, this process maybe elsewhere
     gates.mkdir(parents=True, exist_ok=True)
     for old in gates.iterdir():
         old.unlink()
@@ -419,7 +418,9 @@ def main() -> None:
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--gate", type=Path, help=argparse.SUPPRESS)  # a worker planned beside others waits there
     args = parser.parse_args()
-    scratch = Path(args.out).with_suffix("") if args.out else Path("mutwo-out/compare")
+    if args.out:  # workers run in ROOT: they get the path this process means, not one relative to ROOT
+        args.out = str(Path(args.out).resolve())
+    scratch = Path(args.out).with_suffix("") if args.out else ROOT / "mutwo-out" / "compare"
     if args.warmup < 0 or args.iterations < 1:
         parser.error("--warmup must be at least 0 and --iterations at least 1")
     if args.calibrate_peak < 0:

@@ -188,7 +188,8 @@ def test_planning_groups_join_consecutive_planned_rows_only() -> None:
 def test_parallel_planning_keeps_the_variants_order_with_a_refused_budget_and_a_relative_out(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A budget naming an unmeasured variant is refused in its place among the rows planned
-    together, and an --out relative to a folder other than the repository's still gates the workers."""
+    together, and an --out relative to a folder other than the repository's is where the workers
+    share their profile and wait at their gates (they run in the repository)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:512", "--out", "rel.json", "--stand-in-budget",
                                       "0.9", "--warmup", "0", "--iterations", "1", "--parallel-planning", "2",
@@ -200,3 +201,5 @@ def test_parallel_planning_keeps_the_variants_order_with_a_refused_budget_and_a_
                                             "mutwo-swap-eager0.5"]  # fmt: skip
     assert "needs the checkpoint variant measured first" in runs[3]["error"]
     assert all("error" not in r and r["planned_in_parallel"] for r in (runs[2], runs[4])), runs
+    assert (tmp_path / "rel" / "tiny_mlp" / "b512" / "profile.json").is_file()
+    assert not (compare.ROOT / "rel").exists()
