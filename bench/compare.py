@@ -46,15 +46,23 @@ process, and then measures them one at a time, in order, each alone on the devic
 after planning until the others have planned and its turn has come). A whole-iteration Inductor
 compile of ResNet-152 takes about 6.5 minutes of one core's work, so four compiled rows take 26
 minutes one after the other. Their plans must not measure anything while others run: they reuse
-the profile and copy model of a ``mutwo-none`` row run before them (required), and
-``--calibrate-peak`` (which measures while planning) is refused with it. Rows planned so record
+the profile and copy model of a ``mutwo-none`` row run before them (required). ``--calibrate-peak``
+measures peaks while planning, beside the other processes (the allocator counts each process's own
+memory, so their peaks do not mix; each recording is released once measured); no time is measured
+before a row's turn, ``--measure-choice``'s included. Rows planned so record
 ``planned_in_parallel`` and when they had planned and were measured (``planned_at``,
 ``measured_from``, ``measured_until``, seconds since the epoch). A CUDA-graph backend captures
 another optimizer (capturable), so its rows reuse the profile of ``mutwo@cudagraphs-none``.
 
-``--calibrate-peak N`` makes the ``mutwo@inductor`` rows re-plan up to N times until the compiled
-step's measured peak is within 3% of the budget (Inductor's fusion frees buffers the plan counts;
+``--calibrate-peak N`` makes the rows of a compiled backend (``mutwo@inductor...``,
+``mutwo@cudagraphs...``) re-plan up to N times until the compiled step's measured peak is within 3%
+of the budget (Inductor's fusion frees buffers the plan counts;
 :mod:`mutwo.runtime.peak_calibration`); the rows record every round under ``calibration``.
+
+``--measure-choice`` makes the ``mutwo-swap@<compiled backend>`` rows measure select-swap's plan
+against the recompute-only plan at the same budget (both compiled, and calibrated with
+``--calibrate-peak``) and keep the faster: both are priced at eager times, which a compiled step
+does not keep (``tools.experiment.PlanChoice``). The row's ``measured_choice`` has both.
 
 ``--trace`` (GPU only) then profiles 3 more iterations of each variant and records, stream by
 stream, where the time went (compute idle, compute overlapped with copies, copy rates, kernels
@@ -230,7 +238,7 @@ def wait_for_turn(gate: Path, timings: dict[str, Any], parent: int) -> None:
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
            precision: str | None = None, trace: Path | None = None, isolate_profile: bool = False,
            warmup: int = WARMUP, iterations: int = MEASURED, calibrate_peak: int = 0,
-           gate: Path | None = None) -> dict[str, Any]:  # fmt: skip
+           gate: Path | None = None, measure_choice: bool = False) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     own = mutwo_variant(variant)
     if own is not None:
@@ -242,7 +250,8 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile,
-                                calibrate_peak=calibrate_peak if own.backend == "inductor" else 0,
+                                calibrate_peak=calibrate_peak if own.backend != "eager" else 0,
+                                measure_choice=measure_choice and own.swap and own.backend != "eager",
                                 before_measuring=turn)  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
@@ -288,7 +297,7 @@ def worker_argv(args: argparse.Namespace, name: str, batch: str, variant: str, e
             *(["--precision", args.precision] if args.precision else []),
             *(["--trace"] if args.trace else []),
             *(["--isolate-profile"] if args.isolate_profile else []),
-            "--calibrate-peak", str(args.calibrate_peak),
+            "--calibrate-peak", str(args.calibrate_peak), *(["--measure-choice"] if args.measure_choice else []),
             "--warmup", str(args.warmup), "--iterations", str(args.iterations)]  # fmt: skip
 
 
@@ -407,8 +416,13 @@ def main() -> None:
                         help="mutwo variants profile with profile{isolate=true}: each node's GPU time without the "
                         "host's launch time (compare the predicted and measured times with and without)")
     parser.add_argument("--calibrate-peak", type=int, default=0, metavar="ROUNDS",
-                        help="mutwo@inductor variants: up to ROUNDS re-plans until the compiled step's measured peak "
-                        "is within 3%% of the budget (each round compiles again)")
+                        help="mutwo variants of a compiled backend (mutwo@inductor..., mutwo@cudagraphs...): up to "
+                        "ROUNDS re-plans until the compiled step's measured peak is within 3%% of the budget (each "
+                        "round compiles again)")
+    parser.add_argument("--measure-choice", action="store_true",
+                        help="mutwo-swap variants of a compiled backend: when select-swap's plan swaps, also compile "
+                        "the recompute-only plan at its budget and keep whichever is measured faster (the row's "
+                        "measured_choice)")
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"warm-up iterations per variant (default {WARMUP})")
     parser.add_argument("--iterations", type=int, default=MEASURED,
                         help=f"measured iterations per variant (default {MEASURED}; 1 makes a CPU dry run short)")
@@ -427,9 +441,6 @@ def main() -> None:
         parser.error("--calibrate-peak must be 0 (off) or a number of rounds")
     if args.parallel_planning < 1:
         parser.error("--parallel-planning must be at least 1 (1: one variant after the other)")
-    if args.parallel_planning > 1 and args.calibrate_peak:
-        parser.error("--parallel-planning cannot be combined with --calibrate-peak: calibration measures the "
-                     "compiled step while planning, beside the other processes' compiles")  # fmt: skip
     if args.trace and not torch.cuda.is_available():
         parser.error("--trace profiles CUDA streams and needs a GPU; run without --trace on a CPU")
     if args.worker:
@@ -437,7 +448,7 @@ def main() -> None:
         trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
                      trace, args.isolate_profile, args.warmup, args.iterations, args.calibrate_peak,
-                     args.gate)  # fmt: skip
+                     args.gate, args.measure_choice)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []

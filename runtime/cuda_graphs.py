@@ -104,13 +104,20 @@ class CudaGraphRunner:
         loss, *rest = self.outputs
         return (loss.clone(), *rest)
 
-    def record(self, flat: Sequence[torch.Tensor]) -> None:
-        """Warm up on copies of the state, then record one iteration on the live state."""
-        self.graph, self.outputs = None, None  # free the previous recording's pool first
-        if self.host_buffers:  # the previous graph's replays have ended before they go back to the pool
+    def release(self) -> None:
+        """Drop the recording (its private pool goes back to the allocator, its host buffers to the
+        swap runtime); the next call records again. Planning that measures one compiled step after
+        another (peak calibration, a measured choice between plans) releases each after measuring
+        it, so that no pool outlives its measurement and skews the next one's peak."""
+        self.graph, self.outputs, self.static = None, None, []
+        if self.host_buffers:  # the graph's replays have ended before its buffers go back to the pool
             torch.cuda.synchronize()
             SWAP_RUNTIME.buffers.restore(self.host_buffers)
             self.host_buffers = []
+
+    def record(self, flat: Sequence[torch.Tensor]) -> None:
+        """Warm up on copies of the state, then record one iteration on the live state."""
+        self.release()  # free the previous recording's pool first
         self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
         side = torch.cuda.Stream(self.static[0].device)
         side.wait_stream(torch.cuda.current_stream())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -164,7 +165,6 @@ def test_parallel_planning_plans_the_rows_together_then_measures_each_alone(
     (["--variants", "eager,mutwo-eager0.5,mutwo-swap-eager0.5"], "mutwo-eager0.5 would profile beside"),
     (["--variants", "eager,mutwo-none,mutwo@cudagraphs-eager0.5"], "mutwo@cudagraphs-eager0.5 would profile beside"),
     (["--variants", "mutwo@cudagraphs-none,mutwo-none,mutwo@cudagraphs-eager0.5"], "would profile beside"),
-    (["--variants", "eager,mutwo-none,mutwo-eager0.5", "--calibrate-peak", "2"], "cannot be combined with"),
     (["--variants", "eager", "--parallel-planning", "0"], "must be at least 1"),
 ])  # fmt: skip
 def test_parallel_planning_refuses_rows_that_would_measure_while_others_compile(
@@ -203,3 +203,12 @@ def test_parallel_planning_keeps_the_variants_order_with_a_refused_budget_and_a_
     assert all("error" not in r and r["planned_in_parallel"] for r in (runs[2], runs[4])), runs
     assert (tmp_path / "rel" / "tiny_mlp" / "b512" / "profile.json").is_file()
     assert not (compare.ROOT / "rel").exists()
+
+
+def test_calibration_and_the_measured_choice_reach_the_workers() -> None:
+    args = argparse.Namespace(out=None, precision=None, trace=False, isolate_profile=False, calibrate_peak=1,
+                              measure_choice=True, warmup=3, iterations=10)  # fmt: skip
+    argv = compare.worker_argv(args, "tiny", "4", "mutwo-swap@inductor-cudagraphs-0.5", "")
+    assert "--measure-choice" in argv and argv[argv.index("--calibrate-peak") + 1] == "1"
+    assert "--measure-choice" not in compare.worker_argv(argparse.Namespace(**{**vars(args), "measure_choice": False}),
+                                                         "tiny", "4", "mutwo-0.5", "")  # fmt: skip

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import mutwo.runtime.api as api
+import mutwo.runtime.profiler as profiler
 import mutwo.tools.experiment as experiment
 import mutwo.tools.experiment_plots as experiment_plots
 from mutwo.ir.registry import PassRegistry
@@ -434,3 +435,80 @@ def test_out_of_memory_while_planning_also_skips(monkeypatch: pytest.MonkeyPatch
     assert calls == [(16, "none")]
     rows = rows_by_key(json.loads((tmp_path / "x" / "results.json").read_text(encoding="utf-8")))
     assert rows[(32, "none")]["error"].startswith("skipped")
+
+
+# -- the measured choice between select-swap's plan and recompute only ------------------------------
+FAST_COPIES = {"d2h_bytes_per_second": 1e13, "h2d_bytes_per_second": 1e13, "latency_seconds": 0.0, "overlap": True,
+               "device": "cpu", "compute_slowdown": 0.0}  # fmt: skip
+
+
+@pytest.mark.parametrize("faster", ["recompute only", "swap+recompute"])
+def test_a_measured_choice_keeps_the_plan_that_ran_faster(faster: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With copies priced free (a GPU's copy model on the CPU), select-swap's plan swaps; the
+    measured choice compiles the recompute-only plan at its budget too, measures both, and the row
+    and the measured step are those of the plan measured faster (here made so by scaling the
+    measured times: the CPU's own would decide by noise)."""
+    monkeypatch.chdir(REPO)
+    none = run_configuration(CONFIG, 512, "none", tmp_path, device="cpu", warmup=0, iterations=1)
+    assert "error" not in none, none
+    (tmp_path / "b512" / TRANSFER_FILE).write_text(json.dumps(FAST_COPIES))
+    measured = profiler.measure_iterations
+    seconds = {"swap+recompute": 1.0, "recompute only": 1.0}
+    seconds[{"recompute only": "swap+recompute", "swap+recompute": "recompute only"}[faster]] = 3.0
+    order = iter(["swap+recompute", "recompute only"])  # the order the choice measures its candidates in
+
+    def scaled(run: Any, inputs: list[torch.Tensor], **kwargs: Any) -> Any:
+        result = measured(run, inputs, **kwargs)
+        return type(result)(seconds[next(order)], result.peak_bytes, result.runs)
+
+    monkeypatch.setattr(profiler, "measure_iterations", scaled)
+    row = run_configuration(CONFIG, 512, "0.85", tmp_path, device="cpu", warmup=0, iterations=1, swap=True,
+                            backend="inductor", measure_choice=True)  # fmt: skip
+    assert "error" not in row, row
+    choice = row["measured_choice"]
+    assert choice["kept"] == faster, choice
+    assert [c["plan"] for c in choice["candidates"]] == ["swap+recompute", "recompute only"]
+    assert choice["candidates"][0]["swapped_tensors"] > 0 and choice["candidates"][1]["swapped_tensors"] == 0
+    assert ("swapped_tensors" in row) == (faster == "swap+recompute")  # the row describes the kept plan
+    assert row["iteration_ms"] > 0
+
+
+def test_a_measured_choice_is_refused_for_the_eager_backend(tmp_path: Path) -> None:
+    row = run_configuration(CONFIG, 64, "0.9", tmp_path, device="cpu", warmup=0, iterations=1, swap=True,
+                            measure_choice=True)  # fmt: skip
+    assert row["error_kind"] == "backend" and "for compiled backends" in row["error"]
+
+
+@pytest.mark.parametrize(("peaks", "times", "kept"), [
+    ([100, 100], [2.0, 1.0], 1),  # both fit: the faster
+    ([100, 100], [1.0, 2.0], 0),
+    ([100, 100], [1.0, 1.0], 1),  # a tie: recompute only (last)
+    ([103, 90], [1.0, 2.0], 0),  # 3% over the budget still fits
+    ([104, 90], [1.0, 2.0], 1),  # over it: the one that fits, though slower
+    ([120, 110], [1.0, 2.0], 1),  # neither fits: the lower peak
+    ([None, None], [2.0, 1.0], 1),  # no peaks measured (the CPU): by time
+])  # fmt: skip
+def test_choose_measured(peaks: list[int | None], times: list[float], kept: int) -> None:
+    measured = [{"peak_bytes": p, "iteration_ms": t} for p, t in zip(peaks, times, strict=True)]
+    assert experiment.choose_measured(measured, 100, 0.03) == kept
+
+
+@pytest.mark.cuda
+def test_cuda_a_measured_choice_under_cuda_graphs_calibrates_and_measures_both_plans(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On the GPU under inductor-cudagraphs: both plans are calibrated (their recordings' peaks
+    measured, each recording released before the next), both measured alone, and the kept one is
+    recorded again and measured; the row carries both measurements and the calibration."""
+    monkeypatch.chdir(REPO)
+    none = run_configuration(CONFIG, 512, "none", tmp_path, device="cuda", warmup=1, iterations=2,
+                             backend="cudagraphs")  # fmt: skip
+    assert "error" not in none, none
+    (tmp_path / "b512" / TRANSFER_FILE).write_text(json.dumps({**FAST_COPIES, "device": "cuda:0"}))
+    row = run_configuration(CONFIG, 512, "0.85", tmp_path, device="cuda", warmup=1, iterations=3, swap=True,
+                            backend="inductor-cudagraphs", calibrate_peak=1, measure_choice=True)  # fmt: skip
+    assert "error" not in row, row
+    choice = row["measured_choice"]
+    assert choice["kept"] in ("swap+recompute", "recompute only"), choice
+    assert all(c["peak_bytes"] > 0 and c["iteration_ms"] > 0 for c in choice["candidates"]), choice
+    assert row["calibration"]["rounds"] and row["peak_bytes"] > 0 and row["iteration_ms"] > 0

@@ -114,7 +114,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       log: Callable[[str], None] = lambda message: None,
                       optimizer_passes: bool = False, swap: bool = False,
                       backend: str = "eager", trace: Path | None = None,
-                      isolate_profile: bool = False, calibrate_peak: int = 0,
+                      isolate_profile: bool = False, calibrate_peak: int = 0, measure_choice: bool = False,
                       before_measuring: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
@@ -129,8 +129,12 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     3 more iterations on the GPU, write their Chrome trace there and add the per-stream summary
     (:mod:`mutwo.tools.stream_trace`) under ``streams``. ``isolate_profile``: profile with
     ``profile{isolate=true}`` (each node's GPU time without the host's launch time).
-    ``calibrate_peak``: with the ``inductor`` backend, up to that many re-plans until the compiled
+    ``calibrate_peak``: with a compiled backend, up to that many re-plans until the compiled
     step's measured peak is within 3% of the budget (:mod:`mutwo.runtime.peak_calibration`).
+    ``measure_choice``: with ``swap`` and a compiled backend, when select-swap's plan swaps, also
+    compile the recompute-only plan at its budget and keep whichever is measured faster, each
+    measured alone after ``before_measuring`` (:class:`PlanChoice`; the row's
+    ``measured_choice`` says what each ran).
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -144,7 +148,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
             step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap,
-                                 backend, isolate_profile, calibrate_peak)  # fmt: skip
+                                 backend, isolate_profile, calibrate_peak, measure_choice)  # fmt: skip
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -154,6 +158,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         return {**row, "error": str(refused), "error_kind": "backend"}
     if before_measuring is not None:
         before_measuring()
+    if isinstance(step, PlanChoice):
+        step = step.resolve(row, log, warmup=warmup, iterations=iterations)
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations,
                                       trace=trace))  # fmt: skip
@@ -238,7 +244,8 @@ def build_training(config_path: str | Path, batch_size: int, device: str | None 
 def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
                   log: Callable[[str], None], optimizer_passes: bool = False,
                   swap: bool = False, backend: str = "eager",
-                  isolate_profile: bool = False, calibrate: int = 0) -> Callable[[], Any]:  # fmt: skip
+                  isolate_profile: bool = False, calibrate: int = 0,
+                  measure_choice: bool = False) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
@@ -249,9 +256,15 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     from mutwo.runtime.profiler import Profile, fingerprint
     from mutwo.runtime.step import GraphStep
 
-    if calibrate and backend != "inductor":
-        raise BackendError(f"peak calibration re-plans for a compiled step's measured peak, which only the inductor "
-                           f"backend moves away from the plan; drop it for the {backend} backend")  # fmt: skip
+    if calibrate and backend == "eager":
+        raise BackendError("peak calibration re-plans for a compiled step's measured peak (the eager executor's is the "
+                           "simulated one); drop it, or plan for a compiled backend (inductor, inductor-cudagraphs, "
+                           "cudagraphs)")  # fmt: skip
+    if measure_choice and backend == "eager":
+        raise BackendError("a measured choice between plans is for compiled backends, whose steps run otherwise than "
+                           "the eager times the plans are priced at; the eager executor's select-swap choice is "
+                           "already priced as it runs: drop it, or plan for inductor, inductor-cudagraphs or "
+                           "cudagraphs")  # fmt: skip
     if backend.endswith("cudagraphs"):
         graphable_optimizer(training.optimizer, training.device)
     started = time.perf_counter()
@@ -291,7 +304,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                 if timing.exists():
                     row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
     available = {"profile"} if "profile" in context.artifacts else set()
-    pristine = lowered.graph.copy() if calibrate else None  # each calibration round plans from it
+    # each calibration round, and the recompute-only plan a measured choice weighs, plans from it
+    pristine = lowered.graph.copy() if calibrate or measure_choice else None
     try:
         result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
     except PipelineFailure as failure:
@@ -333,7 +347,25 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                                       row, log)  # fmt: skip
         row["calibration_seconds"] = round(time.perf_counter() - started, 2)
         row["planning_seconds"] = round(row["planning_seconds"] + row["calibration_seconds"], 2)
-    return PlannedStep(graph_step, training.batch)
+    planned = PlannedStep(graph_step, training.batch)
+    swap_plan = context.artifacts.get("swap-plan")
+    if measure_choice and swap_plan is not None and pristine is not None:
+        if not swap_plan.of("swap"):
+            row["measured_choice"] = {"skipped": "select-swap's plan swaps nothing: it is recompute only already"}
+            return planned
+        started = time.perf_counter()
+        recompute_only = ",".join([*(["optimizer"] if optimizer_passes else []), "select", "rewrite"])
+        other = _recompute_only_step(pristine, lowered, recompute_only, swap_plan.budget_bytes, backend, profile,
+                                     calibrate, log)  # fmt: skip
+        row["planning_seconds"] = round(row["planning_seconds"] + time.perf_counter() - started, 2)
+        if other is None:
+            row["measured_choice"] = {"skipped": "no recompute-only plan reaches the budget"}
+            return planned
+        step, fields = other
+        return PlanChoice(swap_plan.budget_bytes, [
+            Candidate("swap+recompute", planned, {k: v for k, v in row.items() if k in PLAN_FIELDS}),
+            Candidate("recompute only", PlannedStep(step, training.batch), fields)])  # fmt: skip
+    return planned
 
 
 def _plan_row(plan: Any, swap_plan: Any, graph: Any) -> dict[str, Any]:
@@ -400,6 +432,112 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
     row.update(_plan_row(None if swapping else chosen, chosen if swapping else None, graph),
                calibration=calibration.describe())  # fmt: skip
     return step
+
+
+def _recompute_only_step(pristine: Any, lowered: Any, planning: str, budget_bytes: int, backend: str, profile: Any,
+                         calibrate: int, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]] | None:  # fmt: skip
+    """The recompute-only plan of ``pristine`` at ``budget_bytes`` (``planning``: its passes after
+    the profile), compiled for ``backend`` and calibrated like the swap plan it is weighed
+    against; with the row fields that describe it. None when no such plan reaches the budget."""
+    from mutwo.ir.budget import Budget
+    from mutwo.ir.pass_manager import PassManager, PipelineFailure
+    from mutwo.ir.registry import PassRegistry
+    from mutwo.runtime.api import pass_context
+    from mutwo.runtime.backends import backend_services
+    from mutwo.runtime.step import GraphStep
+
+    graph = pristine.copy()
+    context = pass_context(lowered, Budget(bytes=budget_bytes), log=log)
+    context.services.update(backend_services(backend))
+    context.artifacts["profile"] = profile
+    try:
+        PassManager(PassRegistry().build_pipeline(planning, {"profile"})).run(graph, context)
+    except PipelineFailure as failure:
+        log(f"measured choice: no recompute-only plan: {str(failure).splitlines()[0]}")
+        return None
+    plan = context.artifacts["plan"]
+    step = GraphStep(graph, lowered.captured, lowered.binding, backend)
+    compiled = step.compile(lowered.inputs)
+    fields = {**_plan_row(plan, None, graph), "compile_seconds": round(compiled.compile_seconds, 3),
+              "compile_cache_hit": compiled.cache_hit}  # fmt: skip
+    if calibrate:
+        step = _calibrated_step(step, plan, profile, pristine, lowered, planning, calibrate, fields, log)
+    return step, fields
+
+
+#: The row fields a plan sets (:func:`_plan_row`, calibration, the compile): a measured choice
+#: replaces them with the kept plan's.
+PLAN_FIELDS = ("recomputed_tensors", "predicted_added_ms", "profiled_iteration_ms", "predicted_iteration_ms",
+               "planned_peak_bytes", "recomputed_ops", "cloned_ops", "swapped_tensors", "swapped_bytes",
+               "predicted_stall_ms", "time_scale", "transfer", "swapped_ops", "alternative_plan", "calibration",
+               "compile_seconds", "compile_cache_hit")  # fmt: skip
+
+
+@dataclass
+class Candidate:
+    """One compiled plan a :class:`PlanChoice` weighs: its name, step and row fields."""
+
+    name: str
+    step: PlannedStep
+    fields: dict[str, Any]
+
+
+@dataclass
+class PlanChoice:
+    """select-swap's plan and the recompute-only plan at the same budget, both compiled: which
+    runs faster is measured, each alone on the device, when :meth:`resolve` is called (after
+    ``compare.py --parallel-planning``'s gate), and that one is kept.
+
+    Under a compiled backend both plans are priced at the eager executor's times, which the
+    compiled step does not keep: on an H200, ResNet-152's recompute-only step under
+    ``inductor-cudagraphs`` ran 15% under its prediction, the swap plan as predicted, so select-swap
+    kept the plan that ran 17% slower (docs/benchmarks.md). Measuring decides that comparison."""
+
+    budget_bytes: int
+    candidates: list[Candidate]
+
+    def resolve(self, row: dict[str, Any], log: Callable[[str], None], *, warmup: int,
+                iterations: int) -> PlannedStep:  # fmt: skip
+        """Measure every candidate (``warmup`` then ``iterations`` iterations, median time, peak as
+        the simulator counts it), keep the fastest whose peak is within 3% over the budget (none:
+        the lowest peak; a tie: recompute only, which holds no host memory or copy engine), write
+        what was measured under ``row["measured_choice"]`` and the kept plan's fields into ``row``."""
+        from mutwo.runtime.peak_calibration import TOLERANCE, release_recording
+        from mutwo.runtime.profiler import measure_iterations
+
+        measured = []
+        for candidate in self.candidates:
+            step = candidate.step.step
+            result = measure_iterations(step.compiled.run, step.flat_inputs(candidate.step.batch), runs=iterations,
+                                        warmup=warmup)  # fmt: skip
+            release_recording(step.compiled.run)
+            measured.append({"plan": candidate.name, "iteration_ms": round(result.seconds * 1e3, 3),
+                             "peak_bytes": result.peak_bytes,
+                             "predicted_iteration_ms": candidate.fields.get("predicted_iteration_ms"),
+                             "planned_peak_bytes": candidate.fields.get("planned_peak_bytes"),
+                             "swapped_tensors": candidate.fields.get("swapped_tensors", 0),
+                             "recomputed_tensors": candidate.fields.get("recomputed_tensors", 0)})  # fmt: skip
+            log(f"measured choice: {candidate.name} ran {measured[-1]['iteration_ms']:.1f} ms"
+                + (f", peak {result.peak_bytes / 2**20:,.0f} MiB" if result.peak_bytes is not None else ""))
+        kept = choose_measured(measured, self.budget_bytes, TOLERANCE)
+        log(f"measured choice: kept {self.candidates[kept].name}")
+        for key in PLAN_FIELDS:
+            row.pop(key, None)
+        row.update(self.candidates[kept].fields)
+        row["measured_choice"] = {"kept": self.candidates[kept].name, "budget_bytes": self.budget_bytes,
+                                  "warmup": warmup, "iterations": iterations, "candidates": measured}  # fmt: skip
+        return self.candidates[kept].step
+
+
+def choose_measured(measured: list[dict[str, Any]], budget_bytes: int, tolerance: float) -> int:
+    """The index of the candidate to keep: the fastest of those whose measured peak is at most
+    ``tolerance`` over the budget (none measured a peak, as on the CPU: all count), else the one of
+    the lowest peak; of equal times, the later (the recompute-only plan comes last)."""
+    fits = [i for i, m in enumerate(measured)
+            if m["peak_bytes"] is None or m["peak_bytes"] <= (1 + tolerance) * budget_bytes]  # fmt: skip
+    if not fits:
+        return min(range(len(measured)), key=lambda i: measured[i]["peak_bytes"])
+    return min(reversed(fits), key=lambda i: measured[i]["iteration_ms"])
 
 
 @dataclass
