@@ -48,8 +48,9 @@ compile of ResNet-152 takes about 6.5 minutes of one core's work, so four compil
 minutes one after the other. Their plans must not measure anything while others run: they reuse
 the profile and copy model of a ``mutwo-none`` row run before them (required). ``--calibrate-peak``
 measures peaks while planning, beside the other processes (the allocator counts each process's own
-memory, so their peaks do not mix; each recording is released once measured); no time is measured
-before a row's turn, ``--measure-choice``'s included. Rows planned so record
+memory, so their peaks do not mix; each recording is released once measured), one process at a
+time (a lock file: four BERT-base processes measuring at once ran out of the H100's memory); no
+time is measured before a row's turn, ``--measure-choice``'s included. Rows planned so record
 ``planned_in_parallel`` and when they had planned and were measured (``planned_at``,
 ``measured_from``, ``measured_until``, seconds since the epoch). A CUDA-graph backend captures
 another optimizer (capturable), so its rows reuse the profile of ``mutwo@cudagraphs-none``.
@@ -252,7 +253,8 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile,
                                 calibrate_peak=calibrate_peak if own.backend != "eager" else 0,
                                 measure_choice=measure_choice and own.swap and own.backend != "eager",
-                                before_measuring=turn)  # fmt: skip
+                                before_measuring=turn,
+                                device_lock=None if gate is None else gate.parent / "device.lock")  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
         if gate is not None:

@@ -512,3 +512,25 @@ def test_cuda_a_measured_choice_under_cuda_graphs_calibrates_and_measures_both_p
     assert choice["kept"] in ("swap+recompute", "recompute only"), choice
     assert all(c["peak_bytes"] > 0 and c["iteration_ms"] > 0 for c in choice["candidates"]), choice
     assert row["calibration"]["rounds"] and row["peak_bytes"] > 0 and row["iteration_ms"] > 0
+
+
+def test_device_turn_lets_one_process_measure_at_a_time(tmp_path: Path) -> None:
+    """Two processes planning side by side: the second waits for the first's lock on the file."""
+    import subprocess
+    import sys
+    import time
+
+    lock = tmp_path / "device.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from mutwo.tools.experiment import device_turn\n"
+                               f"with device_turn(Path({str(lock)!r})):\n"
+                               "    print('held', flush=True)\n    time.sleep(1.5)\n"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    with experiment.device_turn(lock):
+        waited = time.monotonic() - started
+    holder.wait(timeout=30)
+    assert waited > 0.5, waited
+    with experiment.device_turn(None):  # nothing to share the device with: no file, no wait
+        pass

@@ -16,6 +16,8 @@ vs batch size, iteration time vs batch size and simulated vs measured peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- one configuration, in its own process ---------------------------------------------------------
+@contextlib.contextmanager
+def device_turn(lock: Path | None) -> Iterator[None]:
+    """Hold ``lock`` (an exclusive ``flock`` on that file) while measuring on the device during
+    planning, so that processes planning side by side (``bench/compare.py --parallel-planning``)
+    measure one at a time: four BERT-base processes calibrating at once on an 80 GB H100 ran out
+    of memory (2026-11-26). ``None``: nothing to share the device with."""
+    if lock is None:
+        yield
+        return
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+
 def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, iterations: int) -> dict[str, Any]:
     """Median time of ``iterations`` whole steps after ``warmup`` and, on CUDA, their peak memory.
 
@@ -115,7 +135,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       optimizer_passes: bool = False, swap: bool = False,
                       backend: str = "eager", trace: Path | None = None,
                       isolate_profile: bool = False, calibrate_peak: int = 0, measure_choice: bool = False,
-                      before_measuring: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
+                      before_measuring: Callable[[], None] | None = None,
+                      device_lock: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
@@ -134,7 +155,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     ``measure_choice``: with ``swap`` and a compiled backend, when select-swap's plan swaps, also
     compile the recompute-only plan at its budget and keep whichever is measured faster, each
     measured alone after ``before_measuring`` (:class:`PlanChoice`; the row's
-    ``measured_choice`` says what each ran).
+    ``measured_choice`` says what each ran). ``device_lock``: a file whose lock calibration holds
+    while it measures (:func:`device_turn`), for processes planning side by side.
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -148,7 +170,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
             step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap,
-                                 backend, isolate_profile, calibrate_peak, measure_choice)  # fmt: skip
+                                 backend, isolate_profile, calibrate_peak, measure_choice, device_lock)  # fmt: skip
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -245,7 +267,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                   log: Callable[[str], None], optimizer_passes: bool = False,
                   swap: bool = False, backend: str = "eager",
                   isolate_profile: bool = False, calibrate: int = 0,
-                  measure_choice: bool = False) -> Callable[[], Any]:  # fmt: skip
+                  measure_choice: bool = False, device_lock: Path | None = None) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
@@ -344,7 +366,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     if calibrate and plan is not None and pristine is not None:
         started = time.perf_counter()
         graph_step = _calibrated_step(graph_step, plan, profile, pristine, lowered, ",".join(planning), calibrate,
-                                      row, log)  # fmt: skip
+                                      row, log, device_lock)  # fmt: skip
         row["calibration_seconds"] = round(time.perf_counter() - started, 2)
         row["planning_seconds"] = round(row["planning_seconds"] + row["calibration_seconds"], 2)
     planned = PlannedStep(graph_step, training.batch)
@@ -356,7 +378,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         started = time.perf_counter()
         recompute_only = ",".join([*(["optimizer"] if optimizer_passes else []), "select", "rewrite"])
         other = _recompute_only_step(pristine, lowered, recompute_only, swap_plan.budget_bytes, backend, profile,
-                                     calibrate, log)  # fmt: skip
+                                     calibrate, log, device_lock)  # fmt: skip
         row["planning_seconds"] = round(row["planning_seconds"] + time.perf_counter() - started, 2)
         if other is None:
             row["measured_choice"] = {"skipped": "no recompute-only plan reaches the budget"}
@@ -388,7 +410,8 @@ def _plan_row(plan: Any, swap_plan: Any, graph: Any) -> dict[str, Any]:
 
 
 def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered: Any, planning: str, rounds: int,
-                     row: dict[str, Any], log: Callable[[str], None]) -> Any:  # fmt: skip
+                     row: dict[str, Any], log: Callable[[str], None],
+                     device_lock: Path | None = None) -> Any:  # fmt: skip
     """The compiled step :func:`mutwo.runtime.peak_calibration.calibrate` keeps: ``first`` (planned
     with ``plan``) measured, then up to ``rounds`` re-plans of ``pristine`` by the ``planning``
     passes (with ``profile``) at budgets moved by the measured gap; ``row`` gets the kept plan's
@@ -421,7 +444,8 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
             step = GraphStep(graph, lowered.captured, lowered.binding, first.backend)
             step.compile(inputs)
         candidates.append((step, chosen, graph))
-        measured = measured_peak(step.compiled.run, inputs)
+        with device_turn(device_lock):
+            measured = measured_peak(step.compiled.run, inputs)
         return CalibrationRound(budget_bytes, chosen.predicted_peak, measured, chosen.unoptimized_peak), \
             (step, chosen, graph)  # fmt: skip
 
@@ -435,7 +459,8 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
 
 
 def _recompute_only_step(pristine: Any, lowered: Any, planning: str, budget_bytes: int, backend: str, profile: Any,
-                         calibrate: int, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]] | None:  # fmt: skip
+                         calibrate: int, log: Callable[[str], None],
+                         device_lock: Path | None = None) -> tuple[Any, dict[str, Any]] | None:  # fmt: skip
     """The recompute-only plan of ``pristine`` at ``budget_bytes`` (``planning``: its passes after
     the profile), compiled for ``backend`` and calibrated like the swap plan it is weighed
     against; with the row fields that describe it. None when no such plan reaches the budget."""
@@ -461,7 +486,7 @@ def _recompute_only_step(pristine: Any, lowered: Any, planning: str, budget_byte
     fields = {**_plan_row(plan, None, graph), "compile_seconds": round(compiled.compile_seconds, 3),
               "compile_cache_hit": compiled.cache_hit}  # fmt: skip
     if calibrate:
-        step = _calibrated_step(step, plan, profile, pristine, lowered, planning, calibrate, fields, log)
+        step = _calibrated_step(step, plan, profile, pristine, lowered, planning, calibrate, fields, log, device_lock)
     return step, fields
 
 
