@@ -45,6 +45,7 @@ from mutwo.runtime.peak_calibration import (
     calibration_refusal,
     pipeline_plan,
 )
+from mutwo.runtime.plan_choice import choice_refusal, measured_choice
 from mutwo.runtime.profiler import device_of, profile_graph
 from mutwo.runtime.step import GraphStep
 from mutwo.runtime.training import TrainingOptions
@@ -73,6 +74,8 @@ class Optimized:
     step: GraphStep | None = None
     #: with ``calibrate_peak``: every round's budget and peaks, and the round kept
     calibration: Calibration[Any] | None = None
+    #: with ``measure_choice``: both plans measured and the one kept (:mod:`mutwo.runtime.plan_choice`)
+    choice: dict[str, Any] | None = None
 
     @property
     def plan(self) -> Any:
@@ -151,6 +154,7 @@ def optimize_graph(
     data_parallel: DataParallel | None = None,
     backend: str = "eager",
     calibrate_peak: int | None = None,
+    measure_choice: bool = False,
 ) -> Optimized:
     """Capture the iteration, lower it, run ``passes`` over it, as ``mutwo-opt`` does, and make the
     final graph runnable by ``backend`` (compiled here: part of planning).
@@ -160,13 +164,17 @@ def optimize_graph(
     :class:`mutwo.runtime.equivalence.Tolerance`). With ``data_parallel``, every rank of its group
     must call this together; they end with the same graph or all fail. ``calibrate_peak``: with
     the inductor backend, plan again up to that many times until the compiled step's measured peak
-    is within 3% of the budget (:mod:`mutwo.runtime.peak_calibration`).
+    is within 3% of the budget (:mod:`mutwo.runtime.peak_calibration`). ``measure_choice``: with
+    a compiled backend and select-swap in ``passes``, when its plan swaps, compile the
+    recompute-only plan at the same budget too, measure both and keep the faster
+    (:mod:`mutwo.runtime.plan_choice`; ``Optimized.choice`` says what each ran).
     """
     check_backend(backend)
     if data_parallel is not None and backend != "eager":
         raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
     pipeline = PassRegistry().build_pipeline(passes)
     refusal = calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
+    refusal = refusal or choice_refusal(measure_choice, backend, pipeline, "measure_choice")
     if refusal is not None:
         raise ValueError(refusal)
     with random_stream_kept(model):  # planning runs the graph; the caller's training draws what eager's would
@@ -194,6 +202,12 @@ def optimize_graph(
             first = Calibrated(lowered.graph, compiled, context)
             kept = calibrated_step(calibrate_peak, PassManager(pipeline), lowered, original, first, compiled_for,
                                    out_dir, log)  # fmt: skip
+            optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
+            optimized.step, compiled = steps[id(kept.graph)], kept.compiled
+        if measure_choice:
+            made = Calibrated(optimized.graph, compiled, optimized.context, optimized.calibration)
+            kept, optimized.choice = measured_choice(PassManager(pipeline), lowered, original, made, compiled_for,
+                                                     calibrate_peak, out_dir, log)  # fmt: skip
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
         if check:
@@ -386,6 +400,7 @@ def optimize(
     bucket_cap_mb: float | None = None,
     backend: str = "eager",
     calibrate_peak: int | None = None,
+    measure_choice: bool = False,
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -416,7 +431,10 @@ def optimize(
     (fused by torch's Inductor, compiled now), ``cudagraphs`` or ``inductor-cudagraphs`` (replayed
     as one CUDA graph); see docs/backends.md. ``calibrate_peak``: with ``inductor``, plan again up
     to that many times (compiling each time) until the compiled step's measured peak is within 3%
-    of the budget, since Inductor's fusion frees buffers the plan counts.
+    of the budget, since Inductor's fusion frees buffers the plan counts. ``measure_choice``: with
+    a compiled backend and ``passes`` planning swaps (``"profile,swap"``), keep select-swap's plan
+    only when it is measured faster than the recompute-only plan at the same budget
+    (:mod:`mutwo.runtime.plan_choice`).
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
@@ -429,6 +447,7 @@ def optimize(
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
     options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
                "training": training, "data_parallel": dp, "backend": backend, "calibrate_peak": calibrate_peak,
+               "measure_choice": measure_choice,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)

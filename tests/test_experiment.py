@@ -24,6 +24,7 @@ import mutwo.runtime.profiler as profiler
 import mutwo.tools.experiment as experiment
 import mutwo.tools.experiment_plots as experiment_plots
 from mutwo.ir.registry import PassRegistry
+from mutwo.runtime.plan_choice import choose_measured
 from mutwo.tools.experiment import (
     EXIT_OK,
     EXIT_USAGE,
@@ -491,7 +492,7 @@ def test_a_measured_choice_is_refused_for_the_eager_backend(tmp_path: Path) -> N
 ])  # fmt: skip
 def test_choose_measured(peaks: list[int | None], times: list[float], kept: int) -> None:
     measured = [{"peak_bytes": p, "iteration_ms": t} for p, t in zip(peaks, times, strict=True)]
-    assert experiment.choose_measured(measured, 100, 0.03) == kept
+    assert choose_measured(measured, 100, 0.03) == kept
 
 
 @pytest.mark.cuda

@@ -36,6 +36,7 @@ import torch
 from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.replay import describe
 from mutwo.ir.timeline import TransferModel
+from mutwo.runtime.plan_choice import RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE
 from mutwo.runtime.training import PRECISIONS, TrainingOptions
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
@@ -385,8 +386,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
             return planned
         step, fields = other
         return PlanChoice(swap_plan.budget_bytes, [
-            Candidate("swap+recompute", planned, {k: v for k, v in row.items() if k in PLAN_FIELDS}),
-            Candidate("recompute only", PlannedStep(step, training.batch), fields)])  # fmt: skip
+            Candidate(SWAP_AND_RECOMPUTE, planned, {k: v for k, v in row.items() if k in PLAN_FIELDS}),
+            Candidate(RECOMPUTE_ONLY, PlannedStep(step, training.batch), fields)])  # fmt: skip
     return planned
 
 
@@ -527,7 +528,8 @@ class PlanChoice:
         the simulator counts it), keep the fastest whose peak is within 3% over the budget (none:
         the lowest peak; a tie: recompute only, which holds no host memory or copy engine), write
         what was measured under ``row["measured_choice"]`` and the kept plan's fields into ``row``."""
-        from mutwo.runtime.peak_calibration import TOLERANCE, release_recording
+        from mutwo.runtime.peak_calibration import release_recording
+        from mutwo.runtime.plan_choice import choose_measured
         from mutwo.runtime.profiler import measure_iterations
 
         measured = []
@@ -544,7 +546,7 @@ class PlanChoice:
                              "recomputed_tensors": candidate.fields.get("recomputed_tensors", 0)})  # fmt: skip
             log(f"measured choice: {candidate.name} ran {measured[-1]['iteration_ms']:.1f} ms"
                 + (f", peak {result.peak_bytes / 2**20:,.0f} MiB" if result.peak_bytes is not None else ""))
-        kept = choose_measured(measured, self.budget_bytes, TOLERANCE)
+        kept = choose_measured(measured, self.budget_bytes)
         log(f"measured choice: kept {self.candidates[kept].name}")
         for key in PLAN_FIELDS:
             row.pop(key, None)
@@ -552,17 +554,6 @@ class PlanChoice:
         row["measured_choice"] = {"kept": self.candidates[kept].name, "budget_bytes": self.budget_bytes,
                                   "warmup": warmup, "iterations": iterations, "candidates": measured}  # fmt: skip
         return self.candidates[kept].step
-
-
-def choose_measured(measured: list[dict[str, Any]], budget_bytes: int, tolerance: float) -> int:
-    """The index of the candidate to keep: the fastest of those whose measured peak is at most
-    ``tolerance`` over the budget (none measured a peak, as on the CPU: all count), else the one of
-    the lowest peak; of equal times, the later (the recompute-only plan comes last)."""
-    fits = [i for i, m in enumerate(measured)
-            if m["peak_bytes"] is None or m["peak_bytes"] <= (1 + tolerance) * budget_bytes]  # fmt: skip
-    if not fits:
-        return min(range(len(measured)), key=lambda i: measured[i]["peak_bytes"])
-    return min(reversed(fits), key=lambda i: measured[i]["iteration_ms"])
 
 
 @dataclass

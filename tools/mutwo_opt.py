@@ -5,7 +5,7 @@
               [--profile-from FILE] [--plan-from FILE] [--list-passes] [--load-passes M]
               [--no-verify] [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot]
               [--time-passes] [--fit MEMORY [--fit-margin SHARE] [--fit-max-slowdown FACTOR]]
-              [--calibrate-peak ROUNDS] [-q/--quiet] [--bucket-cap-mb MB] [--debug]
+              [--calibrate-peak ROUNDS] [--measure-choice] [-q/--quiet] [--bucket-cap-mb MB] [--debug]
               [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
@@ -66,6 +66,7 @@ from mutwo.runtime.fit import FitError
 from mutwo.runtime.fit_search import FIT_PIPELINE
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
+from mutwo.runtime.plan_choice import choice_refusal, measured_choice
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError, debug_enabled
 from mutwo.tools.cli import (
@@ -122,8 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --fit: only batches whose plan predicts at most FACTOR times the time of the step "
                         "without recomputation (like 1.3); the largest batch is often not the fastest training")
     parser.add_argument("--calibrate-peak", type=int, metavar="ROUNDS",
-                        help="with --backend inductor: plan again, up to ROUNDS times, until the compiled step's "
+                        help="with a compiled --backend: plan again, up to ROUNDS times, until the compiled step's "
                         "measured peak is within 3%% of the budget (each round compiles again; docs/backends.md)")
+    parser.add_argument("--measure-choice", action="store_true",
+                        help="with a compiled --backend and -p swap: when select-swap's plan swaps, compile the "
+                        "recompute-only plan at the same budget too, measure both and keep the faster (both plans "
+                        "are priced at eager times; docs/swap.md)")
     parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
     parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
                         help="register the passes defined in a module or .py file (repeatable)")
@@ -153,6 +158,7 @@ class MutwoOpt:
         self.started = time.perf_counter()
         self.wall_started = time.time() - 1  # file times have coarse resolution on some filesystems
         self.calibration: Calibration[Any] | None = None  #: with --calibrate-peak, its rounds
+        self.choice: dict[str, Any] | None = None  #: with --measure-choice, both plans measured and the kept one
         self.dp: DataParallel | None = None  #: under torchrun: the ranks averaging the gradients
         self.joined = False  #: whether this run joined the process group (and leaves it at the end)
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
@@ -503,6 +509,7 @@ class MutwoOpt:
             # which the compiled backends keep (docs/backends.md); their peak is the measured one.
             "simulated_backend": "eager",
             **({"calibration": self.calibration.describe()} if self.calibration is not None else {}),
+            **({"measured_choice": self.choice} if self.choice is not None else {}),
             **(compiled.describe() if compiled is not None else {"backend": config.backend}),
         }
         # The folder is not emptied between runs: list what this run wrote.
@@ -611,6 +618,8 @@ class MutwoOpt:
         self.refuse_backend(config, device, manager)
         refusal = calibration_refusal(self.args.calibrate_peak, config.backend, manager.passes, "--calibrate-peak",
                                       "--budget")  # fmt: skip
+        refusal = refusal or choice_refusal(self.args.measure_choice, config.backend, manager.passes,
+                                            "--measure-choice")  # fmt: skip
         if refusal is not None:
             raise UsageError(refusal)
         with self.timed("capture"):
@@ -658,6 +667,14 @@ class MutwoOpt:
             with self.timed("calibrate"):
                 kept = calibrated_step(self.args.calibrate_peak, manager, lowered, original, first,
                                        lambda g: self.compile(config, g, inputs), staged, self.log)
+            final = graph = kept.graph
+            compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
+        if self.args.measure_choice and compiled is not None:
+            with self.timed("choose"):
+                kept, self.choice = measured_choice(manager, lowered, original,
+                                                    Calibrated(final, compiled, ctx, self.calibration),
+                                                    lambda g: self.compile(config, g, inputs),
+                                                    self.args.calibrate_peak, staged, self.log)  # fmt: skip
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         try:

@@ -1,0 +1,140 @@
+"""Choosing between select-swap's plan and recompute only by measuring both compiled steps.
+
+``select-swap`` keeps a plan with swaps only when it is predicted faster than recompute only at
+the budget. Both predictions use the eager executor's node times, which a compiled step does not
+keep: on an H200 under ``inductor-cudagraphs``, ResNet-152-cl's recompute-only plans ran 12-15%
+under their predictions (Inductor fuses the batch-norm replays) while a 13-swap plan ran as
+predicted, so select-swap kept the plan that ran 17% slower (docs/benchmarks.md). Under a compiled
+backend the measured choice compiles the recompute-only plan too, measures both, and keeps the
+faster (docs/swap.md, "Under a compiled backend: choose by measuring").
+
+It is used by ``mutwo-opt --measure-choice``, ``mutwo.optimize(..., measure_choice=True)`` and,
+measuring after ``bench/compare.py``'s gate, by :class:`mutwo.tools.experiment.PlanChoice`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mutwo.ir.budget import Budget
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import Pass
+from mutwo.ir.pass_manager import PassManager, PipelineFailure
+from mutwo.passes.extract import ExtractPass
+from mutwo.passes.insert_recompute import InsertRecomputePass
+from mutwo.passes.select import SelectPass
+from mutwo.runtime.backends import CompiledStep, backend_services
+from mutwo.runtime.peak_calibration import TOLERANCE, Calibrated, calibrated_step, release_recording
+from mutwo.runtime.profiler import measure_iterations
+
+if TYPE_CHECKING:
+    from mutwo.runtime.api import CapturedGraph
+
+SWAP_AND_RECOMPUTE = "swap+recompute"
+RECOMPUTE_ONLY = "recompute only"
+#: how each candidate is measured: as bench/compare.py measures a row
+WARMUP, ITERATIONS = 3, 10
+
+
+def choice_refusal(measure: bool, backend: str, passes: Sequence[Pass], option: str) -> str | None:
+    """Why a measured choice cannot run with these settings (``option``: how the caller names it),
+    or ``None`` when it can or is not asked for."""
+    if not measure:
+        return None
+    if backend == "eager":
+        return (f"{option} weighs plans compiled by a backend whose step runs otherwise than the eager times they are "
+                "priced at; the eager executor runs as priced: drop it, or use --backend inductor, "
+                "inductor-cudagraphs or cudagraphs")  # fmt: skip
+    if not any(p.name == "select-swap" for p in passes):
+        return f"{option} weighs select-swap's plan against recompute only; the pipeline runs no select-swap (-p swap)"
+    return None
+
+
+def recompute_only_passes(passes: Sequence[Pass]) -> list[Pass]:
+    """The planning passes of a swap pipeline (those after the profile) with select-swap replaced by
+    ``select`` at its budget (and fused pricing) and insert-swap by ``rewrite``: the plan a
+    ``profile,select,rewrite`` run makes."""
+    planning: list[Pass] = []
+    for p in passes:
+        if "profile" in type(p).provides:
+            continue
+        if p.name == "select-swap":
+            planning.append(SelectPass(budget=getattr(p, "budget", None), fused=getattr(p, "fused", False)))
+        elif p.name == "insert-swap":
+            planning += [ExtractPass(), InsertRecomputePass()]
+        else:
+            planning.append(p)
+    return planning
+
+
+def measure_candidate(name: str, run: Callable[..., Any], inputs: list[torch.Tensor], plan: Any, *,
+                      warmup: int = WARMUP, iterations: int = ITERATIONS) -> dict[str, Any]:  # fmt: skip
+    """One candidate measured: median time and peak (the inputs plus the iteration's own memory, as
+    the simulator counts a plan; None on the CPU), with what its plan predicted; a CUDA-graph
+    recording is released after, so that it does not count in the next candidate's peak."""
+    result = measure_iterations(run, inputs, runs=iterations, warmup=warmup)
+    release_recording(run)
+    swapped = plan.of("swap") if hasattr(plan, "of") else []
+    recomputed = plan.of("recompute") if hasattr(plan, "of") else plan.entries
+    predicted = getattr(plan, "predicted_seconds", None)
+    if predicted is None:
+        predicted = plan.base_seconds + plan.added_seconds
+    return {"plan": name, "iteration_ms": round(result.seconds * 1e3, 3), "peak_bytes": result.peak_bytes,
+            "predicted_iteration_ms": round(predicted * 1e3, 3), "planned_peak_bytes": plan.predicted_peak,
+            "swapped_tensors": len(swapped), "recomputed_tensors": len(recomputed)}  # fmt: skip
+
+
+def choose_measured(measured: list[dict[str, Any]], budget_bytes: int, tolerance: float = TOLERANCE) -> int:
+    """The index of the candidate to keep: the fastest of those whose measured peak is at most
+    ``tolerance`` over the budget (none measured a peak, as on the CPU: all count), else the one of
+    the lowest peak; of equal times, the later (the recompute-only plan comes last)."""
+    fits = [i for i, m in enumerate(measured)
+            if m["peak_bytes"] is None or m["peak_bytes"] <= (1 + tolerance) * budget_bytes]  # fmt: skip
+    if not fits:
+        return min(range(len(measured)), key=lambda i: measured[i]["peak_bytes"])
+    return min(reversed(fits), key=lambda i: measured[i]["iteration_ms"])
+
+
+def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
+                    compile_graph: Callable[[Graph], CompiledStep], calibrate: int | None, out_dir: Path | None,
+                    log: Callable[[str], None]) -> tuple[Calibrated, dict[str, Any]]:  # fmt: skip
+    """Weigh ``first`` (the swap pipeline's result, compiled and calibrated if asked) against the
+    recompute-only plan of ``original`` at the same budget, compiled by ``compile_graph`` and
+    calibrated alike; measure both and return the kept one with what was measured. The
+    recompute-only plan's passes write their files (plan.json...) into ``out_dir`` beside
+    select-swap's, so that both plans can be read; the returned description says which was kept."""
+    from mutwo.runtime.api import pass_context  # the API calls this: imported here, not at the top
+
+    swap_plan = first.ctx.artifacts.get("swap-plan")
+    if swap_plan is None or not swap_plan.of("swap"):
+        log("measured choice: select-swap's plan swaps nothing, so it is recompute only already; nothing to weigh")
+        return first, {"skipped": "select-swap's plan swaps nothing: it is recompute only already"}
+    target = first.calibration.target_bytes if first.calibration is not None else swap_plan.budget_bytes
+    planning = PassManager(recompute_only_passes(manager.passes), manager.instrumentation)
+    graph = original.copy()
+    ctx = pass_context(lowered, Budget(bytes=target), out_dir=out_dir, log=log)
+    ctx.services.update(backend_services(first.compiled.backend))
+    ctx.artifacts["profile"] = first.ctx.artifacts["profile"]
+    try:
+        planning.run(graph, ctx)
+    except PipelineFailure as failure:
+        log(f"measured choice: no recompute-only plan: {str(failure).splitlines()[0]}; select-swap's plan stands")
+        return first, {"skipped": "no recompute-only plan reaches the budget"}
+    other = Calibrated(graph, compile_graph(graph), ctx)
+    if calibrate:
+        other = calibrated_step(calibrate, planning, lowered, original, other, compile_graph, out_dir, log)
+    candidates = [(SWAP_AND_RECOMPUTE, first, swap_plan), (RECOMPUTE_ONLY, other, other.ctx.artifacts["plan"])]
+    measured = []
+    for name, made, plan in candidates:
+        measured.append(measure_candidate(name, made.compiled.run, lowered.inputs, plan))
+        peak = measured[-1]["peak_bytes"]
+        log(f"measured choice: {name} ran {measured[-1]['iteration_ms']:.1f} ms"
+            + (f", peak {peak / 2**20:,.0f} MiB" if peak is not None else ""))  # fmt: skip
+    kept = choose_measured(measured, target)
+    log(f"measured choice: kept {candidates[kept][0]}")
+    return candidates[kept][1], {"kept": candidates[kept][0], "budget_bytes": target, "warmup": WARMUP,
+                                 "iterations": ITERATIONS, "candidates": measured}  # fmt: skip

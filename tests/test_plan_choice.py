@@ -1,0 +1,114 @@
+"""The measured choice between select-swap's plan and recompute only (:mod:`mutwo.runtime.plan_choice`),
+through mutwo-opt and the API, on the CPU under Inductor: with copies priced free, select-swap's
+plan swaps; which plan ran faster is made so by scaling the measured times (the CPU's own would
+decide by noise)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import mutwo
+import mutwo.runtime.api as api
+import mutwo.runtime.plan_choice as plan_choice
+from mutwo.ir.registry import PassRegistry
+from mutwo.ir.timeline import TransferModel
+from mutwo.runtime.plan_choice import RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE, recompute_only_passes
+from mutwo.tools.mutwo_opt import EXIT_OK, EXIT_USAGE, main
+from tests import models
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MLP = REPO / "examples" / "tiny_mlp.yaml"
+FREE_COPIES = TransferModel(1e13, 1e13, 0.0, overlap=True, device="cpu")
+
+
+@pytest.fixture
+def faster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Copies priced free, and the candidate named by the test's parameter measured 3x faster."""
+    monkeypatch.setattr(api, "measure_transfers", lambda device: FREE_COPIES)
+    measured = plan_choice.measure_iterations
+    seconds = {SWAP_AND_RECOMPUTE: 3.0, RECOMPUTE_ONLY: 3.0, request.param: 1.0}
+    order = iter([SWAP_AND_RECOMPUTE, RECOMPUTE_ONLY])  # the order the choice measures its candidates in
+
+    def scaled(run: Any, inputs: list[torch.Tensor], **kwargs: Any) -> Any:
+        result = measured(run, inputs, **kwargs)
+        return type(result)(seconds[next(order)], result.peak_bytes, result.runs)
+
+    monkeypatch.setattr(plan_choice, "measure_iterations", scaled)
+    yield request.param
+
+
+@pytest.mark.parametrize("faster", [RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE], indirect=True)
+def test_mutwo_opt_keeps_the_plan_measured_faster(faster: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "out"
+    code = main(["-q", "--device", "cpu", "--backend", "inductor", "--budget", "0.85", "-p", "profile,swap",
+                 "--measure-choice", "--check", "-o", str(out), str(TINY_MLP)])  # fmt: skip
+    assert code == EXIT_OK, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    choice = summary["measured_choice"]
+    assert choice["kept"] == faster
+    assert [c["plan"] for c in choice["candidates"]] == [SWAP_AND_RECOMPUTE, RECOMPUTE_ONLY]
+    assert choice["candidates"][0]["swapped_tensors"] > 0 and choice["candidates"][1]["swapped_tensors"] == 0
+    assert (out / "swap_plan.json").exists() and (out / "plan.json").exists()  # both plans can be read
+    final = (out / "final.ir.txt").read_text()
+    assert ("offload" in final) == (faster == SWAP_AND_RECOMPUTE)  # the kept plan's graph was written and checked
+    assert summary["equivalent"] is True
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["-p", "profile,swap"], "use --backend inductor"),
+    (["--backend", "inductor", "-p", "profile,select,rewrite"], "runs no select-swap"),
+])  # fmt: skip
+def test_mutwo_opt_refuses_a_measured_choice_it_cannot_make(argv: list[str], words: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "out"
+    code = main(["-q", "--device", "cpu", "--budget", "0.85", "--measure-choice", *argv, "-o", str(out),
+                 str(TINY_MLP)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USAGE and words in err and len(err.splitlines()) == 1, err
+    assert not out.exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("faster", [RECOMPUTE_ONLY], indirect=True)
+def test_the_api_trains_with_the_plan_measured_faster(faster: str) -> None:
+    work = models.mlp(batch_size=512)
+    optimizer = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    step = mutwo.optimize(work.model, optimizer, work.batch, work.loss_fn, budget=0.85, passes="profile,swap",
+                          backend="inductor", measure_choice=True, check=True)  # fmt: skip
+    optimized = step.last
+    assert optimized is not None and optimized.choice is not None and optimized.choice["kept"] == faster
+    assert "plan" in optimized.context.artifacts and optimized.step is not None
+    assert optimized.step.graph is optimized.graph and optimized.report is not None and optimized.report.equivalent
+    assert torch.isfinite(step(work.batch))
+
+
+def test_the_recompute_only_pipeline_keeps_select_swaps_budget_and_the_other_passes() -> None:
+    passes = PassRegistry().build_pipeline("profile,optimizer,select-swap{budget=0.6,fused=false},insert-swap")
+    names = [p.name for p in recompute_only_passes(passes)]
+    assert names == ["optimizer-in-backward", "foreach-buckets", "select", "extract", "insert-recompute"]
+    assert recompute_only_passes(passes)[2].budget == "0.6"
+
+
+@pytest.mark.cuda
+def test_cuda_mutwo_opt_measures_the_choice_under_cuda_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """On the GPU, with copies priced free (so that select-swap's plan swaps): both plans are
+    calibrated and recorded as CUDA graphs, measured one after the other (each recording released
+    before the next), the kept one passes --check and is measured; both peaks are measured."""
+    monkeypatch.setattr(api, "measure_transfers", lambda device: TransferModel(1e13, 1e13, 0.0, True, str(device)))
+    out = tmp_path / "out"
+    code = main(["-q", "--device", "cuda", "--backend", "inductor-cudagraphs", "--budget", "0.85", "-p",
+                 "profile,swap", "--calibrate-peak", "1", "--measure-choice", "--check", "-o", str(out),
+                 str(TINY_MLP)])  # fmt: skip
+    assert code == EXIT_OK, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    choice = summary["measured_choice"]
+    assert choice["kept"] in (SWAP_AND_RECOMPUTE, RECOMPUTE_ONLY), choice
+    assert all(c["peak_bytes"] > 0 and c["iteration_ms"] > 0 for c in choice["candidates"]), choice
+    assert summary["equivalent"] is True and "calibration" in summary
