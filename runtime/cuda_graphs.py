@@ -119,7 +119,7 @@ class CudaGraphRunner:
         """Warm up on copies of the state, then record one iteration on the live state."""
         self.release()  # free the previous recording's pool first
         self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
-        side = torch.cuda.Stream(self.static[0].device)
+        side = warmup_stream(self.static[0].device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             generator = torch.cuda.get_rng_state()
@@ -142,6 +142,20 @@ class CudaGraphRunner:
         self.recorded_peak_bytes = self.recorded_peak_absolute - before
         self.graph = graph
         self.recordings += 1
+
+
+#: One warm-up stream per device for every recording in the process. cuBLAS keeps a workspace per
+#: stream it has run on (32 MiB with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) from the caching
+#: allocator for as long as the process lives: a new stream per recording left one more behind
+#: each time a step was recorded again (calibration rounds, a measured choice).
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream recordings on ``device`` warm up on (made once per process)."""
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
 
 
 def graphable_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
