@@ -19,6 +19,12 @@
 # as it goes); test_cuda_swap.py's CUDA-graph test with its new control (not run on a GPU yet).
 #   i18-trace    ResNet-152-cl b128 at checkpointing's peak (the budget from session9's run):
 #                recompute only and swap+recompute under inductor-cudagraphs, traced per stream ~9 min
+# Worth measuring next (after the tenth session, whose i18c-resnet and i18c-bert ran on an H100:
+# bench/results/session10_h100/): i18c-bert again, whose recompute-only row at half of eager's
+# peak ran out of memory while four processes calibrated at once (calibration now measures under a
+# lock file, one process at a time); i18c-resnet's swap row at checkpointing's peak again, whose
+# peak was +3.25% over the budget with three recordings' cuBLAS workspaces more than the other rows
+# (recordings now share one warm-up stream); i18-trace, where the ResNet swap plan loses its time.
 # Tenth session (2026-11-26): issue 18's rows again, each compiled row calibrated to its budget's
 # peak (now for the CUDA-graph backends too, one re-plan at most) and each swap row choosing between
 # select-swap's plan and recompute only by measuring both compiled (compare.py --measure-choice)

@@ -174,7 +174,7 @@ def optimize_graph(
         raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
     pipeline = PassRegistry().build_pipeline(passes)
     refusal = calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
-    refusal = refusal or choice_refusal(measure_choice, backend, pipeline, "measure_choice")
+    refusal = refusal or choice_refusal(measure_choice, backend, pipeline, "measure_choice", budget)
     if refusal is not None:
         raise ValueError(refusal)
     with random_stream_kept(model):  # planning runs the graph; the caller's training draws what eager's would

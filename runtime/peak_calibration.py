@@ -241,9 +241,11 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     #: plans the same graph again, whose compile (minutes on a real model) and peak are known
     measured: dict[str, tuple[CalibrationRound, Calibrated]] = {}
 
+    keep_grads = bool(first.ctx.services.get("keep_grads", False))  # optimizer-in-backward keeps them then
+
     def plan(budget_bytes: int, folder: Path | None) -> tuple[Graph, PassContext] | None:
         graph = original.copy()
-        ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log)
+        ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log, keep_grads=keep_grads)
         ctx.services.update(backend_services(first.compiled.backend))  # as for the first plan
         ctx.artifacts["profile"] = profile
         try:

@@ -40,17 +40,24 @@ RECOMPUTE_ONLY = "recompute only"
 WARMUP, ITERATIONS = 3, 10
 
 
-def choice_refusal(measure: bool, backend: str, passes: Sequence[Pass], option: str) -> str | None:
-    """Why a measured choice cannot run with these settings (``option``: how the caller names it),
-    or ``None`` when it can or is not asked for."""
+def choice_refusal(measure: bool, backend: str, passes: Sequence[Pass], option: str,
+                   budget: Budget | None = None) -> str | None:  # fmt: skip
+    """Why a measured choice cannot run with these settings (``option``: how the caller names it;
+    ``budget``: the run's), or ``None`` when it can or is not asked for."""
     if not measure:
         return None
     if backend == "eager":
         return (f"{option} weighs plans compiled by a backend whose step runs otherwise than the eager times they are "
-                "priced at; the eager executor runs as priced: drop it, or use --backend inductor, "
-                "inductor-cudagraphs or cudagraphs")  # fmt: skip
-    if not any(p.name == "select-swap" for p in passes):
-        return f"{option} weighs select-swap's plan against recompute only; the pipeline runs no select-swap (-p swap)"
+                "priced at; the eager executor runs as priced: drop it, or use the inductor, inductor-cudagraphs "
+                "or cudagraphs backend")  # fmt: skip
+    select = next((p for p in passes if p.name == "select-swap"), None)
+    if select is None:
+        return (f"{option} weighs select-swap's plan against recompute only; the pipeline runs no select-swap "
+                "(use profile,swap)")  # fmt: skip
+    own = getattr(select, "budget", None)
+    if (own is not None and own.strip().lower() == "min") or (own is None and budget is not None and budget.minimum):
+        return (f"{option} weighs two plans at one budget, and 'min' gives each its own lowest peak; give the budget "
+                "as a fraction or an amount (like 0.5 or 16GiB)")  # fmt: skip
     return None
 
 
@@ -71,32 +78,48 @@ def recompute_only_passes(passes: Sequence[Pass]) -> list[Pass]:
     return planning
 
 
-def measure_candidate(name: str, run: Callable[..., Any], inputs: list[torch.Tensor], plan: Any, *,
-                      warmup: int = WARMUP, iterations: int = ITERATIONS) -> dict[str, Any]:  # fmt: skip
+def measure_run(name: str, run: Callable[..., Any], inputs: list[torch.Tensor], *, warmup: int = WARMUP,
+                iterations: int = ITERATIONS) -> dict[str, Any]:  # fmt: skip
     """One candidate measured: median time and peak (the inputs plus the iteration's own memory, as
-    the simulator counts a plan; None on the CPU), with what its plan predicted; a CUDA-graph
-    recording is released after, so that it does not count in the next candidate's peak."""
-    result = measure_iterations(run, inputs, runs=iterations, warmup=warmup)
-    release_recording(run)
+    the simulator counts a plan; None on the CPU). At least one warm-up iteration, in which a
+    CUDA-graph backend records (recording is not timed); the recording is released after, so that
+    it does not count in the next candidate's peak. Running out of memory is a result
+    (``error``), not a crash: the other candidate may fit."""
+    try:
+        result = measure_iterations(run, inputs, runs=iterations, warmup=max(1, warmup))
+    except torch.OutOfMemoryError:
+        return {"plan": name, "error": "out of memory"}
+    finally:
+        release_recording(run)
+    return {"plan": name, "iteration_ms": round(result.seconds * 1e3, 3), "peak_bytes": result.peak_bytes}
+
+
+def plan_fields(plan: Any) -> dict[str, Any]:
+    """What a plan (select's or select-swap's) predicted, for a candidate's record."""
     swapped = plan.of("swap") if hasattr(plan, "of") else []
     recomputed = plan.of("recompute") if hasattr(plan, "of") else plan.entries
     predicted = getattr(plan, "predicted_seconds", None)
     if predicted is None:
         predicted = plan.base_seconds + plan.added_seconds
-    return {"plan": name, "iteration_ms": round(result.seconds * 1e3, 3), "peak_bytes": result.peak_bytes,
-            "predicted_iteration_ms": round(predicted * 1e3, 3), "planned_peak_bytes": plan.predicted_peak,
+    return {"predicted_iteration_ms": round(predicted * 1e3, 3), "planned_peak_bytes": plan.predicted_peak,
             "swapped_tensors": len(swapped), "recomputed_tensors": len(recomputed)}  # fmt: skip
 
 
-def choose_measured(measured: list[dict[str, Any]], budget_bytes: int, tolerance: float = TOLERANCE) -> int:
-    """The index of the candidate to keep: the fastest of those whose measured peak is at most
-    ``tolerance`` over the budget (none measured a peak, as on the CPU: all count), else the one of
-    the lowest peak; of equal times, the later (the recompute-only plan comes last)."""
-    fits = [i for i, m in enumerate(measured)
-            if m["peak_bytes"] is None or m["peak_bytes"] <= (1 + tolerance) * budget_bytes]  # fmt: skip
+def choose_measured(measured: list[dict[str, Any]], budget_bytes: int, tolerance: float = TOLERANCE) -> int | None:
+    """The index of the candidate to keep: of those that ran (no ``error``), the fastest whose
+    measured peak is at most ``tolerance`` over the budget (none measured a peak, as on the CPU:
+    all count), else the one of the lowest peak; of equal times, the later (the recompute-only plan
+    comes last). None when none ran."""
+    ran = [i for i, m in enumerate(measured) if "error" not in m]
+    fits = [i for i in ran if measured[i]["peak_bytes"] is None
+            or measured[i]["peak_bytes"] <= (1 + tolerance) * budget_bytes]  # fmt: skip
     if not fits:
-        return min(range(len(measured)), key=lambda i: measured[i]["peak_bytes"])
+        return min(ran, key=lambda i: measured[i]["peak_bytes"]) if ran else None
     return min(reversed(fits), key=lambda i: measured[i]["iteration_ms"])
+
+
+class ChoiceFailed(RuntimeError):
+    """Neither candidate of a measured choice could be measured (both ran out of memory)."""
 
 
 def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
@@ -115,26 +138,47 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
         return first, {"skipped": "select-swap's plan swaps nothing: it is recompute only already"}
     target = first.calibration.target_bytes if first.calibration is not None else swap_plan.budget_bytes
     planning = PassManager(recompute_only_passes(manager.passes), manager.instrumentation)
-    graph = original.copy()
-    ctx = pass_context(lowered, Budget(bytes=target), out_dir=out_dir, log=log)
-    ctx.services.update(backend_services(first.compiled.backend))
-    ctx.artifacts["profile"] = first.ctx.artifacts["profile"]
-    try:
-        planning.run(graph, ctx)
-    except PipelineFailure as failure:
-        log(f"measured choice: no recompute-only plan: {str(failure).splitlines()[0]}; select-swap's plan stands")
+    keep_grads = bool(first.ctx.services.get("keep_grads", False))
+
+    def plan(budget_bytes: int, folder: Path | None) -> tuple[Graph, Any] | None:
+        graph = original.copy()
+        ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log, keep_grads=keep_grads)
+        ctx.services.update(backend_services(first.compiled.backend))
+        ctx.artifacts["profile"] = first.ctx.artifacts["profile"]
+        try:
+            planning.run(graph, ctx)
+        except PipelineFailure as failure:
+            log(f"measured choice: no recompute-only plan: {str(failure).splitlines()[0]}; select-swap's plan stands")
+            return None
+        return graph, ctx
+
+    # Planned without writing files: select-swap's are in out_dir; the kept plan's are written below.
+    planned = plan(target, None)
+    if planned is None:
         return first, {"skipped": "no recompute-only plan reaches the budget"}
-    other = Calibrated(graph, compile_graph(graph), ctx)
+    other = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
     if calibrate:
-        other = calibrated_step(calibrate, planning, lowered, original, other, compile_graph, out_dir, log)
+        other = calibrated_step(calibrate, planning, lowered, original, other, compile_graph, None, log)
     candidates = [(SWAP_AND_RECOMPUTE, first, swap_plan), (RECOMPUTE_ONLY, other, other.ctx.artifacts["plan"])]
     measured = []
-    for name, made, plan in candidates:
-        measured.append(measure_candidate(name, made.compiled.run, lowered.inputs, plan))
-        peak = measured[-1]["peak_bytes"]
-        log(f"measured choice: {name} ran {measured[-1]['iteration_ms']:.1f} ms"
+    for name, made, made_plan in candidates:
+        measured.append({**measure_run(name, made.compiled.run, lowered.inputs), **plan_fields(made_plan)})
+        peak = measured[-1].get("peak_bytes")
+        log(f"measured choice: {name} " + (f"ran {measured[-1]['iteration_ms']:.1f} ms" if "error" not in measured[-1]
+                                           else measured[-1]["error"])
             + (f", peak {peak / 2**20:,.0f} MiB" if peak is not None else ""))  # fmt: skip
     kept = choose_measured(measured, target)
+    if kept is None:
+        raise ChoiceFailed("neither select-swap's plan nor the recompute-only plan could be measured: both ran out of "
+                           "memory; plan for a lower budget")  # fmt: skip
     log(f"measured choice: kept {candidates[kept][0]}")
-    return candidates[kept][1], {"kept": candidates[kept][0], "budget_bytes": target, "warmup": WARMUP,
-                                 "iterations": ITERATIONS, "candidates": measured}  # fmt: skip
+    choice = {"kept": candidates[kept][0], "budget_bytes": target, "warmup": WARMUP, "iterations": ITERATIONS,
+              "candidates": measured}  # fmt: skip
+    made = candidates[kept][1]
+    if made is other and out_dir is not None:
+        # The kept plan's passes again, writing their files over select-swap's (clones.json, and any
+        # later pass's); swap_plan.json and swaps.json stay, describing the plan weighed and not kept.
+        rewritten = plan(other.ctx.artifacts["plan"].budget_bytes, out_dir)
+        if rewritten is not None:
+            made = Calibrated(made.graph, made.compiled, rewritten[1], made.calibration)
+    return made, choice

@@ -378,3 +378,23 @@ def test_peak_calibration_measures_the_compiled_step_on_the_gpu() -> None:
     assert calibration is not None and all(r.measured_peak_bytes > 0 for r in calibration.rounds)
     if any(abs(r.measured_peak_bytes / calibration.target_bytes - 1) <= 0.03 for r in calibration.rounds):
         assert calibration.within, calibration.summary()
+
+
+@pytest.mark.cuda
+def test_cuda_recordings_released_leave_no_cublas_workspace_behind() -> None:
+    """Every recording warms up on the one warm-up stream of its device: cuBLAS keeps a workspace
+    per stream for the process's life, so recordings on new streams each left 32 MiB allocated
+    (bench/cublas_workspace_probe.py)."""
+    from mutwo.runtime.cuda_graphs import CudaGraphRunner
+
+    weight = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(2048, 1024, device="cuda")
+    allocated = []
+    for _ in range(3):
+        runner = CudaGraphRunner(lambda w, v: ((v @ w).relu().sum(),), [True, False])
+        runner(weight, x)
+        runner.release()
+        del runner
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[1] == allocated[2], allocated

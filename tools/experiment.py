@@ -90,8 +90,11 @@ def device_turn(lock: Path | None) -> Iterator[None]:
         try:
             yield
         finally:
+            # What the measurement left in the allocator's cache goes back before the next process
+            # measures (an Inductor step keeps no recording to release; its blocks stay cached).
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             fcntl.flock(handle, fcntl.LOCK_UN)
-
 
 
 def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, iterations: int) -> dict[str, Any]:
@@ -182,7 +185,13 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     if before_measuring is not None:
         before_measuring()
     if isinstance(step, PlanChoice):
-        step = step.resolve(row, log, warmup=warmup, iterations=iterations)
+        gc.collect()  # what planning left, as before any row's measurement
+        if training.device.type == "cuda":
+            torch.cuda.empty_cache()
+        resolved = step.resolve(row, log, warmup=warmup, iterations=iterations)
+        if resolved is None:
+            return {**row, "error": f"{OUT_OF_MEMORY} while measuring both plans of the measured choice"}
+        step = resolved
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations,
                                       trace=trace))  # fmt: skip
@@ -373,7 +382,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     planned = PlannedStep(graph_step, training.batch)
     swap_plan = context.artifacts.get("swap-plan")
     if measure_choice and swap_plan is not None and pristine is not None:
-        if not swap_plan.of("swap"):
+        if not row.get("swapped_tensors"):  # the kept plan's (a calibration round's may differ from the first)
             row["measured_choice"] = {"skipped": "select-swap's plan swaps nothing: it is recompute only already"}
             return planned
         started = time.perf_counter()
@@ -523,36 +532,37 @@ class PlanChoice:
     candidates: list[Candidate]
 
     def resolve(self, row: dict[str, Any], log: Callable[[str], None], *, warmup: int,
-                iterations: int) -> PlannedStep:  # fmt: skip
-        """Measure every candidate (``warmup`` then ``iterations`` iterations, median time, peak as
-        the simulator counts it), keep the fastest whose peak is within 3% over the budget (none:
-        the lowest peak; a tie: recompute only, which holds no host memory or copy engine), write
-        what was measured under ``row["measured_choice"]`` and the kept plan's fields into ``row``."""
-        from mutwo.runtime.peak_calibration import release_recording
-        from mutwo.runtime.plan_choice import choose_measured
-        from mutwo.runtime.profiler import measure_iterations
+                iterations: int) -> PlannedStep | None:  # fmt: skip
+        """Measure every candidate (``warmup``, at least 1, then ``iterations`` iterations, median
+        time, peak as the simulator counts it), keep the fastest whose peak is within 3% over the
+        budget (none: the lowest peak; a tie: recompute only, which holds no host memory or copy
+        engine), write what was measured under ``row["measured_choice"]`` and the kept plan's fields
+        into ``row``. None when both ran out of memory."""
+        from mutwo.runtime.plan_choice import choose_measured, measure_run
 
         measured = []
         for candidate in self.candidates:
             step = candidate.step.step
-            result = measure_iterations(step.compiled.run, step.flat_inputs(candidate.step.batch), runs=iterations,
-                                        warmup=warmup)  # fmt: skip
-            release_recording(step.compiled.run)
-            measured.append({"plan": candidate.name, "iteration_ms": round(result.seconds * 1e3, 3),
-                             "peak_bytes": result.peak_bytes,
+            measured.append({**measure_run(candidate.name, step.compiled.run, step.flat_inputs(candidate.step.batch),
+                                           warmup=warmup, iterations=iterations),
                              "predicted_iteration_ms": candidate.fields.get("predicted_iteration_ms"),
                              "planned_peak_bytes": candidate.fields.get("planned_peak_bytes"),
                              "swapped_tensors": candidate.fields.get("swapped_tensors", 0),
                              "recomputed_tensors": candidate.fields.get("recomputed_tensors", 0)})  # fmt: skip
-            log(f"measured choice: {candidate.name} ran {measured[-1]['iteration_ms']:.1f} ms"
-                + (f", peak {result.peak_bytes / 2**20:,.0f} MiB" if result.peak_bytes is not None else ""))
+            done = measured[-1]
+            log(f"measured choice: {candidate.name} "
+                + (done["error"] if "error" in done else f"ran {done['iteration_ms']:.1f} ms")
+                + (f", peak {done['peak_bytes'] / 2**20:,.0f} MiB" if done.get("peak_bytes") is not None else ""))
+        row["measured_choice"] = {"budget_bytes": self.budget_bytes, "warmup": max(1, warmup),
+                                  "iterations": iterations, "candidates": measured}  # fmt: skip
         kept = choose_measured(measured, self.budget_bytes)
+        if kept is None:
+            return None
         log(f"measured choice: kept {self.candidates[kept].name}")
         for key in PLAN_FIELDS:
             row.pop(key, None)
         row.update(self.candidates[kept].fields)
-        row["measured_choice"] = {"kept": self.candidates[kept].name, "budget_bytes": self.budget_bytes,
-                                  "warmup": warmup, "iterations": iterations, "candidates": measured}  # fmt: skip
+        row["measured_choice"] = {"kept": self.candidates[kept].name, **row["measured_choice"]}
         return self.candidates[kept].step
 
 

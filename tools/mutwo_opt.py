@@ -66,7 +66,7 @@ from mutwo.runtime.fit import FitError
 from mutwo.runtime.fit_search import FIT_PIPELINE
 from mutwo.runtime.optim import UnsupportedOptimizerError
 from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
-from mutwo.runtime.plan_choice import choice_refusal, measured_choice
+from mutwo.runtime.plan_choice import ChoiceFailed, choice_refusal, measured_choice
 from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
 from mutwo.runtime.tracing import CaptureError, debug_enabled
 from mutwo.tools.cli import (
@@ -595,8 +595,10 @@ class MutwoOpt:
         config = self.load_config()
         device = self.join_data_parallel(self.resolve_device(config))
         if self.args.fit is not None:
-            unused = [option for option, given in (("-p", self.args.passes), ("--plan-from", self.args.plan_from),
-                                                   ("--profile-from", self.args.profile_from)) if given]  # fmt: skip
+            given = (("-p", self.args.passes), ("--plan-from", self.args.plan_from),
+                     ("--profile-from", self.args.profile_from), ("--calibrate-peak", self.args.calibrate_peak),
+                     ("--measure-choice", self.args.measure_choice))  # fmt: skip
+            unused = [option for option, value in given if value]
             if unused:
                 raise UsageError(f"--fit profiles once and plans every batch size with its own pipeline "
                                  f"({FIT_PIPELINE}), so {unused[0]} would go unused; drop it, and use it on the "
@@ -619,7 +621,7 @@ class MutwoOpt:
         refusal = calibration_refusal(self.args.calibrate_peak, config.backend, manager.passes, "--calibrate-peak",
                                       "--budget")  # fmt: skip
         refusal = refusal or choice_refusal(self.args.measure_choice, config.backend, manager.passes,
-                                            "--measure-choice")  # fmt: skip
+                                            "--measure-choice", config.budget)  # fmt: skip
         if refusal is not None:
             raise UsageError(refusal)
         with self.timed("capture"):
@@ -671,10 +673,13 @@ class MutwoOpt:
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         if self.args.measure_choice and compiled is not None:
             with self.timed("choose"):
-                kept, self.choice = measured_choice(manager, lowered, original,
-                                                    Calibrated(final, compiled, ctx, self.calibration),
-                                                    lambda g: self.compile(config, g, inputs),
-                                                    self.args.calibrate_peak, staged, self.log)  # fmt: skip
+                try:
+                    kept, self.choice = measured_choice(manager, lowered, original,
+                                                        Calibrated(final, compiled, ctx, self.calibration),
+                                                        lambda g: self.compile(config, g, inputs),
+                                                        self.args.calibrate_peak, staged, self.log)  # fmt: skip
+                except ChoiceFailed as failed:
+                    raise Failure(str(failed)) from None
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         try:
