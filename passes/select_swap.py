@@ -257,12 +257,13 @@ class SelectSwapPass(Pass):
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)
         plan.alternative = alternative
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
-        if plan.of(SWAP) and ctx.services.get("fused_recompute", False):
+        # A caller that measures both compiled plans (``measure_choice`` among the services) needs no hint.
+        if plan.of(SWAP) and ctx.services.get("fused_recompute", False) and not ctx.services.get("measure_choice"):
             ctx.log("select-swap: under Inductor, swaps and recomputes are priced with eager node times and the "
                     "measured copy model; compiled recomputes may run faster than priced (ResNet-152-cl: the "
                     "recompute-only plan ran 15% under its prediction, a plan with swaps 17% slower than it, while "
-                    "BERT-base's swap plans ran 6% faster than recompute only; docs/swap.md): compare with "
-                    "select,rewrite on your model")
+                    "BERT-base's swap plans ran 6% faster than recompute only; docs/swap.md): --measure-choice "
+                    "(measure_choice=True) measures both compiled plans and keeps the faster")
         if not plan.met:
             budget_size, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
             raise UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak select-swap "

@@ -181,7 +181,7 @@ def optimize_graph(
         lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
         original = lowered.graph.copy()
         context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
-        context.services.update(backend_services(backend))
+        context.services.update(backend_services(backend), measure_choice=measure_choice)
         result = PassManager(pipeline).run(lowered.graph, context)
         optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result,
                               lowered.inputs)

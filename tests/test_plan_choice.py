@@ -147,3 +147,16 @@ def test_cuda_mutwo_opt_measures_the_choice_under_inductor(tmp_path: Path, monke
     assert choice["kept"] in (SWAP_AND_RECOMPUTE, RECOMPUTE_ONLY), choice
     assert all(c["peak_bytes"] > 0 and c["iteration_ms"] > 0 for c in choice["candidates"]), choice
     assert summary["equivalent"] is True and "calibration" in summary
+
+
+@pytest.mark.parametrize("measure", [False, True])
+def test_select_swap_hints_at_the_measured_choice_only_when_it_is_not_made(
+        measure: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, evenly_timed: Callable[[ModuleType], None],
+        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setattr(api, "measure_transfers", lambda device: FREE_COPIES)
+    evenly_timed(api)
+    code = main(["--device", "cpu", "--backend", "inductor", "--budget", "0.85", "-p", "profile,swap",
+                 *(["--measure-choice"] if measure else []), "-o", str(tmp_path / "out"), str(TINY_MLP)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == EXIT_OK, err
+    assert ("--measure-choice (measure_choice=True) measures both" in err) != measure, err

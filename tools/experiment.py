@@ -304,7 +304,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
-    context.services.update(backend_services(backend))
+    context.services.update(backend_services(backend), measure_choice=measure_choice)
     saved, saved_transfer = folder / "profile.json", folder / TRANSFER_FILE
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []

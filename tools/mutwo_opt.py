@@ -644,7 +644,7 @@ class MutwoOpt:
             self.output = OutputFolder.make(out)
             staged = self.output.staging
         ctx = pass_context(lowered, config.budget, out_dir=staged, log=self.log)
-        ctx.services.update(backend_services(config.backend))
+        ctx.services.update(backend_services(config.backend), measure_choice=self.args.measure_choice)
         ctx.artifacts.update(reused_artifacts)
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
