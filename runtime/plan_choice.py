@@ -127,9 +127,10 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
                     log: Callable[[str], None]) -> tuple[Calibrated, dict[str, Any]]:  # fmt: skip
     """Weigh ``first`` (the swap pipeline's result, compiled and calibrated if asked) against the
     recompute-only plan of ``original`` at the same budget, compiled by ``compile_graph`` and
-    calibrated alike; measure both and return the kept one with what was measured. The
-    recompute-only plan's passes write their files (plan.json...) into ``out_dir`` beside
-    select-swap's, so that both plans can be read; the returned description says which was kept."""
+    calibrated alike; measure both and return the kept one with what was measured. When recompute
+    only is kept, its passes run again into ``out_dir``, so that plan.json, clones.json and later
+    passes' files describe it; select-swap's swap_plan.json stays beside them (the returned
+    description says which was kept). Raises :class:`ChoiceFailed` when neither could run."""
     from mutwo.runtime.api import pass_context  # the API calls this: imported here, not at the top
 
     swap_plan = first.ctx.artifacts.get("swap-plan")
@@ -163,10 +164,9 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
     measured = []
     for name, made, made_plan in candidates:
         measured.append({**measure_run(name, made.compiled.run, lowered.inputs), **plan_fields(made_plan)})
-        peak = measured[-1].get("peak_bytes")
-        log(f"measured choice: {name} " + (f"ran {measured[-1]['iteration_ms']:.1f} ms" if "error" not in measured[-1]
-                                           else measured[-1]["error"])
-            + (f", peak {peak / 2**20:,.0f} MiB" if peak is not None else ""))  # fmt: skip
+        done, peak = measured[-1], measured[-1].get("peak_bytes")
+        outcome = done["error"] if "error" in done else f"ran {done['iteration_ms']:.1f} ms"
+        log(f"measured choice: {name} {outcome}" + (f", peak {peak / 2**20:,.0f} MiB" if peak is not None else ""))
     kept = choose_measured(measured, target)
     if kept is None:
         raise ChoiceFailed("neither select-swap's plan nor the recompute-only plan could be measured: both ran out of "
