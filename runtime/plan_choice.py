@@ -105,6 +105,21 @@ def plan_fields(plan: Any) -> dict[str, Any]:
             "swapped_tensors": len(swapped), "recomputed_tensors": len(recomputed)}  # fmt: skip
 
 
+def measure_candidates(candidates: Sequence[tuple[str, Callable[..., Any], list[torch.Tensor], Any]],
+                       log: Callable[[str], None], *, warmup: int = WARMUP,
+                       iterations: int = ITERATIONS) -> list[dict[str, Any]]:  # fmt: skip
+    """Every candidate (its name, run, inputs and plan) measured in turn (:func:`measure_run`),
+    with what its plan predicted (:func:`plan_fields`), each logged as it finishes."""
+    measured = []
+    for name, run, inputs, plan in candidates:
+        done = {**measure_run(name, run, inputs, warmup=warmup, iterations=iterations), **plan_fields(plan)}
+        outcome = done["error"] if "error" in done else f"ran {done['iteration_ms']:.1f} ms"
+        peak = done.get("peak_bytes")
+        log(f"measured choice: {name} {outcome}" + (f", peak {peak / 2**20:,.0f} MiB" if peak is not None else ""))
+        measured.append(done)
+    return measured
+
+
 def choose_measured(measured: list[dict[str, Any]], budget_bytes: int, tolerance: float = TOLERANCE) -> int | None:
     """The index of the candidate to keep: of those that ran (no ``error``), the fastest whose
     measured peak is at most ``tolerance`` over the budget (none measured a peak, as on the CPU:
@@ -161,12 +176,8 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
     if calibrate:
         other = calibrated_step(calibrate, planning, lowered, original, other, compile_graph, None, log)
     candidates = [(SWAP_AND_RECOMPUTE, first, swap_plan), (RECOMPUTE_ONLY, other, other.ctx.artifacts["plan"])]
-    measured = []
-    for name, made, made_plan in candidates:
-        measured.append({**measure_run(name, made.compiled.run, lowered.inputs), **plan_fields(made_plan)})
-        done, peak = measured[-1], measured[-1].get("peak_bytes")
-        outcome = done["error"] if "error" in done else f"ran {done['iteration_ms']:.1f} ms"
-        log(f"measured choice: {name} {outcome}" + (f", peak {peak / 2**20:,.0f} MiB" if peak is not None else ""))
+    measured = measure_candidates([(name, made.compiled.run, lowered.inputs, made_plan)
+                                   for name, made, made_plan in candidates], log)  # fmt: skip
     kept = choose_measured(measured, target)
     if kept is None:
         raise ChoiceFailed("neither select-swap's plan nor the recompute-only plan could be measured: both ran out of "

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mutwo.ir.pass_base import write_atomic
+from mutwo.ir.pass_manager import PipelineFailure
 from mutwo.ir.replay import describe
 from mutwo.ir.timeline import TransferModel
 from mutwo.runtime.plan_choice import RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE
@@ -375,8 +376,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     row["planning_seconds"] = round(row["planning_seconds"] + compiled.compile_seconds, 2)
     if calibrate and plan is not None and pristine is not None:
         started = time.perf_counter()
-        graph_step = _calibrated_step(graph_step, plan, profile, pristine, lowered, ",".join(planning), calibrate,
-                                      row, log, device_lock)  # fmt: skip
+        graph_step, plan = _calibrated_step(graph_step, plan, profile, pristine, lowered, ",".join(planning),
+                                            calibrate, row, log, device_lock)  # fmt: skip
         row["calibration_seconds"] = round(time.perf_counter() - started, 2)
         row["planning_seconds"] = round(row["planning_seconds"] + row["calibration_seconds"], 2)
     planned = PlannedStep(graph_step, training.batch)
@@ -393,10 +394,10 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
         if other is None:
             row["measured_choice"] = {"skipped": "no recompute-only plan reaches the budget"}
             return planned
-        step, fields = other
+        step, other_plan, fields = other
         return PlanChoice(swap_plan.budget_bytes, [
-            Candidate(SWAP_AND_RECOMPUTE, planned, {k: v for k, v in row.items() if k in PLAN_FIELDS}),
-            Candidate(RECOMPUTE_ONLY, PlannedStep(step, training.batch), fields)])  # fmt: skip
+            Candidate(SWAP_AND_RECOMPUTE, planned, plan, {k: v for k, v in row.items() if k in PLAN_FIELDS}),
+            Candidate(RECOMPUTE_ONLY, PlannedStep(step, training.batch), other_plan, fields)])  # fmt: skip
     return planned
 
 
@@ -421,43 +422,29 @@ def _plan_row(plan: Any, swap_plan: Any, graph: Any) -> dict[str, Any]:
 
 def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered: Any, planning: str, rounds: int,
                      row: dict[str, Any], log: Callable[[str], None],
-                     device_lock: Path | None = None) -> Any:  # fmt: skip
-    """The compiled step :func:`mutwo.runtime.peak_calibration.calibrate` keeps: ``first`` (planned
-    with ``plan``) measured, then up to ``rounds`` re-plans of ``pristine`` by the ``planning``
-    passes (with ``profile``) at budgets moved by the measured gap; ``row`` gets the kept plan's
-    numbers and the rounds."""
-    from mutwo.ir.budget import Budget
-    from mutwo.ir.pass_manager import PassManager, PipelineFailure
-    from mutwo.ir.registry import PassRegistry
+                     device_lock: Path | None = None) -> tuple[Any, Any]:  # fmt: skip
+    """The compiled step :func:`mutwo.runtime.peak_calibration.calibrate` keeps, and its plan:
+    ``first`` (planned with ``plan``) measured, then up to ``rounds`` re-plans of ``pristine`` by
+    the ``planning`` passes (with ``profile``) at budgets moved by the measured gap; ``row`` gets
+    the kept plan's numbers and the rounds."""
     from mutwo.passes.select_swap import SwapPlan
-    from mutwo.runtime.api import pass_context
-    from mutwo.runtime.backends import backend_services
-    from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, measured_peak, pipeline_plan
-    from mutwo.runtime.step import GraphStep
+    from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, measured_peak
 
-    inputs = lowered.inputs
     candidates: list[tuple[Any, Any, Any]] = []
 
     def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, tuple[Any, Any, Any]] | None:
         if not candidates:  # the first round is the step already planned and compiled
-            step, chosen, graph = first, plan, first.graph
+            made = first, plan, first.graph
         else:
-            graph = pristine.copy()
-            context = pass_context(lowered, Budget(bytes=budget_bytes), log=log)
-            context.services.update(backend_services(first.backend))
-            context.artifacts["profile"] = profile
-            try:
-                PassManager(PassRegistry().build_pipeline(planning, {"profile"})).run(graph, context)
-            except PipelineFailure:  # a lower budget out of reach: the rounds so far stand
+            replanned = _plan_compiled(pristine, lowered, planning, budget_bytes, first.backend, profile, log)
+            if isinstance(replanned, PipelineFailure):  # a lower budget out of reach: the rounds so far stand
                 return None
-            chosen = pipeline_plan(context.artifacts)
-            step = GraphStep(graph, lowered.captured, lowered.binding, first.backend)
-            step.compile(inputs)
-        candidates.append((step, chosen, graph))
+            made = replanned
+        candidates.append(made)
+        step, chosen, _ = made
         with device_turn(device_lock):
-            measured = measured_peak(step.compiled.run, inputs)
-        return CalibrationRound(budget_bytes, chosen.predicted_peak, measured, chosen.unoptimized_peak), \
-            (step, chosen, graph)  # fmt: skip
+            measured = measured_peak(step.compiled.run, lowered.inputs)
+        return CalibrationRound(budget_bytes, chosen.predicted_peak, measured, chosen.unoptimized_peak), made
 
     calibration = calibrate(plan.budget_bytes, rounds, plan_and_measure, log)
     log(calibration.summary())
@@ -465,20 +452,20 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
     swapping = isinstance(chosen, SwapPlan)
     row.update(_plan_row(None if swapping else chosen, chosen if swapping else None, graph),
                calibration=calibration.describe())  # fmt: skip
-    return step
+    return step, chosen
 
 
-def _recompute_only_step(pristine: Any, lowered: Any, planning: str, budget_bytes: int, backend: str, profile: Any,
-                         calibrate: int, log: Callable[[str], None],
-                         device_lock: Path | None = None) -> tuple[Any, dict[str, Any]] | None:  # fmt: skip
-    """The recompute-only plan of ``pristine`` at ``budget_bytes`` (``planning``: its passes after
-    the profile), compiled for ``backend`` and calibrated like the swap plan it is weighed
-    against; with the row fields that describe it. None when no such plan reaches the budget."""
+def _plan_compiled(pristine: Any, lowered: Any, planning: str, budget_bytes: int, backend: str, profile: Any,
+                   log: Callable[[str], None]) -> tuple[Any, Any, Any] | PipelineFailure:  # fmt: skip
+    """A copy of ``pristine`` planned by the ``planning`` passes (after ``profile``) at
+    ``budget_bytes`` and compiled for ``backend``: its step, plan and graph; the failure when the
+    budget is out of reach."""
     from mutwo.ir.budget import Budget
-    from mutwo.ir.pass_manager import PassManager, PipelineFailure
+    from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.api import pass_context
     from mutwo.runtime.backends import backend_services
+    from mutwo.runtime.peak_calibration import pipeline_plan
     from mutwo.runtime.step import GraphStep
 
     graph = pristine.copy()
@@ -488,16 +475,30 @@ def _recompute_only_step(pristine: Any, lowered: Any, planning: str, budget_byte
     try:
         PassManager(PassRegistry().build_pipeline(planning, {"profile"})).run(graph, context)
     except PipelineFailure as failure:
-        log(f"measured choice: no recompute-only plan: {str(failure).splitlines()[0]}")
-        return None
-    plan = context.artifacts["plan"]
+        return failure
     step = GraphStep(graph, lowered.captured, lowered.binding, backend)
-    compiled = step.compile(lowered.inputs)
-    fields = {**_plan_row(plan, None, graph), "compile_seconds": round(compiled.compile_seconds, 3),
-              "compile_cache_hit": compiled.cache_hit}  # fmt: skip
+    step.compile(lowered.inputs)
+    return step, pipeline_plan(context.artifacts), graph
+
+
+def _recompute_only_step(pristine: Any, lowered: Any, planning: str, budget_bytes: int, backend: str, profile: Any,
+                         calibrate: int, log: Callable[[str], None],
+                         device_lock: Path | None = None) -> tuple[Any, Any, dict[str, Any]] | None:  # fmt: skip
+    """The recompute-only plan of ``pristine`` at ``budget_bytes`` (``planning``: its passes after
+    the profile), compiled for ``backend`` and calibrated like the swap plan it is weighed
+    against: its step, plan and the row fields that describe it. None when no such plan reaches
+    the budget."""
+    made = _plan_compiled(pristine, lowered, planning, budget_bytes, backend, profile, log)
+    if isinstance(made, PipelineFailure):
+        log(f"measured choice: no recompute-only plan: {str(made).splitlines()[0]}")
+        return None
+    step, plan, graph = made
+    fields = {**_plan_row(plan, None, graph), "compile_seconds": round(step.compiled.compile_seconds, 3),
+              "compile_cache_hit": step.compiled.cache_hit}  # fmt: skip
     if calibrate:
-        step = _calibrated_step(step, plan, profile, pristine, lowered, planning, calibrate, fields, log, device_lock)
-    return step, fields
+        step, plan = _calibrated_step(step, plan, profile, pristine, lowered, planning, calibrate, fields, log,
+                                      device_lock)  # fmt: skip
+    return step, plan, fields
 
 
 #: The row fields a plan sets (:func:`_plan_row`, calibration, the compile): a measured choice
@@ -510,10 +511,11 @@ PLAN_FIELDS = ("recomputed_tensors", "predicted_added_ms", "profiled_iteration_m
 
 @dataclass
 class Candidate:
-    """One compiled plan a :class:`PlanChoice` weighs: its name, step and row fields."""
+    """One compiled plan a :class:`PlanChoice` weighs: its name, step, plan and row fields."""
 
     name: str
     step: PlannedStep
+    plan: Any
     fields: dict[str, Any]
 
 
@@ -538,31 +540,21 @@ class PlanChoice:
         budget (none: the lowest peak; a tie: recompute only, which holds no host memory or copy
         engine), write what was measured under ``row["measured_choice"]`` and the kept plan's fields
         into ``row``. None when both ran out of memory."""
-        from mutwo.runtime.plan_choice import choose_measured, measure_run
+        from mutwo.runtime.plan_choice import choose_measured, measure_candidates
 
-        measured = []
-        for candidate in self.candidates:
-            step = candidate.step.step
-            measured.append({**measure_run(candidate.name, step.compiled.run, step.flat_inputs(candidate.step.batch),
-                                           warmup=warmup, iterations=iterations),
-                             "predicted_iteration_ms": candidate.fields.get("predicted_iteration_ms"),
-                             "planned_peak_bytes": candidate.fields.get("planned_peak_bytes"),
-                             "swapped_tensors": candidate.fields.get("swapped_tensors", 0),
-                             "recomputed_tensors": candidate.fields.get("recomputed_tensors", 0)})  # fmt: skip
-            done = measured[-1]
-            log(f"measured choice: {candidate.name} "
-                + (done["error"] if "error" in done else f"ran {done['iteration_ms']:.1f} ms")
-                + (f", peak {done['peak_bytes'] / 2**20:,.0f} MiB" if done.get("peak_bytes") is not None else ""))
-        row["measured_choice"] = {"budget_bytes": self.budget_bytes, "warmup": max(1, warmup),
-                                  "iterations": iterations, "candidates": measured}  # fmt: skip
+        runs = [(c.name, c.step.step.compiled.run, c.step.step.flat_inputs(c.step.batch), c.plan)
+                for c in self.candidates]  # fmt: skip
+        measured = measure_candidates(runs, log, warmup=warmup, iterations=iterations)
         kept = choose_measured(measured, self.budget_bytes)
+        choice = {"budget_bytes": self.budget_bytes, "warmup": max(1, warmup), "iterations": iterations,
+                  "candidates": measured}  # fmt: skip
         if kept is None:
+            row["measured_choice"] = choice
             return None
         log(f"measured choice: kept {self.candidates[kept].name}")
         for key in PLAN_FIELDS:
             row.pop(key, None)
-        row.update(self.candidates[kept].fields)
-        row["measured_choice"] = {"kept": self.candidates[kept].name, **row["measured_choice"]}
+        row.update(self.candidates[kept].fields, measured_choice={"kept": self.candidates[kept].name, **choice})
         return self.candidates[kept].step
 
 
