@@ -186,9 +186,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     if before_measuring is not None:
         before_measuring()
     if isinstance(step, PlanChoice):
-        gc.collect()  # what planning left, as before any row's measurement
-        if training.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_planning_leftovers(training.device)  # as before any row's measurement
         resolved = step.resolve(row, log, warmup=warmup, iterations=iterations)
         if resolved is None:
             return {**row, "error": f"{OUT_OF_MEMORY} while measuring both plans of the measured choice"}
@@ -199,14 +197,21 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     return row
 
 
+def free_planning_leftovers(device: torch.device) -> None:
+    """Collect what planning left and, on CUDA, give the allocator's cached blocks back, so that a
+    measurement starts from the step's own memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure_after_planning(step: Callable[[], Any], device: torch.device, memory_limit: int | None, *,
                            warmup: int, iterations: int, trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Free what planning left in the allocator's cache, cap memory if asked, and measure; with
     ``trace``, then profile 3 more iterations per stream (:mod:`mutwo.tools.stream_trace`)."""
     row: dict[str, Any] = {}
-    gc.collect()
+    free_planning_leftovers(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         if memory_limit is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             index = device.index if device.index is not None else torch.cuda.current_device()
