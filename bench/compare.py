@@ -214,11 +214,23 @@ def config_path(name: str) -> Path:
     return ROOT / CONFIGS[name] if name in CONFIGS else Path(name).resolve()
 
 
-def planned_in_parallel(variant: str) -> bool:
-    """Whether ``--parallel-planning`` plans ``variant`` beside others: a mutwo variant with a
-    budget (its plan reuses an earlier profile; the unbudgeted ``mutwo-none`` makes that profile)."""
+def graphable_capture(parsed: MutwoVariant) -> bool:
+    """Whether the variant captures the step for CUDA graphs (a capturable optimizer: another graph)."""
+    return parsed.backend.endswith("cudagraphs")
+
+
+def reuses_profile(variant: str, before: list[str]) -> bool:
+    """Whether ``variant``, run after the variants ``before`` it, plans from a profile an earlier row
+    saved: a mutwo variant with a budget (when one was saved), or an unbudgeted one after another
+    unbudgeted row of its capture (the unplanned step under another backend, which need not profile
+    again: its measured time anchors the planned rows' predictions, :func:`anchored_prediction`)."""
     parsed = mutwo_variant(variant)
-    return parsed is not None and parsed.spec != "none"
+    if parsed is None:
+        return False
+    if parsed.spec != "none":
+        return True
+    earlier = [p for p in map(mutwo_variant, before) if p is not None and p.spec == "none"]
+    return bool(earlier) and graphable_capture(earlier[-1]) == graphable_capture(parsed)
 
 
 def wait_for_turn(gate: Path, timings: dict[str, Any], parent: int) -> None:
@@ -239,7 +251,8 @@ def wait_for_turn(gate: Path, timings: dict[str, Any], parent: int) -> None:
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
            precision: str | None = None, trace: Path | None = None, isolate_profile: bool = False,
            warmup: int = WARMUP, iterations: int = MEASURED, calibrate_peak: int = 0,
-           gate: Path | None = None, measure_choice: bool = False) -> dict[str, Any]:  # fmt: skip
+           gate: Path | None = None, measure_choice: bool = False,
+           reuse_profile: bool = False) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     own = mutwo_variant(variant)
     if own is not None:
@@ -253,7 +266,7 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile,
                                 calibrate_peak=calibrate_peak if own.backend != "eager" else 0,
                                 measure_choice=measure_choice and own.swap and own.backend != "eager",
-                                before_measuring=turn,
+                                before_measuring=turn, reuse_profile=reuse_profile,
                                 device_lock=None if gate is None else gate.parent / "device.lock")  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
@@ -292,15 +305,53 @@ class Job(NamedTuple):
     refused: dict[str, Any] | None = None  #: the row of a variant whose budget could not be resolved
 
 
-def worker_argv(args: argparse.Namespace, name: str, batch: str, variant: str, encoded_budget: str) -> list[str]:
-    """The command line of the worker process that runs one variant."""
+def worker_argv(args: argparse.Namespace, name: str, batch: str, variant: str, encoded_budget: str,
+                reuse_profile: bool = False) -> list[str]:  # fmt: skip
+    """The command line of the worker process that runs one variant (``reuse_profile``: an
+    unbudgeted variant that plans from the saved profile, :func:`reuses_profile`)."""
     return [sys.executable, __file__, "--worker", name, batch, variant, encoded_budget,
+            *(["--reuse-profile"] if reuse_profile else []),
             *(["--out", args.out] if args.out else []),
             *(["--precision", args.precision] if args.precision else []),
             *(["--trace"] if args.trace else []),
             *(["--isolate-profile"] if args.isolate_profile else []),
             "--calibrate-peak", str(args.calibrate_peak), *(["--measure-choice"] if args.measure_choice else []),
             "--warmup", str(args.warmup), "--iterations", str(args.iterations)]  # fmt: skip
+
+
+def anchored_prediction(row: dict[str, Any], earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    """A compiled row's predicted time anchored to its backend's unplanned step, or nothing.
+
+    A plan is priced at the profile's kernels: ``predicted_iteration_ms`` is the profiled step
+    (``profiled_iteration_ms``, eager kernels) plus what the plan adds. Inductor runs other, fused
+    kernels, and a compiled step is faster than its profile: ResNet-152's plans were predicted
+    13-17% slower than they ran (docs/benchmarks.md). Where ``earlier`` has the unplanned step of
+    the same model, batch and capture measured under the row's backend (``mutwo@<backend>-none``,
+    which :func:`reuses_profile`), the prediction is scaled by what compiling did to that step:
+    ``predicted_anchored_ms = anchor × predicted / profiled`` (the plan's added time shrinks in the
+    same proportion as the step's). So are a measured choice's candidates."""
+    parsed = mutwo_variant(str(row.get("variant")))
+    if parsed is None or parsed.spec == "none" or parsed.backend == "eager" or "error" in row \
+            or not row.get("profiled_iteration_ms") or "predicted_iteration_ms" not in row:  # fmt: skip
+        return {}
+    name = ("mutwo+opt" if parsed.optimizer_passes else "mutwo") + f"@{parsed.backend}-none"
+    anchors = [r for r in earlier if r.get("variant") == name and r.get("model") == row.get("model")
+               and r.get("batch_size") == row.get("batch_size") and r.get("iteration_ms")]  # fmt: skip
+    if not anchors:
+        return {}
+    anchor, profiled = anchors[-1]["iteration_ms"], row["profiled_iteration_ms"]
+
+    def anchored(predicted: float) -> float:
+        return round(anchor * predicted / profiled, 3)
+
+    fields: dict[str, Any] = {"anchor_variant": name, "anchor_iteration_ms": round(anchor, 3),
+                              "predicted_anchored_ms": anchored(row["predicted_iteration_ms"])}  # fmt: skip
+    choice = row.get("measured_choice")
+    if isinstance(choice, dict) and "candidates" in choice:
+        candidates = [{**c, "predicted_anchored_ms": anchored(c["predicted_iteration_ms"])}
+                      if "predicted_iteration_ms" in c else c for c in choice["candidates"]]  # fmt: skip
+        fields["measured_choice"] = {**choice, "candidates": candidates}
+    return fields
 
 
 def finished_row(base: dict[str, Any], returncode: int, stdout: str, stderr: str) -> dict[str, Any]:
@@ -313,10 +364,12 @@ def finished_row(base: dict[str, Any], returncode: int, stdout: str, stderr: str
 
 def planning_groups(variants: list[str], parallel: int) -> list[list[str]]:
     """``variants`` in order, as the groups they run in: with ``parallel`` above 1, consecutive
-    variants that :func:`planned_in_parallel` share a group; every other variant is alone."""
+    variants that :func:`reuses_profile` share a group (they plan from a saved profile, so planning
+    beside each other measures nothing); every other variant is alone."""
     groups: list[list[str]] = []
-    for variant in variants:
-        if parallel > 1 and groups and planned_in_parallel(variant) and planned_in_parallel(groups[-1][-1]):
+    for index, variant in enumerate(variants):
+        if parallel > 1 and groups and reuses_profile(variant, variants[:index]) \
+                and reuses_profile(variants[index - 1], variants[:index - 1]):
             groups[-1].append(variant)
         else:
             groups.append([variant])
@@ -333,8 +386,8 @@ def unprofiled(variants: list[str]) -> str | None:
         if parsed is None:
             continue
         if parsed.spec == "none":
-            graphable = parsed.backend.endswith("cudagraphs")
-        elif graphable is None or parsed.backend.endswith("cudagraphs") != graphable:
+            graphable = graphable_capture(parsed)
+        elif graphable is None or graphable_capture(parsed) != graphable:
             return variant
     return None
 
@@ -433,6 +486,7 @@ def main() -> None:
                         "(they reuse the profile of a mutwo-none row before them; default 1: one after the other)")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--gate", type=Path, help=argparse.SUPPRESS)  # a worker planned beside others waits there
+    parser.add_argument("--reuse-profile", action="store_true", help=argparse.SUPPRESS)  # an unbudgeted worker
     args = parser.parse_args()
     if args.out:  # workers run in ROOT: they get the path this process means, not one relative to ROOT
         args.out = str(Path(args.out).resolve())
@@ -450,7 +504,7 @@ def main() -> None:
         trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
                      trace, args.isolate_profile, args.warmup, args.iterations, args.calibrate_peak,
-                     args.gate, args.measure_choice)  # fmt: skip
+                     args.gate, args.measure_choice, args.reuse_profile)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []
@@ -459,6 +513,7 @@ def main() -> None:
     def record(job: Job, row: dict[str, Any]) -> None:
         if job.budget is not None and job.budget == args.stand_in_budget and job.budget != budget_spec(job.variant):
             row["stand_in_budget"] = job.budget  # not the measured peak the variant names
+        row.update(anchored_prediction(row, rows))
         print(json.dumps({k: v for k, v in row.items() if k != "iteration_ms_all"}), flush=True)
         rows.append(row)
         if args.out:
@@ -477,6 +532,8 @@ def main() -> None:
             parser.error(f"--parallel-planning: {missing} would profile beside other processes' compiles; run an "
                          "unbudgeted row of its capture before it (mutwo-none, or mutwo@cudagraphs-none for a "
                          "CUDA-graph backend), whose profile the planned rows reuse")  # fmt: skip
+        unplanned_reusing = {v for i, v in enumerate(variants)
+                             if budget_spec(v) == "none" and reuses_profile(v, variants[:i])}  # fmt: skip
         for group in planning_groups(variants, args.parallel_planning):
             jobs: list[Job] = []
             for variant in group:
@@ -490,7 +547,8 @@ def main() -> None:
                     continue
                 plain = {"bytes": budget.bytes} if isinstance(budget, Budget) else budget
                 encoded = json.dumps(plain) if budget else ""
-                jobs.append(Job(base, variant, budget, worker_argv(args, name, batch, variant, encoded)))
+                jobs.append(Job(base, variant, budget, worker_argv(args, name, batch, variant, encoded,
+                                                                   variant in unplanned_reusing)))  # fmt: skip
             runnable = [job for job in jobs if job.refused is None]
             if len(runnable) > 1:  # rows in the variants' order, refused ones among them
                 measured_rows = run_in_parallel(runnable, args.parallel_planning, args.timeout, scratch / "gates")

@@ -25,6 +25,16 @@
 # lock file, one process at a time); i18c-resnet's swap row at checkpointing's peak again, whose
 # peak was +3.25% over the budget with three recordings' cuBLAS workspaces more than the other rows
 # (recordings now share one warm-up stream); i18-trace, where the ResNet swap plan loses its time.
+# Eleventh session (2026-11-26): issue 18's rows once more, with the recordings' shared warm-up
+# stream and the calibration lock, and each model's unplanned step compiled with Inductor
+# (mutwo@inductor-cudagraphs-none, planned beside the others on the saved profile), whose measured
+# time anchors the compiled rows' predictions (compare.py's predicted_anchored_ms)
+# (start i18d-resnet i18d-bert i18d-tests):
+#   i18d-resnet  ResNet-152-cl b128: i18c-resnet's rows and mutwo@inductor-cudagraphs-none,
+#                five processes planning at once                                           ~11 min
+#   i18d-bert    BERT-base b64: the same                                                   ~11 min
+#   i18d-tests   the cuda-marked tests of test_backends.py (the cuBLAS workspace test is new),
+#                test_experiment.py, test_plan_choice.py and test_cuda_swap.py              ~2 min
 # Tenth session (2026-11-26): issue 18's rows again, each compiled row calibrated to its budget's
 # peak (now for the CUDA-graph backends too, one re-plan at most) and each swap row choosing between
 # select-swap's plan and recompute only by measuring both compiled (compare.py --measure-choice)
@@ -158,7 +168,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -214,14 +224,20 @@ case "$section" in
   i18c-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_swap.py tests/test_experiment.py \
       tests/test_backends.py tests/test_peak_calibration.py tests/test_swap_graphs.py ;;
-  i18c-resnet|i18c-bert)
+  i18d-tests)
+    timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
+      tests/test_plan_choice.py tests/test_cuda_swap.py ;;
+  i18c-resnet|i18c-bert|i18d-resnet|i18d-bert)
     # ResNet's compiled peaks were within 3% of plan (one re-plan at most); BERT's 11-29% under (two)
-    if [ "$section" = i18c-resnet ]; then model=resnet152-cl:128; stem=i18c_resnet152_cl; rounds=1
-    else model=bert:64; stem=i18c_bert_b64; rounds=2; fi
+    run=${section%%-*}; case $section in *resnet) model=resnet152-cl:128; stem=${run}_resnet152_cl; rounds=1 ;;
+      *) model=bert:64; stem=${run}_bert_b64; rounds=2 ;; esac
     g=inductor-cudagraphs
-    timeout 2400 python3 bench/compare.py --out "$OUT/$stem.json" --models "$model" --timeout 1500 --parallel-planning 4 \
-      --calibrate-peak $rounds --measure-choice \
-      --variants eager,checkpoint,mutwo@cudagraphs-none,mutwo@$g-eager0.5,mutwo-swap@$g-eager0.5,mutwo@$g-checkpoint,mutwo-swap@$g-checkpoint ;;
+    # i18d also measures the unplanned step compiled (the anchor of the predictions), a fifth process
+    if [ "$run" = i18d ]; then anchor=mutwo@$g-none,; parallel=5; else anchor=; parallel=4; fi
+    timeout 2400 python3 bench/compare.py --out "$OUT/$stem.json" --models "$model" --timeout 1500 \
+      --parallel-planning $parallel --calibrate-peak $rounds --measure-choice \
+      --variants eager,checkpoint,mutwo@cudagraphs-none,${anchor}mutwo@$g-eager0.5,mutwo-swap@$g-eager0.5,mutwo@$g-checkpoint,mutwo-swap@$g-checkpoint
+    status=$?; rm -rf "$OUT/$stem"; exit $status ;;
   i18-resnet|i18-bert)
     if [ "$section" = i18-resnet ]; then model=resnet152-cl:128; stem=i18_resnet152_cl; else model=bert:64; stem=i18_bert_b64; fi
     g=inductor-cudagraphs

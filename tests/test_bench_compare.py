@@ -212,3 +212,58 @@ def test_calibration_and_the_measured_choice_reach_the_workers() -> None:
     assert "--measure-choice" in argv and argv[argv.index("--calibrate-peak") + 1] == "1"
     assert "--measure-choice" not in compare.worker_argv(argparse.Namespace(**{**vars(args), "measure_choice": False}),
                                                          "tiny", "4", "mutwo-0.5", "")  # fmt: skip
+
+
+def test_an_unplanned_row_after_one_of_its_capture_reuses_its_profile_and_plans_beside_the_others() -> None:
+    variants = ["eager", "mutwo@cudagraphs-none", "mutwo@inductor-cudagraphs-none", "mutwo@inductor-cudagraphs-0.5",
+                "mutwo-swap@inductor-cudagraphs-0.5", "mutwo-none", "mutwo@inductor-none"]  # fmt: skip
+    reusing = [compare.reuses_profile(v, variants[:i]) for i, v in enumerate(variants)]
+    assert reusing == [False, False, True, True, True, False, True]
+    assert not compare.reuses_profile("mutwo@inductor-none", ["mutwo@cudagraphs-none"])  # another capture
+    assert compare.planning_groups(variants, 4) == [["eager"], ["mutwo@cudagraphs-none"], variants[2:5],
+                                                    ["mutwo-none"], ["mutwo@inductor-none"]]  # fmt: skip
+    args = argparse.Namespace(out=None, precision=None, trace=False, isolate_profile=False, calibrate_peak=0,
+                              measure_choice=False, warmup=3, iterations=10)  # fmt: skip
+    assert "--reuse-profile" in compare.worker_argv(args, "tiny", "4", variants[2], "", True)
+    assert "--reuse-profile" not in compare.worker_argv(args, "tiny", "4", variants[1], "")
+
+
+def test_a_compiled_rows_prediction_is_anchored_to_its_backends_unplanned_step() -> None:
+    anchor = {"model": "m", "batch_size": 2, "variant": "mutwo@inductor-none", "iteration_ms": 90.0}
+    choice = {"kept": "recompute only", "candidates": [{"plan": "swap+recompute", "predicted_iteration_ms": 110.0},
+                                                       {"plan": "recompute only", "predicted_iteration_ms": 120.0}]}
+    row = {"model": "m", "batch_size": 2, "variant": "mutwo-swap@inductor-0.5", "profiled_iteration_ms": 100.0,
+           "predicted_iteration_ms": 120.0, "measured_choice": choice}  # fmt: skip
+    fields = compare.anchored_prediction(row, [anchor])
+    assert fields["anchor_variant"] == "mutwo@inductor-none" and fields["anchor_iteration_ms"] == 90.0
+    assert fields["predicted_anchored_ms"] == 108.0  # 90 ms x 120 / 100
+    assert [c["predicted_anchored_ms"] for c in fields["measured_choice"]["candidates"]] == [99.0, 108.0]
+    assert fields["measured_choice"]["kept"] == "recompute only"
+    # no anchor of that backend, model and batch; an eager row; an error row: nothing to anchor
+    assert compare.anchored_prediction(row, [{**anchor, "variant": "mutwo@inductor-cudagraphs-none"}]) == {}
+    assert compare.anchored_prediction(row, [{**anchor, "batch_size": 4}]) == {}
+    assert compare.anchored_prediction({**row, "variant": "mutwo-0.5"}, [anchor]) == {}
+    assert compare.anchored_prediction({**row, "error": "out of memory"}, [anchor]) == {}
+    plus = {**row, "variant": "mutwo+opt@inductor-0.5"}
+    assert compare.anchored_prediction(plus, [anchor]) == {}  # the optimizer passes make another graph
+    assert compare.anchored_prediction(plus, [{**anchor, "variant": "mutwo+opt@inductor-none"}])
+
+
+def test_parallel_planning_measures_the_unplanned_compiled_step_and_anchors_the_compiled_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On the tiny config: mutwo@inductor-none reuses mutwo-none's profile (which stays as it was),
+    compiles beside the planned inductor row, and that row's prediction is anchored to it."""
+    out = tmp_path / "anchor.json"
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:512", "--out", str(out), "--stand-in-budget",
+                                      "0.9", "--warmup", "0", "--iterations", "1", "--parallel-planning", "2",
+                                      "--variants", "eager,mutwo-none,mutwo@inductor-none,mutwo@inductor-eager0.5"])
+    compare.main()
+    runs = json.loads(out.read_text())["runs"]
+    assert all("error" not in r for r in runs), runs
+    profiled, anchor, planned = runs[1:]
+    assert not profiled["profile_reused"] and anchor["profile_reused"] and planned["profile_reused"]
+    assert anchor["planned_in_parallel"] and planned["planned_in_parallel"]
+    assert anchor["backend"] == "inductor" and "transfer" not in anchor  # the copy model stays mutwo-none's
+    assert planned["anchor_iteration_ms"] == round(anchor["iteration_ms"], 3)
+    expected = anchor["iteration_ms"] * planned["predicted_iteration_ms"] / planned["profiled_iteration_ms"]
+    assert planned["predicted_anchored_ms"] == pytest.approx(expected, abs=1e-3)

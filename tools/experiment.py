@@ -141,7 +141,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
                       backend: str = "eager", trace: Path | None = None,
                       isolate_profile: bool = False, calibrate_peak: int = 0, measure_choice: bool = False,
                       before_measuring: Callable[[], None] | None = None,
-                      device_lock: Path | None = None) -> dict[str, Any]:  # fmt: skip
+                      device_lock: Path | None = None, reuse_profile: bool = False) -> dict[str, Any]:  # fmt: skip
     """Build, plan (for mutwo variants) and measure one configuration in this process.
 
     ``variant``: ``eager``, ``none`` (mutwo's captured step; profiles it and writes
@@ -162,6 +162,10 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     measured alone after ``before_measuring`` (:class:`PlanChoice`; the row's
     ``measured_choice`` says what each ran). ``device_lock``: a file whose lock calibration holds
     while it measures (:func:`device_turn`), for processes planning side by side.
+    ``reuse_profile``: a ``none`` run that reuses the saved profile (and copy model) as the budget
+    runs do, instead of profiling and saving its own: the unplanned step under another backend,
+    planned beside other processes, whose measurement anchors their predicted times
+    (``bench/compare.py``).
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
@@ -175,7 +179,8 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         else:
             budget = variant if not isinstance(variant, str) else (None if variant == "none" else parse_budget(variant))
             step = _planned_step(training, budget, out / f"b{batch_size}", row, log, optimizer_passes, swap,
-                                 backend, isolate_profile, calibrate_peak, measure_choice, device_lock)  # fmt: skip
+                                 backend, isolate_profile, calibrate_peak, measure_choice, device_lock,
+                                 reuse_profile)  # fmt: skip
     except torch.OutOfMemoryError:
         return {**row, "error": f"{OUT_OF_MEMORY} while planning"}
     except PipelineFailure as failure:  # an unreachable budget, say: a result, in one line
@@ -283,7 +288,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                   log: Callable[[str], None], optimizer_passes: bool = False,
                   swap: bool = False, backend: str = "eager",
                   isolate_profile: bool = False, calibrate: int = 0,
-                  measure_choice: bool = False, device_lock: Path | None = None) -> Callable[[], Any]:  # fmt: skip
+                  measure_choice: bool = False, device_lock: Path | None = None,
+                  reuse_profile: bool = False) -> Callable[[], Any]:  # fmt: skip
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
@@ -309,7 +315,8 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
-    context = pass_context(lowered, budget, out_dir=folder if budget is None else None, log=log)
+    profiles = budget is None and not reuse_profile  # this run makes the profile.json the others reuse
+    context = pass_context(lowered, budget, out_dir=folder if profiles else None, log=log)
     context.services.update(backend_services(backend), measure_choice=measure_choice)
     saved, saved_transfer = folder / "profile.json", folder / TRANSFER_FILE
     planning = ["optimizer"] if optimizer_passes else []
@@ -317,35 +324,36 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     # The run without a budget saves the profile the others reuse: on CUDA it measures the copies'
     # contention too, which only swap pipelines read (and which their profile pass measures anyway).
     profile_options = [*(["isolate=true"] if isolate_profile else []),
-                       *(["contention=true"] if budget is None and training.device.type == "cuda" else [])]
+                       *(["contention=true"] if profiles and training.device.type == "cuda" else [])]
     profiling = "profile" + ("{" + ",".join(profile_options) + "}" if profile_options else "")
     passes = ",".join([profiling, *planning])
     reused: list[str] = []  # what ran before this run's pipeline, in the run that profiled
-    if budget is None:  # an older copy model must not outlive the profile it was measured with
+    if profiles:  # an older copy model must not outlive the profile it was measured with
         saved_transfer.unlink(missing_ok=True)
-    if budget is not None:
-        if saved.exists():
-            profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
-            # Made the way this run's profile pass makes them: isolated or not, pooled, and for a
-            # swap plan on CUDA with the copies' contention measured (else it is measured again).
-            same_kind = bool(profile.meta.get("isolated")) == (isolate_profile and training.device.type == "cuda") \
-                and bool(profile.meta.get("pooled")) \
-                and ("copy_contention" in profile.meta or training.device.type != "cuda" or not swap)
-            if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
-                context.artifacts["profile"] = profile
-                if saved_transfer.exists():  # the copies priced as the run that profiled measured them
-                    context.artifacts["transfer"] = TransferModel.from_json(
-                        json.loads(saved_transfer.read_text(encoding="utf-8")))
-                passes = ",".join(planning)
-                reused = [f"{profiling} (from {folder.name}/{saved.name})"]
-                timing = folder / "timing.json"  # written by the run that profiled
-                if timing.exists():
-                    row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
+    elif saved.exists():
+        profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
+        # Made the way this run's profile pass makes them: isolated or not, pooled, and for a
+        # swap plan on CUDA with the copies' contention measured (else it is measured again).
+        same_kind = bool(profile.meta.get("isolated")) == (isolate_profile and training.device.type == "cuda") \
+            and bool(profile.meta.get("pooled")) \
+            and ("copy_contention" in profile.meta or training.device.type != "cuda" or not swap)
+        if profile.fingerprint == fingerprint(lowered.graph) and same_kind:
+            context.artifacts["profile"] = profile
+            if saved_transfer.exists():  # the copies priced as the run that profiled measured them
+                context.artifacts["transfer"] = TransferModel.from_json(
+                    json.loads(saved_transfer.read_text(encoding="utf-8")))
+            passes = ",".join(planning)
+            reused = [f"{profiling} (from {folder.name}/{saved.name})"]
+            timing = folder / "timing.json"  # written by the run that profiled
+            if timing.exists():
+                row["profile_seconds"] = json.loads(timing.read_text(encoding="utf-8"))["profile_seconds"]
     available = {"profile"} if "profile" in context.artifacts else set()
     # each calibration round, and the recompute-only plan a measured choice weighs, plans from it
     pristine = lowered.graph.copy() if calibrate or measure_choice else None
     try:
-        result = PassManager(PassRegistry().build_pipeline(passes, available)).run(lowered.graph, context)
+        # an unplanned run on a reused profile has no pass to run
+        pipeline = PassRegistry().build_pipeline(passes, available) if passes else []
+        result = PassManager(pipeline).run(lowered.graph, context)
     except PipelineFailure as failure:
         if not reused:
             raise
@@ -355,9 +363,9 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     row["profile_reused"] = bool(reused)
     if "profile" in seconds:
         row["profile_seconds"] = round(seconds["profile"], 2)
-        if budget is None:  # timing.json goes with the profile.json only this run writes
+        if profiles:  # timing.json goes with the profile.json only this run writes
             write_atomic(folder / "timing.json", json.dumps({"profile_seconds": row["profile_seconds"]}))
-    if budget is None:
+    if profiles:
         # The planned runs reuse this run's copy model with its profile, so that every swap plan of
         # one comparison is priced alike, and a run planning beside others (compare.py
         # --parallel-planning) does not time its copies against theirs.
