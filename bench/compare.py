@@ -28,7 +28,17 @@ under ``reference_runs``.
 each activation to pinned host memory, μ-TWO); ``mutwo-<budget>`` stays recompute only. Rows of
 mutwo variants record the plan's predicted peak (``planned_peak_bytes``) and iteration time
 (``predicted_iteration_ms``) beside the measured ones. ``mutwo-none`` profiles the graph once;
-the mutwo variants after it (same model and batch) reuse that profile.
+the mutwo variants after it (same model and batch) reuse that profile, an unbudgeted one too when
+it captures the same graph (``mutwo@inductor-cudagraphs-none`` after ``mutwo@cudagraphs-none``:
+the unplanned step under another backend, planned beside the others with ``--parallel-planning``).
+
+A plan's predicted time prices the profile's eager kernels, and a step compiled with Inductor runs
+faster than its profile. Where the run measured the unplanned step under a row's compiled backend
+(``mutwo@<backend>-none``, before the row), the row also records ``predicted_anchored_ms``: its
+prediction scaled by what compiling did to the unplanned step, measured unplanned × predicted /
+profiled (:func:`anchored_prediction`; so are a measured choice's candidates). On the H100 the
+eager-priced predictions of ResNet-152's compiled plans were 13-17% over the measured times, the
+anchored ones 2.6-5.5% (docs/benchmarks.md).
 
 The swap study of one model (the swap issue), in one command, for example:
 
