@@ -37,7 +37,7 @@ faster than its profile. Where the run measured the unplanned step under a row's
 (``mutwo@<backend>-none``, before the row), the row also records ``predicted_anchored_ms``: its
 prediction scaled by what compiling did to the unplanned step, measured unplanned × predicted /
 profiled (:func:`anchored_prediction`; so are a measured choice's candidates). On the H100 the
-eager-priced predictions of ResNet-152's compiled plans were 13-17% over the measured times, the
+eager-priced predictions of ResNet-152's compiled plans were 14-17% over the measured times, the
 anchored ones 2.6-5.5% (docs/benchmarks.md).
 
 The swap study of one model (the swap issue), in one command, for example:
@@ -231,9 +231,10 @@ def graphable_capture(parsed: MutwoVariant) -> bool:
 
 def reuses_profile(variant: str, before: list[str]) -> bool:
     """Whether ``variant``, run after the variants ``before`` it, plans from a profile an earlier row
-    saved: a mutwo variant with a budget (when one was saved), or an unbudgeted one after another
-    unbudgeted row of its capture (the unplanned step under another backend, which need not profile
-    again: its measured time anchors the planned rows' predictions, :func:`anchored_prediction`)."""
+    saved: a mutwo variant with a budget (it profiles itself only when no profile of its graph was
+    saved), or an unbudgeted one after another unbudgeted row of its capture (the unplanned step
+    under another backend, which need not profile again: its measured time anchors the planned
+    rows' predictions, :func:`anchored_prediction`)."""
     parsed = mutwo_variant(variant)
     if parsed is None:
         return False
@@ -241,6 +242,12 @@ def reuses_profile(variant: str, before: list[str]) -> bool:
         return True
     earlier = [p for p in map(mutwo_variant, before) if p is not None and p.spec == "none"]
     return bool(earlier) and graphable_capture(earlier[-1]) == graphable_capture(parsed)
+
+
+def unplanned_reusing(variants: list[str]) -> list[bool]:
+    """For each of ``variants``, in order: whether it is an unbudgeted mutwo variant that
+    :func:`reuses_profile` (its worker gets ``--reuse-profile``, and saves no profile)."""
+    return [budget_spec(v) == "none" and reuses_profile(v, variants[:i]) for i, v in enumerate(variants)]
 
 
 def wait_for_turn(gate: Path, timings: dict[str, Any], parent: int) -> None:
@@ -335,9 +342,10 @@ def anchored_prediction(row: dict[str, Any], earlier: list[dict[str, Any]]) -> d
     A plan is priced at the profile's kernels: ``predicted_iteration_ms`` is the profiled step
     (``profiled_iteration_ms``, eager kernels) plus what the plan adds. Inductor runs other, fused
     kernels, and a compiled step is faster than its profile: ResNet-152's plans were predicted
-    13-17% slower than they ran (docs/benchmarks.md). Where ``earlier`` has the unplanned step of
-    the same model, batch and capture measured under the row's backend (``mutwo@<backend>-none``,
-    which :func:`reuses_profile`), the prediction is scaled by what compiling did to that step:
+    14-17% slower than they ran (docs/benchmarks.md). Where ``earlier`` has the unplanned step of
+    the same model, batch and capture measured under the row's backend (its ``mutwo@<backend>-none``
+    row, which :func:`reuses_profile` of an earlier unbudgeted row, or profiles itself), the
+    prediction is scaled by what compiling did to that step:
     ``predicted_anchored_ms = anchor × predicted / profiled`` (the plan's added time shrinks in the
     same proportion as the step's). So are a measured choice's candidates."""
     parsed = mutwo_variant(str(row.get("variant")))
@@ -388,8 +396,9 @@ def planning_groups(variants: list[str], parallel: int) -> list[list[str]]:
 
 def unprofiled(variants: list[str]) -> str | None:
     """The first planned mutwo variant whose profile would not be the one the last unbudgeted mutwo
-    row before it saved (there is one profile.json per model and batch, made by the last such row):
-    none ran, or it captured another graph (CUDA-graph backends capture a capturable optimizer)."""
+    row before it saved (there is one profile.json per model and batch, made by the last unbudgeted
+    row that profiled; one that reuses it is of the same capture): none ran, or it captured another
+    graph (CUDA-graph backends capture a capturable optimizer)."""
     graphable: bool | None = None  # the kind of graph the saved profile is of
     for variant in variants:
         parsed = mutwo_variant(variant)
@@ -542,11 +551,12 @@ def main() -> None:
             parser.error(f"--parallel-planning: {missing} would profile beside other processes' compiles; run an "
                          "unbudgeted row of its capture before it (mutwo-none, or mutwo@cudagraphs-none for a "
                          "CUDA-graph backend), whose profile the planned rows reuse")  # fmt: skip
-        unplanned_reusing = {v for i, v in enumerate(variants)
-                             if budget_spec(v) == "none" and reuses_profile(v, variants[:i])}  # fmt: skip
+        reusing = unplanned_reusing(variants)  # by position: a variant may be named twice
+        position = 0
         for group in planning_groups(variants, args.parallel_planning):
             jobs: list[Job] = []
             for variant in group:
+                reuse, position = reusing[position], position + 1
                 base = {"model": name, "batch_size": int(batch), "variant": variant}
                 spec = budget_spec(variant)
                 measured = [r for r in references + rows if r["model"] == name and r["batch_size"] == int(batch)]
@@ -557,8 +567,7 @@ def main() -> None:
                     continue
                 plain = {"bytes": budget.bytes} if isinstance(budget, Budget) else budget
                 encoded = json.dumps(plain) if budget else ""
-                jobs.append(Job(base, variant, budget, worker_argv(args, name, batch, variant, encoded,
-                                                                   variant in unplanned_reusing)))  # fmt: skip
+                jobs.append(Job(base, variant, budget, worker_argv(args, name, batch, variant, encoded, reuse)))
             runnable = [job for job in jobs if job.refused is None]
             if len(runnable) > 1:  # rows in the variants' order, refused ones among them
                 measured_rows = run_in_parallel(runnable, args.parallel_planning, args.timeout, scratch / "gates")

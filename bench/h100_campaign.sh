@@ -25,9 +25,9 @@
 # lock file, one process at a time); i18c-resnet's swap row at checkpointing's peak again, whose
 # peak was +3.25% over the budget with three recordings' cuBLAS workspaces more than the other rows
 # (recordings now share one warm-up stream); i18-trace, where the ResNet swap plan loses its time.
-# Eleventh session: ran on an H100 (bench/results/session11_h100/; docs/benchmarks.md "Issue 18's
-# rows once more"), 9 and 10.5 minutes, then every cuda test (60 passed, 1 skipped, 115 s).
-# Eleventh session (2026-11-26): issue 18's rows once more, with the recordings' shared warm-up
+# Eleventh session (2026-11-26; ran on an H100, 9 and 10.5 minutes, then every cuda test: 60 passed,
+# 1 skipped; bench/results/session11_h100/, docs/benchmarks.md "Issue 18's rows once more"):
+# issue 18's rows once more, with the recordings' shared warm-up
 # stream and the calibration lock, and each model's unplanned step compiled with Inductor
 # (mutwo@inductor-cudagraphs-none, planned beside the others on the saved profile), whose measured
 # time anchors the compiled rows' predictions (compare.py's predicted_anchored_ms)
@@ -238,8 +238,7 @@ case "$section" in
     if [ "$run" = i18d ]; then anchor=mutwo@$g-none,; parallel=5; else anchor=; parallel=4; fi
     timeout 2400 python3 bench/compare.py --out "$OUT/$stem.json" --models "$model" --timeout 1500 \
       --parallel-planning $parallel --calibrate-peak $rounds --measure-choice \
-      --variants eager,checkpoint,mutwo@cudagraphs-none,${anchor}mutwo@$g-eager0.5,mutwo-swap@$g-eager0.5,mutwo@$g-checkpoint,mutwo-swap@$g-checkpoint
-    status=$?; rm -rf "$OUT/$stem"; exit $status ;;
+      --variants eager,checkpoint,mutwo@cudagraphs-none,${anchor}mutwo@$g-eager0.5,mutwo-swap@$g-eager0.5,mutwo@$g-checkpoint,mutwo-swap@$g-checkpoint ;;
   i18-resnet|i18-bert)
     if [ "$section" = i18-resnet ]; then model=resnet152-cl:128; stem=i18_resnet152_cl; else model=bert:64; stem=i18_bert_b64; fi
     g=inductor-cudagraphs

@@ -222,6 +222,9 @@ def test_an_unplanned_row_after_one_of_its_capture_reuses_its_profile_and_plans_
     assert not compare.reuses_profile("mutwo@inductor-none", ["mutwo@cudagraphs-none"])  # another capture
     assert compare.planning_groups(variants, 4) == [["eager"], ["mutwo@cudagraphs-none"], variants[2:5],
                                                     ["mutwo-none"], ["mutwo@inductor-none"]]  # fmt: skip
+    assert compare.unplanned_reusing(variants) == [False, False, True, False, False, False, True]
+    # by position: of a variant named twice, only the later one reuses
+    assert compare.unplanned_reusing(["mutwo-none", "mutwo-0.5", "mutwo-none"]) == [False, False, True]
     args = argparse.Namespace(out=None, precision=None, trace=False, isolate_profile=False, calibrate_peak=0,
                               measure_choice=False, warmup=3, iterations=10)  # fmt: skip
     assert "--reuse-profile" in compare.worker_argv(args, "tiny", "4", variants[2], "", True)

@@ -151,6 +151,32 @@ def test_the_unbudgeted_run_saves_the_copy_model_the_swap_runs_reuse(
     assert "error" not in swap and swap["profile_reused"] and swap["transfer"] == saved, swap
 
 
+def test_an_unplanned_run_reusing_the_profile_runs_no_pass_and_leaves_the_saved_files_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """reuse_profile (compare.py's mutwo@<backend>-none after mutwo-none): no profile pass, and
+    profile.json, timing.json and transfer.json stay the profiling run's, byte for byte; a later
+    profiling run first removes them, so that a failure before it saves leaves no stale profile."""
+    monkeypatch.chdir(REPO)
+    run_configuration(CONFIG, 64, "none", tmp_path, device="cpu", warmup=0, iterations=1)
+    folder = tmp_path / "b64"
+    names = ("profile.json", "timing.json", TRANSFER_FILE)
+    saved = {name: (folder / name).read_bytes() for name in names}
+    monkeypatch.setattr(api, "measure_transfers", lambda device: pytest.fail("the copies were measured again"))
+    reusing = run_configuration(CONFIG, 64, "none", tmp_path, device="cpu", warmup=0, iterations=1,
+                                reuse_profile=True)  # fmt: skip
+    assert "error" not in reusing and reusing["profile_reused"] and reusing["iteration_ms"] > 0, reusing
+    assert "transfer" not in reusing and reusing["select_rewrite_seconds"] == 0
+    assert {name: (folder / name).read_bytes() for name in names} == saved
+
+    def fail_to_profile(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("profiling failed")
+
+    monkeypatch.setattr(api, "capture_graph", fail_to_profile)
+    with pytest.raises(RuntimeError, match="profiling failed"):
+        run_configuration(CONFIG, 64, "none", tmp_path, device="cpu", warmup=0, iterations=1)
+    assert not any((folder / name).exists() for name in names)
+
+
 # -- measure_step ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("failing_call", [2, 5], ids=["during-warmup", "while-measuring"])
 def test_measure_step_records_out_of_memory(failing_call: int) -> None:

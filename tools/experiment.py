@@ -311,14 +311,17 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
                            "cudagraphs")  # fmt: skip
     if backend.endswith("cudagraphs"):
         graphable_optimizer(training.optimizer, training.device)
+    profiles = budget is None and not reuse_profile  # this run makes the profile.json the others reuse
+    saved, saved_transfer = folder / "profile.json", folder / TRANSFER_FILE
+    if profiles:  # an older profile must not outlive a run that fails before saving its own
+        for old in (saved, saved_transfer, folder / "timing.json"):
+            old.unlink(missing_ok=True)
     started = time.perf_counter()
     lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
-    profiles = budget is None and not reuse_profile  # this run makes the profile.json the others reuse
     context = pass_context(lowered, budget, out_dir=folder if profiles else None, log=log)
     context.services.update(backend_services(backend), measure_choice=measure_choice)
-    saved, saved_transfer = folder / "profile.json", folder / TRANSFER_FILE
     planning = ["optimizer"] if optimizer_passes else []
     planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
     # The run without a budget saves the profile the others reuse: on CUDA it measures the copies'
@@ -328,9 +331,7 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     profiling = "profile" + ("{" + ",".join(profile_options) + "}" if profile_options else "")
     passes = ",".join([profiling, *planning])
     reused: list[str] = []  # what ran before this run's pipeline, in the run that profiled
-    if profiles:  # an older copy model must not outlive the profile it was measured with
-        saved_transfer.unlink(missing_ok=True)
-    elif saved.exists():
+    if not profiles and saved.exists():
         profile = Profile.from_json(json.loads(saved.read_text(encoding="utf-8")))
         # Made the way this run's profile pass makes them: isolated or not, pooled, and for a
         # swap plan on CUDA with the copies' contention measured (else it is measured again).
