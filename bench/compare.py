@@ -94,7 +94,6 @@ config runs the whole comparison on a CPU in a minute (times and peaks are only 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -112,7 +111,12 @@ sys.path.insert(0, str(ROOT))
 
 from mutwo.ir.budget import Budget  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
-from mutwo.tools.experiment import build_training, measure_after_planning, run_configuration  # noqa: E402
+from mutwo.tools.experiment import (  # noqa: E402
+    build_training,
+    free_planning_leftovers,
+    measure_after_planning,
+    run_configuration,
+)
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
            "tiny": "examples/tiny_mlp.yaml", "resnet152-cl": "examples/resnet152_channels_last.yaml"}  # fmt: skip
@@ -244,18 +248,22 @@ def reuses_profile(variant: str, before: list[str]) -> bool:
     return bool(earlier) and graphable_capture(earlier[-1]) == graphable_capture(parsed)
 
 
+def profile_reuse(variants: list[str]) -> list[bool]:
+    """:func:`reuses_profile` of each of ``variants``, in order (by position: a variant may be named twice)."""
+    return [reuses_profile(v, variants[:i]) for i, v in enumerate(variants)]
+
+
 def unplanned_reusing(variants: list[str]) -> list[bool]:
     """For each of ``variants``, in order: whether it is an unbudgeted mutwo variant that
     :func:`reuses_profile` (its worker gets ``--reuse-profile``, and saves no profile)."""
-    return [budget_spec(v) == "none" and reuses_profile(v, variants[:i]) for i, v in enumerate(variants)]
+    return [budget_spec(v) == "none" and reuse for v, reuse in zip(variants, profile_reuse(variants), strict=True)]
 
 
 def wait_for_turn(gate: Path, timings: dict[str, Any], parent: int) -> None:
     """A worker planned beside others: say it is ready (``gate.ready``), then wait for ``gate.go``;
     exit if compare.py (process ``parent``) is gone, rather than hold the device for nobody."""
     if torch.cuda.is_available():  # what planning left in the cache is not kept while others measure
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_planning_leftovers(torch.device("cuda"))
     timings["planned_at"] = time.time()
     gate.with_suffix(".ready").touch()
     while not gate.with_suffix(".go").exists():
@@ -385,9 +393,9 @@ def planning_groups(variants: list[str], parallel: int) -> list[list[str]]:
     variants that :func:`reuses_profile` share a group (they plan from a saved profile, so planning
     beside each other measures nothing); every other variant is alone."""
     groups: list[list[str]] = []
+    reuse = profile_reuse(variants)
     for index, variant in enumerate(variants):
-        if parallel > 1 and groups and reuses_profile(variant, variants[:index]) \
-                and reuses_profile(variants[index - 1], variants[:index - 1]):
+        if parallel > 1 and groups and reuse[index] and reuse[index - 1]:
             groups[-1].append(variant)
         else:
             groups.append([variant])
