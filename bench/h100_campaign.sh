@@ -25,8 +25,8 @@
 # lock file, one process at a time); i18c-resnet's swap row at checkpointing's peak again, whose
 # peak was +3.25% over the budget with three recordings' cuBLAS workspaces more than the other rows
 # (recordings now share one warm-up stream); i18-trace, where the ResNet swap plan loses its time.
-# Eleventh session (2026-11-26; ran on an H100, 9 and 10.5 minutes, then every cuda test: 60 passed,
-# 1 skipped; bench/results/session11_h100/, docs/benchmarks.md "Issue 18's rows once more"):
+# Eleventh session (2026-11-26; ran on an H100, within 9 and about 11 minutes, then every cuda test:
+# 60 passed, 1 skipped; bench/results/session11_h100/, docs/benchmarks.md "Issue 18's rows once more"):
 # issue 18's rows once more, with the recordings' shared warm-up
 # stream and the calibration lock, and each model's unplanned step compiled with Inductor
 # (mutwo@inductor-cudagraphs-none, planned beside the others on the saved profile), whose measured
