@@ -68,7 +68,7 @@ another optimizer (capturable), so its rows reuse the profile of ``mutwo@cudagra
 ``--calibrate-peak N`` makes the rows of a compiled backend (``mutwo@inductor...``,
 ``mutwo@cudagraphs...``) re-plan up to N times until the compiled step's measured peak is within 3%
 of the budget (Inductor's fusion frees buffers the plan counts;
-:mod:`mutwo.runtime.peak_calibration`); the rows record every round under ``calibration``.
+:mod:`mutwo.runtime.planning.peak_calibration`); the rows record every round under ``calibration``.
 
 ``--measure-choice`` makes the ``mutwo-swap@<compiled backend>`` rows measure select-swap's plan
 against the recompute-only plan at the same budget (both compiled, and calibrated with

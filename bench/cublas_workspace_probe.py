@@ -5,7 +5,7 @@ process) peaked 133 MiB more than a row of the same plan with two recordings, on
 suspect: cuBLAS keeps a workspace per stream it ran on, from the caching allocator, for the
 process's life, and the CUDA-graph runner warmed each recording up on a new stream. This records
 a small matmul step four times with a new warm-up stream each time (as before) and four times with
-``mutwo.runtime.cuda_graphs``' shared one, and prints what stays allocated after each recording
+``mutwo.runtime.execution.cuda_graphs``' shared one, and prints what stays allocated after each recording
 is released. Writes ``--out`` (JSON).
 
     python bench/cublas_workspace_probe.py --out $OUT/cublas_workspace_probe.json
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mutwo.runtime.cuda_graphs import CudaGraphRunner, warmup_stream
+from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, warmup_stream
 
 MIB = 2**20
 
@@ -31,7 +31,7 @@ def step(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def allocated_after_recordings(fresh_streams: bool, recordings: int = 4) -> list[float]:
     """MiB allocated after each recording of ``step`` is released (its pool freed)."""
-    import mutwo.runtime.cuda_graphs as cuda_graphs
+    import mutwo.runtime.execution.cuda_graphs as cuda_graphs
 
     device = torch.device("cuda")
     weight = torch.randn(2048, 2048, device=device)

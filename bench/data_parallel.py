@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
 from mutwo.ir.pass_manager import PipelineFailure  # noqa: E402
-from mutwo.runtime import distributed  # noqa: E402
 from mutwo.runtime.api import optimize  # noqa: E402
-from mutwo.runtime.step import GraphStep  # noqa: E402
+from mutwo.runtime.execution.step import GraphStep  # noqa: E402
+from mutwo.runtime.parallel import distributed  # noqa: E402
 from mutwo.tools.config import Config, apply_overrides, load_config  # noqa: E402
 from mutwo.tools.experiment import Training, measure_after_planning  # noqa: E402
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, to_device  # noqa: E402

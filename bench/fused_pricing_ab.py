@@ -36,7 +36,7 @@ def configure(config: str) -> None:
     """In this process, set what ``config`` names (before compare.py's worker plans): fused pricing
     on for both planning passes, the decomposition off unless named."""
     from mutwo.passes import select, select_swap
-    from mutwo.runtime import backends
+    from mutwo.runtime.execution import backends
 
     if "fused" in config:
         priced = select.recompute_time_model

@@ -48,7 +48,7 @@
 #                checkpointing's, --calibrate-peak 1 --measure-choice                      ~13 min
 #   i18c-bert    BERT-base b64: the same rows, --calibrate-peak 2                            ~12 min
 # Ninth session (2026-11-26): issue 18's rows side by side, swap plans now recorded as CUDA graphs
-# (offloads freed at release points, runtime/swap_graphs.py), one machine, in the background
+# (offloads freed at release points, runtime/execution/swap_graphs.py), one machine, in the background
 # (start i18-tests i18-resnet i18-bert). Each model's four compiled rows are planned and compiled
 # in four processes at once, then measured one at a time (compare.py --parallel-planning 4): the
 # compiles alone took 26 minutes for ResNet one after the other.

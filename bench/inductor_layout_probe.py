@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mutwo  # noqa: E402
-from mutwo.runtime import backends  # noqa: E402
+from mutwo.runtime.execution import backends  # noqa: E402
 from tests.test_backends import _adam, _cuda_cnn  # noqa: E402
 
 

@@ -28,10 +28,10 @@ import torch.fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.to_fx import NODE_ID_META, to_fx
-from mutwo.runtime.api import capture_graph
-from mutwo.runtime.equivalence import deterministic_algorithms
-from mutwo.runtime.optim import UnsupportedOptimizerError
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.optim import UnsupportedOptimizerError
+from mutwo.runtime.capture.tracing import CaptureError
+from mutwo.runtime.measurement.equivalence import deterministic_algorithms
+from mutwo.runtime.planning.captured import capture_graph
 from mutwo.tools.config import ConfigError, load_config
 from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device, training_options
 

@@ -39,9 +39,9 @@ from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
 from mutwo.ir.op_signature import pool_times  # noqa: E402
 from mutwo.ir.pass_manager import PassManager  # noqa: E402
 from mutwo.ir.registry import PassRegistry  # noqa: E402
-from mutwo.runtime.api import capture_graph, pass_context  # noqa: E402
-from mutwo.runtime.backends import backend_services  # noqa: E402
-from mutwo.runtime.step import GraphStep  # noqa: E402
+from mutwo.runtime.execution.backends import backend_services  # noqa: E402
+from mutwo.runtime.execution.step import GraphStep  # noqa: E402
+from mutwo.runtime.planning.captured import capture_graph, pass_context  # noqa: E402
 from mutwo.tools.experiment import PlannedStep, build_training, measure_step  # noqa: E402
 
 

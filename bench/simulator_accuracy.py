@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mutwo.ir import from_fx  # noqa: E402
 from mutwo.ir.memory import simulate  # noqa: E402
 from mutwo.ir.to_fx import to_fx  # noqa: E402
-from mutwo.runtime.capture import capture  # noqa: E402
-from mutwo.runtime.profiler import measure_iterations, profile_graph  # noqa: E402
+from mutwo.runtime.capture.iteration import capture  # noqa: E402
+from mutwo.runtime.measurement.iterations import measure_iterations
+from mutwo.runtime.measurement.profiler import profile_graph  # noqa: E402
 from mutwo.tools.config import apply_overrides, load_config  # noqa: E402
 from mutwo.tools.workloads import build_optimizer, build_workload  # noqa: E402
 

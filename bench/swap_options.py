@@ -36,8 +36,8 @@ from plan_stability import captured, run_header, time_plan  # noqa: E402
 from mutwo.ir.budget import parse_budget  # noqa: E402
 from mutwo.ir.pass_manager import PassManager, PipelineFailure  # noqa: E402
 from mutwo.ir.registry import PassRegistry  # noqa: E402
-from mutwo.runtime.api import pass_context  # noqa: E402
-from mutwo.runtime.backends import backend_services  # noqa: E402
+from mutwo.runtime.execution.backends import backend_services  # noqa: E402
+from mutwo.runtime.planning.captured import pass_context  # noqa: E402
 from mutwo.tools.experiment import swap_plan_row  # noqa: E402
 
 

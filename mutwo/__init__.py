@@ -25,7 +25,7 @@ from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
 from mutwo.ir.registry import register_pass
 from mutwo.runtime.api import optimize
-from mutwo.runtime.fit import fit_batch
+from mutwo.runtime.planning.fit import fit_batch
 
 try:
     __version__ = version("mutwo")

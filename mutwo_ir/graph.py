@@ -23,7 +23,7 @@ class Graph:
     """A whole training iteration as IR nodes in execution order.
 
     ``slots`` lists, for each placeholder in order, the qualified name of what the runtime feeds
-    it (for example ``fc.weight`` or ``fc.weight:exp_avg``); see :mod:`mutwo.runtime.capture`.
+    it (for example ``fc.weight`` or ``fc.weight:exp_avg``); see :mod:`mutwo.runtime.capture.iteration`.
     """
 
     def __init__(self) -> None:

@@ -11,7 +11,7 @@ to another node (``@host`` after the bytes of a copy swapped out to host memory)
 Placeholders show their label: ``= placeholder "fc.weight"``.
 
 A torch.optim call recorded with numbers computed from tensors (``mutwo::host_call*``, see
-:mod:`mutwo.runtime.host_scalars`) shows the call it runs, each number as its expression over the
+:mod:`mutwo.runtime.capture.host_scalars`) shows the call it runs, each number as its expression over the
 0-dim tensors it reads: ``= mutwo.host_call_one_ Tensor.add_(%0, %21, alpha=-%2)`` (``%2`` being
 the learning rate); ``mutwo::host_scalar`` shows its expression: ``= mutwo.host_scalar(1 - %25)``.
 """
@@ -81,7 +81,7 @@ def format_node(node: Node) -> str:
 
 
 # -- torch.optim calls recorded with numbers computed from tensors --------------------------------
-# mutwo.runtime.host_scalars defines these ops and the JSON text each carries; the IR does not
+# mutwo.runtime.capture.host_scalars defines these ops and the JSON text each carries; the IR does not
 # import the runtime, so the text is read here, for printing only. Each op's operands, in order:
 # host_call(call, tensors, sources), host_call_(mutated list, call, tensors, sources),
 # host_call_one_(mutated, call, tensors, sources), host_scalar(expression, sources),

@@ -14,7 +14,7 @@ A swapped activation storage ``s`` goes through three ops, each an ordinary IR n
 Backward readers of ``s`` then read the waited tensor, or a replay of the views they read on it.
 Because every reader goes through ``wait``, nothing can read a tensor whose copy is in flight;
 :func:`mutwo.ir.verifier.verify` checks that protocol. The kernels (side streams, events, pinned
-host buffers reused across iterations) are :mod:`mutwo.runtime.swap`'s; this module only
+host buffers reused across iterations) are :mod:`mutwo.runtime.execution.swap`'s; this module only
 defines the ops' schemas and shapes, so the IR, fx, the printers and the simulators see them.
 """
 
@@ -43,7 +43,7 @@ _LIBRARY.define("offload_elements(Tensor x, int tag) -> Tensor")
 # functionalization orders its readers after it (a custom op returning an alias of its input
 # cannot be functionalized); Inductor's reinplacing then calls it on ``x`` itself.
 _LIBRARY.define("wait_(Tensor(a!) x, int tag) -> ()")
-# The release point of a swap recorded as a CUDA graph (mutwo.runtime.swap_graphs inserts it in the
+# The release point of a swap recorded as a CUDA graph (mutwo.runtime.execution.swap_graphs inserts it in the
 # fx graph of a graphed backend, never in the IR): the compute stream waits for the copy out into
 # ``host``, and the swap runtime drops the device tensor it kept for that copy, so its block is
 # freed here in the compute stream's order, without ``record_stream`` (whose free a capture
@@ -59,7 +59,7 @@ OFFLOAD_ELEMENTS = torch.ops.mutwo.offload_elements.default
 RELEASE_IN_PLACE = torch.ops.mutwo.release_.default
 SWAP_OPS = (OFFLOAD, PREFETCH, WAIT)
 #: ``Graph.meta`` key of the release points insert-swap records: offload tag -> id of the node
-#: before which a step recorded as a CUDA graph frees the offloaded tensor (mutwo.runtime.swap_graphs).
+#: before which a step recorded as a CUDA graph frees the offloaded tensor (mutwo.runtime.execution.swap_graphs).
 SWAP_RELEASES = "swap_releases"
 
 

@@ -47,7 +47,7 @@ class InsertSwapPass(Pass):
                              mask_replay=replays_from_masks(ctx))  # fmt: skip
         except (NotSwappable, NotRecomputable) as error:
             raise PassFailure(f"the swap plan cannot be realised: {error}") from None
-        # Where a step recorded as a CUDA graph frees each offloaded tensor (mutwo.runtime.swap_graphs);
+        # Where a step recorded as a CUDA graph frees each offloaded tensor (mutwo.runtime.execution.swap_graphs);
         # keyed by the offloads' tags, the ids of the tensors they copy.
         graph.meta[SWAP_RELEASES] = {placement.site.base: entry["release_before"]
                                      for placement, entry in zip(placements, plan.of(SWAP), strict=True)

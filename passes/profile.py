@@ -51,7 +51,7 @@ class ProfilePass(Pass):
     (its workspace); whole iterations are timed separately without per-node synchronisation. On
     CPU: wall-clock per node, memory from the simulator. On CUDA, when a pass of the pipeline
     prices copies (select-swap), it also measures how much host-device copies in flight slow the
-    iteration (``contention``, :mod:`mutwo.runtime.copy_contention`); other pipelines skip those
+    iteration (``contention``, :mod:`mutwo.runtime.measurement.copy_contention`); other pipelines skip those
     iterations. With ``pool`` (the default), nodes doing
     the same work (same op, operand shapes and dtypes, views and arguments: the repeated blocks of
     a network) get the median of their times, so that the plan does not follow one node's noise

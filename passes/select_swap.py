@@ -388,7 +388,7 @@ class SelectSwapPass(Pass):
 
     def _contended(self, transfer: TransferModel, profile: Any, ctx: PassContext) -> TransferModel:
         """``transfer`` with the contention its copies are priced at: the option, else what the
-        profile measured on this graph (mutwo.runtime.copy_contention), else the machine model's."""
+        profile measured on this graph (mutwo.runtime.measurement.copy_contention), else the machine model's."""
         if self.contention is not None:
             return replace(transfer, compute_slowdown=self.contention)
         if not transfer.overlap:

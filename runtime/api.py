@@ -25,31 +25,28 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mutwo.ir import from_fx
 from mutwo.ir.budget import Budget, parse_budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineResult
 from mutwo.ir.registry import PassRegistry
-from mutwo.ir.verifier import verify
-from mutwo.runtime import distributed
-from mutwo.runtime.backends import BackendError, CompiledStep, backend_services, check_backend
-from mutwo.runtime.capture import CapturedStep, LossFn, StaleCaptureError, StepBinding, capture
-from mutwo.runtime.distributed import DataParallel
-from mutwo.runtime.equivalence import EquivalenceReport, check_graphs, random_stream_kept
-from mutwo.runtime.optim import scheduled_kinds
-from mutwo.runtime.peak_calibration import (
+from mutwo.runtime.capture.iteration import CapturedStep, LossFn, StaleCaptureError, StepBinding
+from mutwo.runtime.capture.optim import scheduled_kinds
+from mutwo.runtime.capture.training import TrainingOptions
+from mutwo.runtime.execution.backends import BackendError, CompiledStep, backend_services, check_backend
+from mutwo.runtime.execution.step import GraphStep
+from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs, random_stream_kept
+from mutwo.runtime.parallel import distributed
+from mutwo.runtime.parallel.distributed import DataParallel
+from mutwo.runtime.planning.captured import capture_graph, pass_context
+from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
     Calibration,
     calibrated_step,
     calibration_refusal,
     pipeline_plan,
 )
-from mutwo.runtime.plan_choice import choice_refusal, measured_choice
-from mutwo.runtime.profiler import device_of, profile_graph
-from mutwo.runtime.step import GraphStep
-from mutwo.runtime.training import TrainingOptions
-from mutwo.runtime.transfer import measure_transfers
+from mutwo.runtime.planning.plan_choice import choice_refusal, measured_choice
 
 DEFAULT_PASSES = "profile,optimizer,select,rewrite"
 
@@ -74,66 +71,13 @@ class Optimized:
     step: GraphStep | None = None
     #: with ``calibrate_peak``: every round's budget and peaks, and the round kept
     calibration: Calibration[Any] | None = None
-    #: with ``measure_choice``: both plans measured and the one kept (:mod:`mutwo.runtime.plan_choice`)
+    #: with ``measure_choice``: both plans measured and the one kept (:mod:`mutwo.runtime.planning.plan_choice`)
     choice: dict[str, Any] | None = None
 
     @property
     def plan(self) -> Any:
         """The plan the pipeline made: ``select``'s (recompute only) or ``select-swap``'s."""
         return pipeline_plan(self.context.artifacts)
-
-
-@dataclass
-class CapturedGraph:
-    """A captured iteration lowered to the IR and verified, with the inputs to run it on."""
-
-    graph: Graph
-    captured: CapturedStep
-    binding: StepBinding
-    inputs: list[torch.Tensor]
-
-    @property
-    def device(self) -> torch.device:
-        return device_of(self.inputs)
-
-
-def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
-                  training: TrainingOptions | None = None, micro: str = "step",
-                  accumulated: dict[str, torch.Tensor] | None = None,
-                  data_parallel: DataParallel | None = None) -> CapturedGraph:  # fmt: skip
-    """Capture one iteration (model, optimizer and batch already on their device) into verified IR;
-    ``training``, ``micro`` and ``accumulated`` as for :func:`mutwo.runtime.capture.capture`; with
-    ``data_parallel``, gradients are averaged across its ranks, which must all capture it."""
-    captured, binding = capture(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
-    graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
-    verify(graph)
-    if data_parallel is not None:
-        distributed.require_same_graph(graph, data_parallel, "captured")
-    return CapturedGraph(graph, captured, binding, binding.flat_inputs(batch) + list(captured.constants.values()))
-
-
-def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path | None = None,
-                 log: Callable[[str], None] = lambda message: None,
-                 keep_grads: bool = False) -> PassContext:  # fmt: skip
-    """The context passes run in: the budget, whether the caller reads the gradients (then
-    optimizer-in-backward keeps them), and the runtime's profiler and device memory as services."""
-    device = lowered.device
-    context = PassContext(out_dir=out_dir, device=str(device), log=log)
-    context.services["budget"] = budget
-    context.services["keep_grads"] = keep_grads
-    context.services["profiler"] = lambda g, runs, warmup, isolate=False, contention=True: profile_graph(
-        g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate, contention=contention)
-    context.services["transfer"] = lambda: measure_transfers(device)
-    if device.type == "cuda":
-        context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
-    dp = lowered.binding.data_parallel
-    if dp is not None:  # every rank plans from the same numbers, so every rank makes the same plan
-        profiler = context.services["profiler"]
-        context.services["profiler"] = lambda g, runs, warmup, isolate=False, contention=True: \
-            distributed.agreed_profile(profiler(g, runs, warmup, isolate, contention), dp)  # fmt: skip
-        if "device_memory" in context.services:
-            context.services["device_memory"] = distributed.smallest(context.services["device_memory"], dp)
-    return context
 
 
 def optimize_graph(
@@ -161,13 +105,13 @@ def optimize_graph(
 
     With ``check``, the optimized step is compared with the captured graph for 3 iterations from
     cloned state (bitwise on CPU and with deterministic kernels on CUDA; a compiled backend within
-    :class:`mutwo.runtime.equivalence.Tolerance`). With ``data_parallel``, every rank of its group
+    :class:`mutwo.runtime.measurement.equivalence.Tolerance`). With ``data_parallel``, every rank of its group
     must call this together; they end with the same graph or all fail. ``calibrate_peak``: with
     the inductor backend, plan again up to that many times until the compiled step's measured peak
-    is within 3% of the budget (:mod:`mutwo.runtime.peak_calibration`). ``measure_choice``: with
+    is within 3% of the budget (:mod:`mutwo.runtime.planning.peak_calibration`). ``measure_choice``: with
     a compiled backend and select-swap in ``passes``, when its plan swaps, compile the
     recompute-only plan at the same budget too, measure both and keep the faster
-    (:mod:`mutwo.runtime.plan_choice`; ``Optimized.choice`` says what each ran).
+    (:mod:`mutwo.runtime.planning.plan_choice`; ``Optimized.choice`` says what each ran).
     """
     check_backend(backend)
     if data_parallel is not None and backend != "eager":
@@ -326,7 +270,7 @@ def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
 def _hyperparameters(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """What a graph is specific to in a param group: each hyperparameter's value, but only the
     type of those the graph takes as inputs (the learning rate, and momentum or betas, which
-    schedulers change at every step: :data:`mutwo.runtime.optim.SCHEDULED`)."""
+    schedulers change at every step: :data:`mutwo.runtime.capture.optim.SCHEDULED`)."""
     inputs = scheduled_kinds(group)
     return tuple(sorted((key, ("graph input", inputs[key]) if key in inputs else _frozen(value))
                         for key, value in group.items() if key != "params"))  # fmt: skip
@@ -417,7 +361,7 @@ def optimize(
     loop of ``(loss / k).backward()`` would. ``grad_scaler``: a ``torch.amp.GradScaler`` whose
     scale, unscale, inf check, skipped step and scale update run inside the graph, as
     ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` would; see
-    :mod:`mutwo.runtime.training`.
+    :mod:`mutwo.runtime.capture.training`.
 
     Data parallel: a ``DistributedDataParallel`` model is unwrapped and its gradients are averaged
     as DDP would (its process group, buckets and buffer broadcast); a plain model is, when a
@@ -434,7 +378,7 @@ def optimize(
     of the budget, since Inductor's fusion frees buffers the plan counts. ``measure_choice``: with
     a compiled backend and ``passes`` planning swaps (``"profile,swap"``), keep select-swap's plan
     only when it is measured faster than the recompute-only plan at the same budget
-    (:mod:`mutwo.runtime.plan_choice`).
+    (:mod:`mutwo.runtime.planning.plan_choice`).
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)

@@ -14,10 +14,10 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import PassManager
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.timeline import TransferModel
-from mutwo.runtime.capture import capture
-from mutwo.runtime.cuda_graphs import graphable_optimizer
-from mutwo.runtime.profiler import profile_graph
-from mutwo.runtime.transfer import measure_transfers
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
+from mutwo.runtime.measurement.profiler import profile_graph
+from mutwo.runtime.measurement.transfer import measure_transfers
 from tests import models
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mutwo.runtime.api import optimize
-from mutwo.runtime.fit import fit_batch
+from mutwo.runtime.planning.fit import fit_batch
 from tests import models
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,13 +20,14 @@ from mutwo.ir.recompute import Recompute, insert_blocks
 from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.swap import OFFLOAD
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime.api import capture_graph, optimize_graph
-from mutwo.runtime.backends import BackendError, backend_services, compile_graph, compile_inductor
-from mutwo.runtime.cuda_graphs import graphable_optimizer
-from mutwo.runtime.equivalence import Tolerance, check_graphs, compare_graphs
-from mutwo.runtime.fusion import CUSTOM_PHASE
-from mutwo.runtime.profiler import cpu_iteration_peak
-from mutwo.runtime.swap import RUNTIME
+from mutwo.runtime.api import optimize_graph
+from mutwo.runtime.execution.backends import BackendError, backend_services, compile_graph, compile_inductor
+from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
+from mutwo.runtime.execution.fusion import CUSTOM_PHASE
+from mutwo.runtime.execution.swap import RUNTIME
+from mutwo.runtime.measurement.equivalence import Tolerance, check_graphs, compare_graphs
+from mutwo.runtime.measurement.iterations import cpu_iteration_peak
+from mutwo.runtime.planning.captured import capture_graph
 from tests import models
 from tests.test_mask_replay import dropout_tanh_mlp
 from tests.test_replay import token_mlp
@@ -80,7 +81,7 @@ def test_the_check_catches_a_compiled_step_that_computes_something_else() -> Non
 def test_inductor_keeps_the_plans_peak() -> None:
     """Measured on the CPU (the profiler's allocation events): at the lowest budget the compiled
     step allocates no more than the eager executor of the same plan. Without the fusion rule of
-    mutwo.runtime.fusion this plan measured 3.20 MB against eager's 2.66 MB (docs/backends.md)."""
+    mutwo.runtime.execution.fusion this plan measured 3.20 MB against eager's 2.66 MB (docs/backends.md)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1),
                         nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
@@ -302,7 +303,7 @@ def _capturable_adam(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 @pytest.mark.cuda
 def test_cuda_graphs_replay_bitwise_like_the_eager_backend() -> None:
-    from mutwo.runtime.equivalence import deterministic_algorithms
+    from mutwo.runtime.measurement.equivalence import deterministic_algorithms
 
     graphed, plain = _cuda_cnn()
     with deterministic_algorithms():
@@ -385,7 +386,7 @@ def test_cuda_recordings_released_leave_no_cublas_workspace_behind() -> None:
     """Every recording warms up on the one warm-up stream of its device: cuBLAS keeps a workspace
     per stream for the process's life, so recordings on new streams each left 32 MiB allocated
     (bench/cublas_workspace_probe.py)."""
-    from mutwo.runtime.cuda_graphs import CudaGraphRunner
+    from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner
 
     weight = torch.randn(1024, 1024, device="cuda")
     x = torch.randn(2048, 1024, device="cuda")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import nondeterminism_probe
-from mutwo.runtime.api import capture_graph
+from mutwo.runtime.planning.captured import capture_graph
 from tests import models
 
 

@@ -9,9 +9,9 @@ from torch import nn
 from mutwo.ir import from_fx
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import capture
-from mutwo.runtime.step import GraphStep
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.capture.tracing import CaptureError
+from mutwo.runtime.execution.step import GraphStep
 from tests import models
 
 

@@ -12,8 +12,8 @@ from torch.nn import functional as F
 
 import mutwo
 from mutwo.runtime.api import optimize_graph
-from mutwo.runtime.capture import capture
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.capture.tracing import CaptureError
 from mutwo.tools.zoo_models import _Branchy, _recurrent, _refused
 from tests import models
 

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from mutwo.ir import from_fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import PHASE_ORDER, Node, NodeKind, Phase
-from mutwo.runtime.capture import PHASE_META, CapturedStep, StepBinding, capture
+from mutwo.runtime.capture.iteration import PHASE_META, CapturedStep, StepBinding, capture
 from tests import models
 
 aten = torch.ops.aten

@@ -23,7 +23,7 @@ import torch
 
 import mutwo.ir.registry as registry_module
 from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
-from mutwo.runtime.backends import BackendError
+from mutwo.runtime.execution.backends import BackendError
 from mutwo.tools.cli import OutputFolder
 from mutwo.tools.config import DEFAULT_PIPELINE
 from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main, plan_fingerprint

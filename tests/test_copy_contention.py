@@ -1,5 +1,5 @@
 """How much copies slow a graph's compute: measured by the profile on CUDA, priced by select-swap,
-agreed over data-parallel ranks (mutwo.runtime.copy_contention)."""
+agreed over data-parallel ranks (mutwo.runtime.measurement.copy_contention)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.timeline import TransferModel
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime import distributed
-from mutwo.runtime.copy_contention import CopyContention, measure_copy_contention
-from mutwo.runtime.profiler import profile_graph
+from mutwo.runtime.measurement.copy_contention import CopyContention, measure_copy_contention
+from mutwo.runtime.measurement.profiler import profile_graph
+from mutwo.runtime.parallel import distributed
 from tests import models, swapping
 
 MEASURED = {"plain_seconds": 1.0, "d2h_seconds": 1.02, "h2d_seconds": 1.04, "runs": 3, "slowdown": 0.03}

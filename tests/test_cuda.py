@@ -10,10 +10,11 @@ import torch
 from mutwo.ir import from_fx
 from mutwo.ir.memory import simulate
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime.capture import capture
-from mutwo.runtime.equivalence import compare_graphs, deterministic_algorithms, replays_exact
-from mutwo.runtime.profiler import measure_iterations, profile_graph
-from mutwo.runtime.step import GraphStep
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.execution.step import GraphStep
+from mutwo.runtime.measurement.equivalence import compare_graphs, deterministic_algorithms, replays_exact
+from mutwo.runtime.measurement.iterations import measure_iterations
+from mutwo.runtime.measurement.profiler import profile_graph
 from tests import models
 
 pytestmark = pytest.mark.cuda

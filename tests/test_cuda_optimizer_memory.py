@@ -9,9 +9,9 @@ import torch
 import mutwo
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.api import optimize_graph
-from mutwo.runtime.equivalence import deterministic_algorithms
-from mutwo.runtime.profiler import measure_iterations
-from mutwo.runtime.step import GraphStep
+from mutwo.runtime.execution.step import GraphStep
+from mutwo.runtime.measurement.equivalence import deterministic_algorithms
+from mutwo.runtime.measurement.iterations import measure_iterations
 from tests import models
 
 pytestmark = pytest.mark.cuda

@@ -18,12 +18,12 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.swap import SWAP_RELEASES, swap_nodes
 from mutwo.ir.to_fx import to_fx
 from mutwo.passes.mu_two_swap import SWAP
-from mutwo.runtime.backends import compile_graph
-from mutwo.runtime.equivalence import check_graphs, compare_graphs, deterministic_algorithms
-from mutwo.runtime.peak_calibration import device_bytes, measured_peak
-from mutwo.runtime.profiler import measure_iterations
-from mutwo.runtime.swap import RUNTIME
-from mutwo.runtime.transfer import measure_transfers
+from mutwo.runtime.execution.backends import compile_graph
+from mutwo.runtime.execution.swap import RUNTIME
+from mutwo.runtime.measurement.equivalence import check_graphs, compare_graphs, deterministic_algorithms
+from mutwo.runtime.measurement.iterations import measure_iterations
+from mutwo.runtime.measurement.transfer import measure_transfers
+from mutwo.runtime.planning.peak_calibration import device_bytes, measured_peak
 from mutwo.tools.mutwo_opt import EXIT_OK, main
 from tests import models, swapping
 

@@ -1,4 +1,4 @@
-"""Data-parallel iterations (runtime/collectives.py, runtime/distributed.py).
+"""Data-parallel iterations (runtime/parallel/collectives.py, runtime/parallel/distributed.py).
 
 Two ranks on CPU with gloo, each in its own process, train from identical state against eager
 ``DistributedDataParallel`` for 3 iterations: the loss, every averaged gradient and, at the end,
@@ -8,8 +8,9 @@ in any order, so DDP's first iteration (one bucket, before it rebuilds them) and
 give the same bits. The cases (``CASES``): a CNN with batch norm given as a DDP model with small
 buckets, an MLP with a detected process group and DDP's default buckets, and a tiny BERT (tied
 weights, dropout) as a DDP model. The same worker runs on two GPUs with NCCL (the ``cuda`` test,
-CNN and MLP), compared within the CUDA tolerances of ``runtime/equivalence.py``. The IR facts (kinds, aliasing of waits,
-the ``collective-wait`` invariant) are checked in this process, over a group of one rank.
+CNN and MLP), compared within the CUDA tolerances of ``runtime/measurement/equivalence.py``. The IR
+facts (kinds, aliasing of waits, the ``collective-wait`` invariant) are checked in this process, over
+a group of one rank.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from mutwo.ir.node import Node, NodeKind, Phase
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.verifier import VerificationError, verify
 from mutwo.passes.dce import DeadCodeEliminationPass
-from mutwo.runtime import distributed
-from mutwo.runtime.api import capture_graph, optimize
-from mutwo.runtime.distributed import DataParallel, DataParallelError
-from mutwo.runtime.equivalence import CUDA_ATOL, CUDA_RTOL, deterministic_algorithms
+from mutwo.runtime.api import optimize
+from mutwo.runtime.measurement.equivalence import CUDA_ATOL, CUDA_RTOL, deterministic_algorithms
+from mutwo.runtime.parallel import distributed
+from mutwo.runtime.parallel.distributed import DataParallel, DataParallelError
+from mutwo.runtime.planning.captured import capture_graph
 from mutwo.tools.workloads import to_device
 from tests import models
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime import equivalence
-from mutwo.runtime.api import capture_graph
-from mutwo.runtime.equivalence import EquivalenceReport, _varies_between_runs
-from mutwo.runtime.training import TrainingOptions
+from mutwo.runtime.capture.training import TrainingOptions
+from mutwo.runtime.measurement import equivalence
+from mutwo.runtime.measurement.equivalence import EquivalenceReport, _varies_between_runs
+from mutwo.runtime.planning.captured import capture_graph
 from tests import models
 
 

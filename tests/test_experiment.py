@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-import mutwo.runtime.api as api
-import mutwo.runtime.plan_choice as plan_choice
+import mutwo.runtime.planning.captured as captured
+import mutwo.runtime.planning.plan_choice as plan_choice
 import mutwo.tools.experiment as experiment
 import mutwo.tools.experiment_plots as experiment_plots
 from mutwo.ir.registry import PassRegistry
-from mutwo.runtime.plan_choice import choose_measured
+from mutwo.runtime.planning.plan_choice import choose_measured
 from mutwo.tools.experiment import (
     EXIT_OK,
     EXIT_USAGE,
@@ -146,7 +146,7 @@ def test_the_unbudgeted_run_saves_the_copy_model_the_swap_runs_reuse(
     none = run_configuration(CONFIG, 64, "none", tmp_path, device="cpu", warmup=0, iterations=1)
     saved = json.loads((tmp_path / "b64" / TRANSFER_FILE).read_text())
     assert saved == none["transfer"] and saved != stale
-    monkeypatch.setattr(api, "measure_transfers", lambda device: pytest.fail("the copies were measured again"))
+    monkeypatch.setattr(captured, "measure_transfers", lambda device: pytest.fail("the copies were measured again"))
     swap = run_configuration(CONFIG, 64, "0.95", tmp_path, device="cpu", warmup=0, iterations=1, swap=True)
     assert "error" not in swap and swap["profile_reused"] and swap["transfer"] == saved, swap
 
@@ -161,7 +161,7 @@ def test_an_unplanned_run_reusing_the_profile_runs_no_pass_and_leaves_the_saved_
     folder = tmp_path / "b64"
     names = ("profile.json", "timing.json", TRANSFER_FILE)
     saved = {name: (folder / name).read_bytes() for name in names}
-    monkeypatch.setattr(api, "measure_transfers", lambda device: pytest.fail("the copies were measured again"))
+    monkeypatch.setattr(captured, "measure_transfers", lambda device: pytest.fail("the copies were measured again"))
     reusing = run_configuration(CONFIG, 64, "none", tmp_path, device="cpu", warmup=0, iterations=1,
                                 reuse_profile=True)  # fmt: skip
     assert "error" not in reusing and reusing["profile_reused"] and reusing["iteration_ms"] > 0, reusing
@@ -171,7 +171,7 @@ def test_an_unplanned_run_reusing_the_profile_runs_no_pass_and_leaves_the_saved_
     def fail_to_profile(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("profiling failed")
 
-    monkeypatch.setattr(api, "capture_graph", fail_to_profile)
+    monkeypatch.setattr(captured, "capture_graph", fail_to_profile)
     with pytest.raises(RuntimeError, match="profiling failed"):
         run_configuration(CONFIG, 64, "none", tmp_path, device="cpu", warmup=0, iterations=1)
     assert not any((folder / name).exists() for name in names)
@@ -480,7 +480,7 @@ def test_a_measured_choice_keeps_the_plan_that_ran_faster(
     and the measured step are those of the plan measured faster (here made so by scaling the
     measured times: the CPU's own would decide by noise)."""
     monkeypatch.chdir(REPO)
-    evenly_timed(api)  # every node at 1 ms: the swaps are predicted faster whatever this machine's load
+    evenly_timed(captured)  # every node at 1 ms: the swaps are predicted faster whatever this machine's load
     none = run_configuration(CONFIG, 512, "none", tmp_path, device="cpu", warmup=0, iterations=1)
     assert "error" not in none, none
     (tmp_path / "b512" / TRANSFER_FILE).write_text(json.dumps(FAST_COPIES))

@@ -12,9 +12,9 @@ import mutwo
 from mutwo.ir.budget import readable_bytes
 from mutwo.ir.memory import simulate
 from mutwo.passes.select import SelectPass
-from mutwo.runtime.api import CapturedGraph
-from mutwo.runtime.fit import FitError, FitPoint, FitResult, Measure, Measured, search
-from mutwo.runtime.fit_search import MAX_BATCH
+from mutwo.runtime.planning.captured import CapturedGraph
+from mutwo.runtime.planning.fit import FitError, FitPoint, FitResult, Measure, Measured, search
+from mutwo.runtime.planning.fit_search import MAX_BATCH
 from mutwo.tools import mutwo_opt
 from mutwo.tools.fit import summary
 from mutwo.tools.mutwo_opt import MutwoOpt, main
@@ -285,7 +285,7 @@ def test_a_plan_that_crashes_is_an_error_not_a_batch_that_does_not_fit(monkeypat
 def test_a_measured_run_says_when_the_allocator_thrashed() -> None:
     """A run whose caching allocator emptied its cache and retried (each retry synchronises the GPU)
     says so, with what may avoid it; an out-of-memory run keeps what the allocator held."""
-    from mutwo.runtime.fit_search import Attempt
+    from mutwo.runtime.planning.fit_search import Attempt
 
     point = FitPoint(72, True, 15 * 2**30, "161 activations recomputed", 15 * 2**30)
     slow = Attempt.of(point, Measured(15 * 2**30, 4.2, "", allocator_retries=7, reserved_peak=16 * 2**30), 16 * 2**30)

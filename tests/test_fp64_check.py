@@ -15,10 +15,10 @@ from torch import nn
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime import fp64_reference
-from mutwo.runtime.api import CapturedGraph, capture_graph
-from mutwo.runtime.backends import compile_graph
-from mutwo.runtime.equivalence import Tolerance, check_graphs, compare_graphs
+from mutwo.runtime.execution.backends import compile_graph
+from mutwo.runtime.measurement import fp64_reference
+from mutwo.runtime.measurement.equivalence import Tolerance, check_graphs, compare_graphs
+from mutwo.runtime.planning.captured import CapturedGraph, capture_graph
 from tests import models
 
 OFFSET = 1e5

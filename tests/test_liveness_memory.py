@@ -29,8 +29,8 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.passes.liveness import COLUMNS, LivenessPass
 from mutwo.passes.memory import MemoryPass
 from mutwo.passes.profile import ProfilePass, unsteady_runs
-from mutwo.runtime import profiler as profiler_module
-from mutwo.runtime.capture import capture
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.measurement import profiler as profiler_module
 from mutwo.tools.reports import write_reports
 from tests import models
 from tests.scaling import assert_linear

@@ -19,9 +19,9 @@ from mutwo.ir.replay import rng_state
 from mutwo.ir.time_model import TimeModel
 from mutwo.ir.verifier import verify
 from mutwo.runtime.api import optimize_graph
-from mutwo.runtime.backends import compile_graph
-from mutwo.runtime.capture import capture
-from mutwo.runtime.equivalence import check_graphs, compare_graphs
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.execution.backends import compile_graph
+from mutwo.runtime.measurement.equivalence import check_graphs, compare_graphs
 from tests import models
 from tests.test_replay import _token_loss
 

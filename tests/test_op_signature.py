@@ -14,8 +14,8 @@ from mutwo.ir.op_signature import op_signature, pool_times
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.printer import fingerprint
 from mutwo.passes.profile import ProfilePass
-from mutwo.runtime.api import capture_graph
-from mutwo.runtime.profiler import NodeProfile, Profile
+from mutwo.runtime.measurement.profiler import NodeProfile, Profile
+from mutwo.runtime.planning.captured import capture_graph
 from tests import models
 from tests.test_verifier import build_small_graph
 

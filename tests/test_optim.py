@@ -20,7 +20,7 @@ from torch import nn
 from mutwo.ir import NodeKind
 from mutwo.runtime import api
 from mutwo.runtime.api import optimize
-from mutwo.runtime.optim import UnsupportedOptimizerError
+from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 
 STEPS = 12
 optim = torch.optim

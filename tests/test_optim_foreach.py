@@ -12,8 +12,8 @@ import torch
 
 from mutwo.ir import from_fx
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import capture
-from mutwo.runtime.step import GraphStep
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.execution.step import GraphStep
 from tests import models
 
 

@@ -19,8 +19,8 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.passes.optimizer_in_backward import OptimizerInBackwardPass
 from mutwo.passes.optimizer_schedule import ScheduleOutcome, change, raised_peak
 from mutwo.runtime.api import Optimized, optimize_graph
-from mutwo.runtime.step import GraphStep
-from mutwo.runtime.training import TrainingOptions
+from mutwo.runtime.capture.training import TrainingOptions
+from mutwo.runtime.execution.step import GraphStep
 from mutwo.tools.mutwo_opt import main
 from tests import models
 

@@ -28,7 +28,7 @@ from mutwo.ir.pipeline import PipelineItem, PipelineSyntaxError, parse_pipeline
 from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry, RegistryError
 from mutwo.ir.verifier import VerificationError, verify
-from mutwo.runtime.capture import capture
+from mutwo.runtime.capture.iteration import capture
 from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
 
 REPO = Path(__file__).resolve().parent.parent

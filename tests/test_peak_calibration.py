@@ -1,4 +1,4 @@
-"""Peak calibration (:mod:`mutwo.runtime.peak_calibration`): re-planning until a compiled step's
+"""Peak calibration (:mod:`mutwo.runtime.planning.peak_calibration`): re-planning until a compiled step's
 measured peak is within 3% of the budget."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import mutwo
-import mutwo.runtime.api as api
-import mutwo.runtime.peak_calibration as peak_calibration
+import mutwo.runtime.planning.captured as captured
+import mutwo.runtime.planning.peak_calibration as peak_calibration
 from mutwo.ir.budget import parse_budget
 from mutwo.ir.swap import OFFLOAD
 from mutwo.runtime.api import optimize_graph
-from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, next_budget
+from mutwo.runtime.planning.peak_calibration import CalibrationRound, calibrate, next_budget
 from mutwo.tools.experiment import run_configuration
 from mutwo.tools.mutwo_opt import EXIT_OK, EXIT_USAGE, main
 from tests import models
@@ -241,7 +241,7 @@ def test_a_budget_that_plans_the_same_graph_again_is_not_compiled_or_measured_ag
     loaded CI machine once made a cheaper plan fit the second round."""
     real, measured = peak_calibration.measured_peak, []
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: measured.append(1) or real(run, inputs))
-    evenly_timed(api)
+    evenly_timed(captured)
     work = models.mlp(batch_size=512)
     optimized = optimize_graph(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch,
                                work.loss_fn, passes="profile{runs=1,warmup=0},select,rewrite",

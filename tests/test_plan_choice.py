@@ -1,4 +1,4 @@
-"""The measured choice between select-swap's plan and recompute only (:mod:`mutwo.runtime.plan_choice`),
+"""The measured choice between select-swap's plan and recompute only (:mod:`mutwo.runtime.planning.plan_choice`),
 through mutwo-opt and the API, on the CPU under Inductor: with copies priced free, select-swap's
 plan swaps; which plan ran faster is made so by scaling the measured times (the CPU's own would
 decide by noise)."""
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import mutwo
-import mutwo.runtime.api as api
-import mutwo.runtime.plan_choice as plan_choice
+import mutwo.runtime.planning.captured as captured
+import mutwo.runtime.planning.plan_choice as plan_choice
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.timeline import TransferModel
-from mutwo.runtime.plan_choice import RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE, recompute_only_passes
+from mutwo.runtime.planning.plan_choice import RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE, recompute_only_passes
 from mutwo.tools.mutwo_opt import EXIT_OK, EXIT_USAGE, main
 from tests import models
 
@@ -34,8 +34,8 @@ def faster(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     """Copies priced free and every node at 1 ms (so that select-swap's plan swaps, whatever this
     machine's load: its swaps must be predicted 1% faster than recompute only), and the candidate
     named by the test's parameter measured 3x faster."""
-    monkeypatch.setattr(api, "measure_transfers", lambda device: FREE_COPIES)
-    evenly_timed(api)
+    monkeypatch.setattr(captured, "measure_transfers", lambda device: FREE_COPIES)
+    evenly_timed(captured)
     measured = plan_choice.measure_iterations
     seconds = {SWAP_AND_RECOMPUTE: 3.0, RECOMPUTE_ONLY: 3.0, request.param: 1.0}
     order = iter([SWAP_AND_RECOMPUTE, RECOMPUTE_ONLY])  # the order the choice measures its candidates in
@@ -136,7 +136,7 @@ def test_cuda_mutwo_opt_measures_the_choice_under_inductor(tmp_path: Path, monke
     measured; both peaks are measured. (A config's optimizer is not capturable, so mutwo-opt
     refuses the CUDA-graph backends for it; tests/test_experiment.py's CUDA test runs the choice
     under inductor-cudagraphs.)"""
-    monkeypatch.setattr(api, "measure_transfers", lambda device: TransferModel(1e13, 1e13, 0.0, True, str(device)))
+    monkeypatch.setattr(captured, "measure_transfers", lambda device: TransferModel(1e13, 1e13, 0.0, True, str(device)))
     out = tmp_path / "out"
     code = main(["-q", "--device", "cuda", "--backend", "inductor", "--budget", "0.85", "-p",
                  "profile,swap", "--calibrate-peak", "1", "--measure-choice", "--check", "-o", str(out),
@@ -153,8 +153,8 @@ def test_cuda_mutwo_opt_measures_the_choice_under_inductor(tmp_path: Path, monke
 def test_select_swap_hints_at_the_measured_choice_only_when_it_is_not_made(
         measure: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, evenly_timed: Callable[[ModuleType], None],
         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    monkeypatch.setattr(api, "measure_transfers", lambda device: FREE_COPIES)
-    evenly_timed(api)
+    monkeypatch.setattr(captured, "measure_transfers", lambda device: FREE_COPIES)
+    evenly_timed(captured)
     code = main(["--device", "cpu", "--backend", "inductor", "--budget", "0.85", "-p", "profile,swap",
                  *(["--measure-choice"] if measure else []), "-o", str(tmp_path / "out"), str(TINY_MLP)])  # fmt: skip
     err = capsys.readouterr().err

@@ -19,7 +19,7 @@ from mutwo.ir.node import NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.printer import format_node, print_graph
 from mutwo.ir.to_fx import NODE_ID_META, to_fx
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import capture
+from mutwo.runtime.capture.iteration import capture
 from tests import models
 from tests.scaling import assert_linear
 
@@ -122,7 +122,7 @@ def test_recorded_optimizer_calls_print_as_the_calls_they_run(foreach: bool) -> 
 
 
 def test_a_recorded_call_whose_text_cannot_be_read_prints_as_any_op() -> None:
-    import mutwo.runtime.host_scalars  # noqa: F401  (defines the mutwo ops)
+    import mutwo.runtime.capture.host_call_ops  # noqa: F401  (defines the mutwo ops)
 
     graph = Graph()
     meta = TensorMeta((2,), torch.float32, "cpu", StorageKey(-1), 8)

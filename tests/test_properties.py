@@ -44,9 +44,9 @@ from mutwo.ir.pass_base import PassContext, PassFailure
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import capture
-from mutwo.runtime.equivalence import compare_graphs
-from mutwo.runtime.profiler import NodeProfile, Profile, fingerprint, profile_graph
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.measurement.equivalence import compare_graphs
+from mutwo.runtime.measurement.profiler import NodeProfile, Profile, fingerprint, profile_graph
 
 PIPELINE = "profile{runs=1,warmup=0},select,rewrite"
 ACTIVATIONS = ("relu_", "leaky_relu_", "relu", "gelu", "tanh")

@@ -16,8 +16,8 @@ from mutwo.ir.liveness import compute_liveness
 from mutwo.ir.node import StorageKey
 from mutwo.ir.recompute import NotRecomputable, Recompute, insert_blocks
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import capture
-from mutwo.runtime.equivalence import compare_graphs
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.measurement.equivalence import compare_graphs
 
 
 class Chain(nn.Module):

@@ -28,9 +28,9 @@ from mutwo.ir.recompute import Recompute, insert_blocks
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.verifier import verify
 from mutwo.passes.select import Plan
-from mutwo.runtime.capture import capture
-from mutwo.runtime.equivalence import compare_graphs
-from mutwo.runtime.profiler import NodeProfile, Profile, fingerprint
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.measurement.equivalence import compare_graphs
+from mutwo.runtime.measurement.profiler import NodeProfile, Profile, fingerprint
 
 DEPTH = 6
 

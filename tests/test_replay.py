@@ -26,8 +26,13 @@ from mutwo.ir.replay import batch_norm_from_stats, rng_state, run_with_rng_state
 from mutwo.ir.verifier import verify
 from mutwo.passes.liveness import liveness_of
 from mutwo.passes.select import refused_random_ops
-from mutwo.runtime.api import capture_graph
-from mutwo.runtime.equivalence import check_graphs, compare_graphs, deterministic_algorithms, generator_states
+from mutwo.runtime.measurement.equivalence import (
+    check_graphs,
+    compare_graphs,
+    deterministic_algorithms,
+    generator_states,
+)
+from mutwo.runtime.planning.captured import capture_graph
 from tests import models
 
 

@@ -43,8 +43,8 @@ from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo.ir.registry import PassRegistry
 from mutwo.ir.replay import batch_norm_from_stats, rng_state, run_with_rng_state
 from mutwo.ir.verifier import verify
-from mutwo.runtime.capture import capture
-from mutwo.runtime.profiler import NodeProfile, Profile, fingerprint, profile_graph
+from mutwo.runtime.capture.iteration import capture
+from mutwo.runtime.measurement.profiler import NodeProfile, Profile, fingerprint, profile_graph
 from mutwo.tools.config import load_config
 from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, main
 from mutwo.tools.workloads import build_optimizer, build_workload

@@ -41,8 +41,8 @@ from mutwo.passes.mu_two_swap import (
     swap_overhead,
 )
 from mutwo.passes.select_swap import SwapPlan
-from mutwo.runtime.equivalence import compare_graphs
-from mutwo.runtime.swap import RUNTIME
+from mutwo.runtime.execution.swap import RUNTIME
+from mutwo.runtime.measurement.equivalence import compare_graphs
 from mutwo.tools.mutwo_opt import EXIT_OK, main
 from tests import models, swapping
 

@@ -1,4 +1,4 @@
-"""Swap plans recorded as CUDA graphs (mutwo.runtime.swap_graphs), on the CPU: the plan's release
+"""Swap plans recorded as CUDA graphs (mutwo.runtime.execution.swap_graphs), on the CPU: the plan's release
 points (where each offloaded tensor's copy out has ended), their insertion into the step's fx
 graph, and the swap runtime's recording mode (offloads freed only at their release, host buffers
 held for the graph). The capture itself runs in tests/test_cuda_swap.py."""
@@ -13,11 +13,11 @@ from mutwo.ir.time_model import TimeModel
 from mutwo.ir.timeline import TransferModel, graph_timeline
 from mutwo.ir.to_fx import to_fx
 from mutwo.passes.mu_two_swap import SWAP
-from mutwo.runtime import backends
-from mutwo.runtime.backends import BackendError, CompiledStep
-from mutwo.runtime.equivalence import check_graphs
-from mutwo.runtime.swap import RUNTIME
-from mutwo.runtime.swap_graphs import insert_release_points
+from mutwo.runtime.execution import backends
+from mutwo.runtime.execution.backends import BackendError, CompiledStep
+from mutwo.runtime.execution.swap import RUNTIME
+from mutwo.runtime.execution.swap_graphs import insert_release_points
+from mutwo.runtime.measurement.equivalence import check_graphs
 from tests import models, swapping
 
 # duplex=true: on a CPU the forward pass is short beside 1 GB/s copies, so the offload window (copies out
@@ -140,7 +140,7 @@ def test_a_release_point_missing_from_the_graph_falls_back_to_the_prefetch_and_s
     graph = planned.graph.copy()
     graph.meta[SWAP_RELEASES] = dict.fromkeys(graph.meta[SWAP_RELEASES], -1)
     module = to_fx(graph)
-    with caplog.at_level("WARNING", logger="mutwo.runtime.swap_graphs"):
+    with caplog.at_level("WARNING", logger="mutwo.runtime.execution.swap_graphs"):
         inserted = insert_release_points(module, graph)
     nodes = list(module.graph.nodes)
     for offload in [n for n in nodes if n.target is OFFLOAD]:

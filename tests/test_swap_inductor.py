@@ -1,4 +1,4 @@
-"""Swap plans compiled by Inductor (mutwo.runtime.swap_inductor): the buffers offloads read are
+"""Swap plans compiled by Inductor (mutwo.runtime.execution.swap_inductor): the buffers offloads read are
 freed after their last use but never reused by Inductor's own memory planning, which would let a
 later kernel overwrite a block the copy-out stream may still be reading."""
 
@@ -15,10 +15,10 @@ from torch._inductor.utils import run_and_get_code
 
 from mutwo.ir.budget import parse_budget
 from mutwo.ir.swap import OFFLOAD, PREFETCH, WAIT
-from mutwo.runtime import backends
 from mutwo.runtime.api import optimize_graph
-from mutwo.runtime.equivalence import check_graphs
-from mutwo.runtime.swap import RUNTIME
+from mutwo.runtime.execution import backends
+from mutwo.runtime.execution.swap import RUNTIME
+from mutwo.runtime.measurement.equivalence import check_graphs
 from tests import models
 from tests.test_replay import token_mlp
 

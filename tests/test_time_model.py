@@ -20,9 +20,10 @@ from mutwo.ir.replay import batch_norm_from_stats
 from mutwo.ir.swap import OFFLOAD
 from mutwo.ir.time_model import TimeModel, device_work, is_plain_alias, is_pointwise
 from mutwo.passes.select import SelectPass
-from mutwo.runtime.api import capture_graph
-from mutwo.runtime.backends import backend_services
-from mutwo.runtime.profiler import IterationMeasurement, NodeProfile, Profile
+from mutwo.runtime.execution.backends import backend_services
+from mutwo.runtime.measurement.iterations import IterationMeasurement
+from mutwo.runtime.measurement.profiler import NodeProfile, Profile
+from mutwo.runtime.planning.captured import capture_graph
 from tests import models
 from tests.test_verifier import build_small_graph, tensor
 

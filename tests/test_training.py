@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from mutwo.runtime.api import optimize
-from mutwo.runtime.tracing import CaptureError
-from mutwo.runtime.training import TrainingOptionError
+from mutwo.runtime.capture.tracing import CaptureError
+from mutwo.runtime.capture.training import TrainingOptionError
 from tests.test_optim import bitwise_equal, first_difference
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mutwo.runtime.api import optimize
-from mutwo.runtime.equivalence import deterministic_algorithms
+from mutwo.runtime.measurement.equivalence import deterministic_algorithms
 from tests import models
 
 pytestmark = pytest.mark.cuda

@@ -19,7 +19,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
 from mutwo.ir.printer import format_node
 from mutwo.ir.verifier import VerificationError, verify
-from mutwo.runtime.capture import capture
+from mutwo.runtime.capture.iteration import capture
 
 aten = torch.ops.aten
 FWD, BWD, OPT = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mutwo.runtime.tracing import debug_enabled
+from mutwo.runtime.capture.tracing import debug_enabled
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from mutwo.ir.budget import Budget, BudgetError, parse_budget
-from mutwo.runtime.backends import BACKENDS
+from mutwo.runtime.execution.backends import BACKENDS
 from mutwo.tools.cli import did_you_mean, unreadable
 
 #: The pipeline run when neither the config nor the command line names one.

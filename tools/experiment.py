@@ -37,8 +37,8 @@ from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.pass_manager import PipelineFailure
 from mutwo.ir.replay import describe
 from mutwo.ir.timeline import TransferModel
-from mutwo.runtime.plan_choice import RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE
-from mutwo.runtime.training import PRECISIONS, TrainingOptions
+from mutwo.runtime.capture.training import PRECISIONS, TrainingOptions
+from mutwo.runtime.planning.plan_choice import RECOMPUTE_ONLY, SWAP_AND_RECOMPUTE
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,12 +151,12 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     with select-swap and insert-swap (keep, recompute or swap each activation) instead.
     ``backend``: what runs the planned graph (compiled as part of planning; CUDA graphs get a
     capturable optimizer with learning rates on the GPU,
-    :func:`mutwo.runtime.cuda_graphs.graphable_optimizer`). ``trace``: after measuring, profile
+    :func:`mutwo.runtime.execution.cuda_graphs.graphable_optimizer`). ``trace``: after measuring, profile
     3 more iterations on the GPU, write their Chrome trace there and add the per-stream summary
     (:mod:`mutwo.tools.stream_trace`) under ``streams``. ``isolate_profile``: profile with
     ``profile{isolate=true}`` (each node's GPU time without the host's launch time).
     ``calibrate_peak``: with a compiled backend, up to that many re-plans until the compiled
-    step's measured peak is within 3% of the budget (:mod:`mutwo.runtime.peak_calibration`).
+    step's measured peak is within 3% of the budget (:mod:`mutwo.runtime.planning.peak_calibration`).
     ``measure_choice``: with ``swap`` and a compiled backend, when select-swap's plan swaps, also
     compile the recompute-only plan at its budget and keep whichever is measured faster, each
     measured alone after ``before_measuring`` (:class:`PlanChoice`; the row's
@@ -169,7 +169,7 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     """
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
-    from mutwo.runtime.backends import BackendError
+    from mutwo.runtime.execution.backends import BackendError
 
     training = build_training(config_path, batch_size, device, precision)
     row: dict[str, Any] = {"batch_size": batch_size, "variant": variant, "precision": training.options.precision}
@@ -293,12 +293,12 @@ def _planned_step(training: Training, budget: Any, folder: Path, row: dict[str, 
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
-    from mutwo.runtime.api import capture_graph, pass_context
-    from mutwo.runtime.backends import BackendError, backend_services
-    from mutwo.runtime.cuda_graphs import graphable_optimizer
-    from mutwo.runtime.peak_calibration import pipeline_plan
-    from mutwo.runtime.profiler import Profile, fingerprint
-    from mutwo.runtime.step import GraphStep
+    from mutwo.runtime.execution.backends import BackendError, backend_services
+    from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
+    from mutwo.runtime.execution.step import GraphStep
+    from mutwo.runtime.measurement.profiler import Profile, fingerprint
+    from mutwo.runtime.planning.captured import capture_graph, pass_context
+    from mutwo.runtime.planning.peak_calibration import pipeline_plan
 
     if calibrate and backend == "eager":
         raise BackendError("peak calibration re-plans for a compiled step's measured peak (the eager executor's is the "
@@ -437,12 +437,12 @@ def _plan_row(plan: Any, swap_plan: Any, graph: Any) -> dict[str, Any]:
 def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered: Any, planning: str, rounds: int,
                      row: dict[str, Any], log: Callable[[str], None],
                      device_lock: Path | None = None) -> tuple[Any, Any]:  # fmt: skip
-    """The compiled step :func:`mutwo.runtime.peak_calibration.calibrate` keeps, and its plan:
+    """The compiled step :func:`mutwo.runtime.planning.peak_calibration.calibrate` keeps, and its plan:
     ``first`` (planned with ``plan``) measured, then up to ``rounds`` re-plans of ``pristine`` by
     the ``planning`` passes (with ``profile``) at budgets moved by the measured gap; ``row`` gets
     the kept plan's numbers and the rounds."""
     from mutwo.passes.select_swap import SwapPlan
-    from mutwo.runtime.peak_calibration import CalibrationRound, calibrate, measured_peak
+    from mutwo.runtime.planning.peak_calibration import CalibrationRound, calibrate, measured_peak
 
     candidates: list[tuple[Any, Any, Any]] = []
 
@@ -477,10 +477,10 @@ def _plan_compiled(pristine: Any, lowered: Any, planning: str, budget_bytes: int
     from mutwo.ir.budget import Budget
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
-    from mutwo.runtime.api import pass_context
-    from mutwo.runtime.backends import backend_services
-    from mutwo.runtime.peak_calibration import pipeline_plan
-    from mutwo.runtime.step import GraphStep
+    from mutwo.runtime.execution.backends import backend_services
+    from mutwo.runtime.execution.step import GraphStep
+    from mutwo.runtime.planning.captured import pass_context
+    from mutwo.runtime.planning.peak_calibration import pipeline_plan
 
     graph = pristine.copy()
     context = pass_context(lowered, Budget(bytes=budget_bytes), log=log)
@@ -554,7 +554,7 @@ class PlanChoice:
         budget (none: the lowest peak; a tie: recompute only, which holds no host memory or copy
         engine), write what was measured under ``row["measured_choice"]`` and the kept plan's fields
         into ``row``. None when both ran out of memory."""
-        from mutwo.runtime.plan_choice import choose_measured, measure_candidates
+        from mutwo.runtime.planning.plan_choice import choose_measured, measure_candidates
 
         runs = [(c.name, c.step.step.compiled.run, c.step.step.flat_inputs(c.step.batch), c.plan)
                 for c in self.candidates]  # fmt: skip
@@ -576,7 +576,7 @@ class PlanChoice:
 class PlannedStep:
     """A planned step on its batch, called by :func:`measure_step`."""
 
-    step: Any  #: a mutwo.runtime.step.GraphStep
+    step: Any  #: a mutwo.runtime.execution.step.GraphStep
     batch: Any
 
     def __call__(self) -> Any:

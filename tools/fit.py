@@ -1,4 +1,5 @@
-"""``mutwo-opt --fit 16GiB``: the largest batch size that fits, from a config (see :mod:`mutwo.runtime.fit`)."""
+"""``mutwo-opt --fit 16GiB``: the largest batch size that fits, from a config (see
+:mod:`mutwo.runtime.planning.fit`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ import torch
 
 from mutwo.ir.budget import readable_bytes
 from mutwo.ir.pass_base import write_atomic
-from mutwo.runtime.api import CapturedGraph
-from mutwo.runtime.fit import DEFAULT_MARGIN, FitError, FitResult, check_margin, check_max_slowdown, fit, parse_limit
-from mutwo.runtime.fit_search import MAX_BATCH, pace
+from mutwo.runtime.planning.captured import CapturedGraph
+from mutwo.runtime.planning.fit import (
+    DEFAULT_MARGIN,
+    FitError,
+    FitResult,
+    check_margin,
+    check_max_slowdown,
+    fit,
+    parse_limit,
+)
+from mutwo.runtime.planning.fit_search import MAX_BATCH, pace
 from mutwo.tools.cli import EXIT_OK, UsageError
 from mutwo.tools.config import Config
 

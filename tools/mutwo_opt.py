@@ -49,9 +49,9 @@ from mutwo.ir.timeline import TransferModel, graph_timeline
 from mutwo.ir.verifier import VerificationError
 from mutwo.passes.select import Plan
 from mutwo.passes.select_swap import SwapPlan
-from mutwo.runtime import distributed
-from mutwo.runtime.api import CapturedGraph, capture_graph, pass_context
-from mutwo.runtime.backends import (
+from mutwo.runtime.capture.optim import UnsupportedOptimizerError
+from mutwo.runtime.capture.tracing import CaptureError, debug_enabled
+from mutwo.runtime.execution.backends import (
     BACKENDS,
     BackendError,
     CompiledStep,
@@ -59,16 +59,17 @@ from mutwo.runtime.backends import (
     backend_services,
     compile_graph,
 )
-from mutwo.runtime.cuda_graphs import refuse_uncapturable
-from mutwo.runtime.distributed import DataParallel
-from mutwo.runtime.equivalence import EquivalenceReport, check_graphs
-from mutwo.runtime.fit import FitError
-from mutwo.runtime.fit_search import FIT_PIPELINE
-from mutwo.runtime.optim import UnsupportedOptimizerError
-from mutwo.runtime.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
-from mutwo.runtime.plan_choice import ChoiceFailed, choice_refusal, measured_choice
-from mutwo.runtime.profiler import Profile, fingerprint, measure_iterations
-from mutwo.runtime.tracing import CaptureError, debug_enabled
+from mutwo.runtime.execution.cuda_graphs import refuse_uncapturable
+from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.measurement.iterations import measure_iterations
+from mutwo.runtime.measurement.profiler import Profile, fingerprint
+from mutwo.runtime.parallel import distributed
+from mutwo.runtime.parallel.distributed import DataParallel
+from mutwo.runtime.planning.captured import CapturedGraph, capture_graph, pass_context
+from mutwo.runtime.planning.fit import FitError
+from mutwo.runtime.planning.fit_search import FIT_PIPELINE
+from mutwo.runtime.planning.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
+from mutwo.runtime.planning.plan_choice import ChoiceFailed, choice_refusal, measured_choice
 from mutwo.tools.cli import (
     EXIT_FAILURE,
     EXIT_OK,

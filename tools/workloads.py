@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
 from mutwo.ir.registry import module_file
-from mutwo.runtime.training import TrainingOptions
+from mutwo.runtime.capture.training import TrainingOptions
 from mutwo.tools.config import OPTIMIZERS, Config, ConfigError
 
 

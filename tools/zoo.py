@@ -28,7 +28,7 @@ from mutwo.ir.memory import simulate
 from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.pass_manager import PipelineFailure
 from mutwo.runtime.api import optimize_graph
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.tracing import CaptureError
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 from mutwo.tools.workloads import to_device
 from mutwo.tools.zoo_models import MAX_PARAMETERS, ZooModel, zoo

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -39,11 +39,9 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.ir.printer import print_graph
-from mutwo.runtime.backends import CompiledStep, backend_services
-from mutwo.runtime.profiler import cpu_iteration_peak, device_bytes, device_of, measure_iterations
-
-if TYPE_CHECKING:
-    from mutwo.runtime.api import CapturedGraph
+from mutwo.runtime.execution.backends import CompiledStep, backend_services
+from mutwo.runtime.measurement.iterations import cpu_iteration_peak, device_bytes, device_of, measure_iterations
+from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 
 #: How far from the budget a compiled step's measured peak may be (the fused-executor issue's 3%).
 TOLERANCE = 0.03
@@ -233,8 +231,6 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     pipeline's passes after the profile, at budgets moved by the measured gap, up to ``rounds``
     times. When a later round is kept, its passes run once more with ``out_dir`` so that
     plan.json and the other files describe the kept plan."""
-    from mutwo.runtime.api import pass_context  # the API calibrates too: imported here, not at the top
-
     profile = first.ctx.artifacts["profile"]
     planning = PassManager([p for p in manager.passes if "profile" not in type(p).provides], manager.instrumentation)
     #: each plan measured, by its graph's text: a budget moved by less than the plan's granularity

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mutwo.runtime.profiler import device_of, measure_iterations
+from mutwo.runtime.measurement.iterations import device_of, measure_iterations
 
 MIB = 2**20
 CHUNK_BYTES = 64 * MIB  #: one copy of the load: long enough that its launch is negligible

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.tracing import CaptureError
 
 if torch.distributed.is_available():
     # Registers the meta kernels of the functional collectives, which tracing with fake tensors runs.

@@ -6,7 +6,7 @@ fake tensors: nothing of that size is allocated) and the pipeline ``optimizer,se
 against a *planning budget*: the limit less a safety margin (10% by default) for what the
 simulator does not see — the allocator's rounding and fragmentation between large blocks, cuBLAS
 and cuDNN workspaces that do not scale linearly with the batch. The largest batch whose plan fits
-is found by doubling, then bisection (:mod:`mutwo.runtime.fit_search`).
+is found by doubling, then bisection (:mod:`mutwo.runtime.planning.fit_search`).
 
 On a GPU the batch found is then rewritten and run, the process capped at the limit with
 ``torch.cuda.set_per_process_memory_fraction``. When that measured run runs out of memory or
@@ -35,10 +35,12 @@ import torch
 from mutwo.ir import to_fx
 from mutwo.ir.budget import BudgetError, parse_bytes, readable_bytes
 from mutwo.passes.select import Plan
-from mutwo.runtime.api import CapturedGraph, capture_graph
-from mutwo.runtime.capture import LossFn
-from mutwo.runtime.equivalence import random_stream_kept
-from mutwo.runtime.fit_search import (
+from mutwo.runtime.capture.iteration import LossFn
+from mutwo.runtime.measurement.equivalence import random_stream_kept
+from mutwo.runtime.measurement.iterations import device_bytes, measure_iterations
+from mutwo.runtime.measurement.profiler import profile_graph
+from mutwo.runtime.planning.captured import CapturedGraph, capture_graph
+from mutwo.runtime.planning.fit_search import (
     ASSUMPTIONS,
     Attempt,
     FitError,
@@ -48,7 +50,6 @@ from mutwo.runtime.fit_search import (
     Search,
     search,
 )
-from mutwo.runtime.profiler import device_bytes, measure_iterations, profile_graph
 
 __all__ = ["ASSUMPTIONS", "Attempt", "FitError", "FitPoint", "FitResult", "Fitted", "Measure", "Measured",
            "check_max_slowdown", "fit", "fit_batch", "measure_capped", "parse_limit", "search"]  # fmt: skip

@@ -6,7 +6,7 @@ The iteration is traced with ``make_fx`` over fake tensors into a single fx grap
   one 0-dim float64 learning rate per parameter group, then the tensors of the batch; each has an
   :class:`InputSlot` naming what the runtime feeds it;
 * the forward runs through ``torch.func.functional_call``, the backward is ``torch.autograd.grad``
-  traced into explicit aten ops, the optimizer update is :mod:`mutwo.runtime.optim`;
+  traced into explicit aten ops, the optimizer update is :mod:`mutwo.runtime.capture.optim`;
 * parameters, buffers and optimizer state are updated **in place inside the graph** (``add_``,
   ``lerp_``, batch norm's running statistics...), exactly where eager PyTorch updates them, so old
   and new values never coexist; the graph returns ``(loss, *gradients)``;
@@ -30,12 +30,11 @@ from torch.utils import _pytree as pytree
 
 from mutwo.ir.from_fx import PHASE_META
 from mutwo.ir.node import NodeKind, Phase
-from mutwo.runtime import optim as functional_optim
-from mutwo.runtime.collectives import GradientBuckets, broadcast_coalesced
-from mutwo.runtime.guards import RecordedGuard, TraceDecider
-from mutwo.runtime.input_aliasing import refuse_written_aliases, separate_aliases
-from mutwo.runtime.rnn import run_rnn_layers_in_training_mode
-from mutwo.runtime.tracing import (
+from mutwo.runtime.capture import optim as functional_optim
+from mutwo.runtime.capture.guards import RecordedGuard, TraceDecider
+from mutwo.runtime.capture.input_aliasing import refuse_written_aliases, separate_aliases
+from mutwo.runtime.capture.rnn import run_rnn_layers_in_training_mode
+from mutwo.runtime.capture.tracing import (
     CaptureError,
     compiler_tracing,
     debug_enabled,
@@ -43,10 +42,11 @@ from mutwo.runtime.tracing import (
     forbid_value_dependent_shapes,
     quiet_torch_errors,
 )
-from mutwo.runtime.training import TrainingOptions
+from mutwo.runtime.capture.training import TrainingOptions
+from mutwo.runtime.parallel.collectives import GradientBuckets, broadcast_coalesced
 
 if TYPE_CHECKING:
-    from mutwo.runtime.distributed import DataParallel
+    from mutwo.runtime.parallel.distributed import DataParallel
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -369,12 +369,12 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
     ``training`` adds gradient clipping, mixed precision and gradient accumulation
-    (:mod:`mutwo.runtime.training`); with accumulation, ``micro`` says which micro-batch the graph
+    (:mod:`mutwo.runtime.capture.training`); with accumulation, ``micro`` says which micro-batch the graph
     runs and ``accumulated`` holds the gradients accumulated before it (see :class:`StepBinding`).
     Missing optimizer state is created as torch.optim's first step would create it. Raises
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
     data-dependent control flow) when the iteration cannot be traced. With ``data_parallel``, the
-    graph also averages the gradients across ranks (:mod:`mutwo.runtime.collectives`).
+    graph also averages the gradients across ranks (:mod:`mutwo.runtime.parallel.collectives`).
     """
     binding = StepBinding.bind(model, optimizer, loss_fn, training, micro, accumulated, data_parallel)
     try:
@@ -391,7 +391,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
 
 
 def _trace(binding: StepBinding, batch: Any) -> tuple[fx.GraphModule, list[str], list[RecordedGuard], Any]:
-    """Trace the step; also return the batch's aliases of the state (:mod:`mutwo.runtime.input_aliasing`)."""
+    """Trace the step; also return the batch's aliases of the state (:mod:`mutwo.runtime.capture.input_aliasing`)."""
     gradient_labels: list[str] = []
     n_batch = sum(1 for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor))
     flat = binding.trace_inputs(batch)

@@ -7,13 +7,13 @@
   functional ops plus a ``copy_`` back into the input, which Inductor writes in place inside the
   fused kernel), lowers it and generates fused kernels (C++ on CPU, Triton on CUDA);
 * ``cudagraphs``: the eager graph recorded once as a CUDA graph and replayed
-  (:mod:`mutwo.runtime.cuda_graphs`);
+  (:mod:`mutwo.runtime.execution.cuda_graphs`);
 * ``inductor-cudagraphs``: the Inductor-compiled step recorded and replayed the same way, as
   ``torch.compile(mode="reduce-overhead")`` does.
 
 The plan's order survives compilation: the passes that would reorder the graph are off
 (:data:`INDUCTOR_OPTIONS`), fusion stays within the plan's phases and the C++ backend generates one
-kernel per fused node (:mod:`mutwo.runtime.fusion`); docs/backends.md has the evidence. Fusion
+kernel per fused node (:mod:`mutwo.runtime.execution.fusion`); docs/backends.md has the evidence. Fusion
 changes rounding, so an Inductor step is checked within a stated tolerance; a CUDA graph of the
 eager graph runs the same kernels and is checked bitwise.
 """
@@ -29,18 +29,23 @@ from typing import Any
 import torch
 from torch import fx
 
-import mutwo.runtime.host_scalars  # noqa: F401  (defines the mutwo::host_call ops rewritten here)
+import mutwo.runtime.capture.host_call_ops  # noqa: F401  (defines the mutwo::host_call ops rewritten here)
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime.cuda_graphs import CudaGraphRunner, refuse_uncapturable
-from mutwo.runtime.equivalence import Tolerance
-from mutwo.runtime.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
-from mutwo.runtime.swap_graphs import insert_release_points
-from mutwo.runtime.swap_inductor import SWAP_RULE_VERSION, compiled_swap_ops, offloaded_buffers_kept_from_reuse
-from mutwo.runtime.tracing import quiet_loggers, quiet_torch_errors
+from mutwo.runtime.capture.tracing import quiet_loggers, quiet_torch_errors
+from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, refuse_uncapturable
+from mutwo.runtime.execution.errors import BackendError, CompileError
+from mutwo.runtime.execution.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
+from mutwo.runtime.execution.swap_graphs import insert_release_points
+from mutwo.runtime.execution.swap_inductor import (
+    SWAP_RULE_VERSION,
+    compiled_swap_ops,
+    offloaded_buffers_kept_from_reuse,
+)
+from mutwo.runtime.measurement.equivalence import Tolerance
 
 #: Inputs the step updates in place and keeps at their address from call to call.
 STATE_KINDS = frozenset({NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.OPTIMIZER_STATE})
@@ -107,14 +112,6 @@ def backend_services(backend: str) -> dict[str, bool]:
     the state in as a constant, a CUDA graph cannot read it on the host); ``fused_recompute``,
     whether it fuses recompute clones (Inductor: ``select`` prices them as fused)."""
     return {"replay_random": backend == "eager", "fused_recompute": backend.startswith("inductor")}
-
-
-class BackendError(ValueError):
-    """A backend cannot run this step; the message says why and what to do instead."""
-
-
-class CompileError(BackendError):
-    """Inductor failed on a step the backend accepted."""
 
 
 @dataclass
@@ -224,7 +221,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
     any process, hits them.
 
     In a graph that ``swaps``, Inductor does not reuse the buffers offloads read
-    (:func:`~mutwo.runtime.swap_inductor.offloaded_buffers_kept_from_reuse`)."""
+    (:func:`~mutwo.runtime.execution.swap_inductor.offloaded_buffers_kept_from_reuse`)."""
     from torch._dynamo.utils import counters
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx

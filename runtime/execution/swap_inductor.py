@@ -30,7 +30,7 @@ from torch import fx
 from mutwo.ir.swap import OFFLOAD, OFFLOAD_ELEMENTS, WAIT, WAIT_IN_PLACE
 
 #: Names the rules below in Inductor's cache keys (with the fusion rules, through
-#: :func:`mutwo.runtime.fusion.phases_arrived`): change it when they change.
+#: :func:`mutwo.runtime.execution.fusion.phases_arrived`): change it when they change.
 SWAP_RULE_VERSION = "mutwo-swap-offloads-not-reused-1"
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,12 +27,10 @@ from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.passes.extract import ExtractPass
 from mutwo.passes.insert_recompute import InsertRecomputePass
 from mutwo.passes.select import SelectPass
-from mutwo.runtime.backends import CompiledStep, backend_services
-from mutwo.runtime.peak_calibration import TOLERANCE, Calibrated, calibrated_step, release_recording
-from mutwo.runtime.profiler import measure_iterations
-
-if TYPE_CHECKING:
-    from mutwo.runtime.api import CapturedGraph
+from mutwo.runtime.execution.backends import CompiledStep, backend_services
+from mutwo.runtime.measurement.iterations import measure_iterations
+from mutwo.runtime.planning.captured import CapturedGraph, pass_context
+from mutwo.runtime.planning.peak_calibration import TOLERANCE, Calibrated, calibrated_step, release_recording
 
 SWAP_AND_RECOMPUTE = "swap+recompute"
 RECOMPUTE_ONLY = "recompute only"
@@ -146,8 +144,6 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
     only is kept, its passes run again into ``out_dir``, so that plan.json, clones.json and later
     passes' files describe it; select-swap's swap_plan.json stays beside them (the returned
     description says which was kept). Raises :class:`ChoiceFailed` when neither could run."""
-    from mutwo.runtime.api import pass_context  # the API calls this: imported here, not at the top
-
     swap_plan = first.ctx.artifacts.get("swap-plan")
     if swap_plan is None or not swap_plan.of("swap"):
         log("measured choice: select-swap's plan swaps nothing, so it is recompute only already; nothing to weigh")

@@ -1,6 +1,6 @@
 """The predicting half of ``--fit``: plan an iteration at a batch size against a budget with a
 scaled profile (:class:`Planner`), and find the largest batch whose plan fits (:func:`search`).
-:mod:`mutwo.runtime.fit` measures what these predict."""
+:mod:`mutwo.runtime.planning.fit` measures what these predict."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.registry import PassRegistry
-from mutwo.runtime.api import CapturedGraph, pass_context
-from mutwo.runtime.profiler import Profile
+from mutwo.runtime.measurement.profiler import Profile
+from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 
 #: What the search plans each batch size with (the profile is given, scaled). A batch whose budget
 #: is out of reach does not fit: searching on for its lowest reachable peak would only cost minutes.
 FIT_PIPELINE = "optimizer,select{lowest=false}"
-#: What the prediction rests on (the module docstring of mutwo.runtime.fit says it at length).
+#: What the prediction rests on (the module docstring of mutwo.runtime.planning.fit says it at length).
 ASSUMPTIONS = ("per-op times and workspaces measured once at the profiled batch size and scaled linearly with the "
                "batch size; each batch is planned against the limit less the margin, and on a GPU the batch found "
                "is measured under a cap at the limit")  # fmt: skip
@@ -71,12 +71,12 @@ class Attempt:
     measured_seconds: float | None  #: per iteration
     error: str  #: why the run failed ("out of memory under the cap"), else ""
     fits: bool  #: it ran, and its peak is within the limit
-    allocator_retries: int | None = None  #: see :class:`mutwo.runtime.fit.Measured`
+    allocator_retries: int | None = None  #: see :class:`mutwo.runtime.planning.fit.Measured`
     reserved_peak: int | None = None
 
     @classmethod
     def of(cls, point: FitPoint, measured: Any, limit: int) -> Attempt:
-        """The run ``measured`` (a :class:`mutwo.runtime.fit.Measured`) of the plan ``point``."""
+        """The run ``measured`` (a :class:`mutwo.runtime.planning.fit.Measured`) of the plan ``point``."""
         fits = not measured.error and measured.peak is not None and measured.peak <= limit
         return cls(point.batch_size, point.budget, point.predicted_peak, measured.peak, measured.seconds,
                    measured.error, fits, measured.allocator_retries, measured.reserved_peak)  # fmt: skip

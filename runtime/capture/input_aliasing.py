@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.tracing import CaptureError
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:

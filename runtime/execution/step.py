@@ -12,9 +12,9 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime.backends import CompiledStep, check_backend, compile_step
-from mutwo.runtime.capture import CapturedStep, StaleCaptureError, StepBinding
-from mutwo.runtime.guards import GuardCheck
+from mutwo.runtime.capture.guards import GuardCheck
+from mutwo.runtime.capture.iteration import CapturedStep, StaleCaptureError, StepBinding
+from mutwo.runtime.execution.backends import CompiledStep, check_backend, compile_step
 
 
 class BatchMismatchError(ValueError):
@@ -36,7 +36,7 @@ class GraphStep:
     Calling it runs one whole iteration on a batch: parameters, buffers and optimizer state are
     updated in place, as ``optimizer.step()`` would; the learning rate is read from
     ``optimizer.param_groups`` at every call, so schedulers work. ``backend`` (see
-    :mod:`mutwo.runtime.backends`) runs the graph; a compiled one is built by :meth:`compile`, or
+    :mod:`mutwo.runtime.execution.backends`) runs the graph; a compiled one is built by :meth:`compile`, or
     on the first call.
     """
 

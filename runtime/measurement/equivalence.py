@@ -6,7 +6,7 @@ learning rate changed between iterations as a scheduler would. After each iterat
 every gradient both graphs return, and every parameter, buffer and optimizer state tensor (all updated in place by
 the graph) are compared: bitwise on CPU, within stated tolerances on CUDA. A compiled step is
 compared within :class:`Tolerance`, or where it misses that, against an fp64 run of the original
-(:mod:`mutwo.runtime.fp64_reference`).
+(:mod:`mutwo.runtime.measurement.fp64_reference`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import batch_norm_from_stats, exact_on
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime import fp64_reference
-from mutwo.runtime.profiler import device_of
+from mutwo.runtime.measurement import fp64_reference
+from mutwo.runtime.measurement.iterations import device_of
 
 #: Tolerances on CUDA, where kernels (cuDNN convolution algorithms, atomics in reductions) may
 #: differ from run to run unless deterministic algorithms are on.
@@ -56,7 +56,7 @@ class Tolerance:
 
     With ``fp64``, a tensor that misses this direct tolerance still passes when its error from an
     fp64 run of the original is within torch's accuracy runs' multiple of eager fp32's error from
-    it (:mod:`mutwo.runtime.fp64_reference`): on an ill-conditioned model eager fp32 is itself far
+    it (:mod:`mutwo.runtime.measurement.fp64_reference`): on an ill-conditioned model eager fp32 is itself far
     from the exact result, and a compiled step no further from it is as right as eager.
     """
 
@@ -278,7 +278,7 @@ def compare_graphs(
     ``candidate_run`` runs the candidate instead of its fx module (a compiled step); with
     ``tolerance`` everything is compared within it, each iteration from the reference's state,
     and (``tolerance.fp64``) a tensor outside it is judged against an fp64 run of ``reference``
-    (:mod:`mutwo.runtime.fp64_reference`).
+    (:mod:`mutwo.runtime.measurement.fp64_reference`).
     """
     ref_slots = [(p.kind, p.label) for p in reference.placeholders]
     if ref_slots != [(p.kind, p.label) for p in candidate.placeholders]:
@@ -381,7 +381,7 @@ def check_graphs(reference: Graph, candidate: Graph, inputs: list[torch.Tensor],
                  candidate_run: Callable[..., Any] | None = None,
                  tolerance: Tolerance | None = None) -> EquivalenceReport:  # fmt: skip
     """:func:`compare_graphs` with deterministic kernels: what ``--check`` and ``optimize(check=True)``
-    run (with a compiled step's ``run`` and ``tolerance``, :class:`mutwo.runtime.backends.CompiledStep`)."""
+    run (with a compiled step's ``run`` and ``tolerance``, :class:`mutwo.runtime.execution.backends.CompiledStep`)."""
     with deterministic_algorithms():
         return compare_graphs(reference, candidate, inputs, iterations=iterations, candidate_run=candidate_run,
                               tolerance=tolerance)  # fmt: skip

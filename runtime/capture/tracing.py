@@ -134,7 +134,7 @@ _IS_COMPILING = torch.compiler.is_compiling
 @contextlib.contextmanager
 def not_compiling() -> Iterator[None]:
     """Inside :func:`compiler_tracing`, give code its eager paths back: torch.optim reads its step
-    counts with ``.item()`` (which :mod:`mutwo.runtime.host_scalars` keeps symbolic) only when it
+    counts with ``.item()`` (which :mod:`mutwo.runtime.capture.host_scalars` keeps symbolic) only when it
     believes it is not being compiled."""
     patched = torch.compiler.is_compiling
     torch.compiler.is_compiling = _IS_COMPILING  # type: ignore[assignment]

@@ -22,10 +22,11 @@ import torch
 from torch import fx
 
 from mutwo.ir.graph import Graph
-from mutwo.ir.memory import allocation_size
 from mutwo.ir.printer import fingerprint
 from mutwo.ir.replay import batch_norm_from_stats, training_batch_norm_stats
 from mutwo.ir.to_fx import NODE_ID_META, to_fx
+from mutwo.runtime.measurement.copy_contention import measure_copy_contention
+from mutwo.runtime.measurement.iterations import IterationMeasurement, device_of, measure_iterations
 
 
 @dataclass
@@ -39,15 +40,6 @@ class NodeProfile:
     workspace: int = 0
     #: a training batch norm's replay from its saved statistics (what a recompute clone of it costs)
     replay_seconds: float | None = None
-
-
-@dataclass
-class IterationMeasurement:
-    """Whole iterations through the generated code: median time and the peak of the graph's own memory."""
-
-    seconds: float
-    peak_bytes: int | None
-    runs: int
 
 
 @dataclass
@@ -93,22 +85,6 @@ class Profile:
             iteration=IterationMeasurement(**iteration) if iteration else None,
             nodes={int(k): NodeProfile(**v) for k, v in data["nodes"].items()},
         )  # fmt: skip
-
-
-def device_of(tensors: list[torch.Tensor]) -> torch.device:
-    """The GPU the tensors train on, or the CPU (CPU scalars such as learning rates do not count)."""
-    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
-                torch.device("cpu"))  # fmt: skip
-
-
-def device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
-    """Bytes the distinct storages of ``tensors`` on ``device`` take in the allocator."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.device == device:
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = allocation_size(storage.nbytes(), str(device))
-    return sum(seen.values())
 
 
 #: How long the GPU spins before each op when the profile isolates ops' GPU time: longer than the
@@ -208,7 +184,7 @@ def profile_graph(
     ``isolate`` (CUDA): time each node's GPU work without the host's launch time
     (:class:`_TimingInterpreter`); it has no effect on CPU, where the wall clock is the op's time.
     ``contention`` (CUDA, with ``iteration_runs``): also how much host-device copies in flight slow
-    the iteration (:mod:`mutwo.runtime.copy_contention`), in ``meta["copy_contention"]``."""
+    the iteration (:mod:`mutwo.runtime.measurement.copy_contention`), in ``meta["copy_contention"]``."""
     if runs < 1:
         raise ValueError("profile needs at least one measured run")
     module = to_fx(graph)
@@ -255,8 +231,6 @@ def profile_graph(
     meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None,
             "isolated": bool(spin), "run_seconds": run_seconds}  # fmt: skip
     if contention and iteration is not None:
-        from mutwo.runtime.copy_contention import measure_copy_contention  # it times iterations with this module
-
         meta["copy_contention"] = measure_copy_contention(module, inputs).to_json()
         if progress is not None:
             progress(f"profile: host-device copies in flight slow this iteration by "
@@ -267,67 +241,3 @@ def profile_graph(
 def _elapsed(start: Any, end: Any, cuda: bool) -> float:
     """Seconds between two CUDA events or two ``perf_counter`` readings."""
     return start.elapsed_time(end) / 1e3 if cuda else end - start
-
-
-def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *, runs: int = 10,
-                       warmup: int = 3, before_each: Callable[[], None] | None = None) -> IterationMeasurement:
-    """Median time of whole iterations of ``module`` on clones of ``inputs``, and on CUDA the peak
-    of the iteration's own memory: the allocator's peak minus what was allocated before that is not
-    one of the iteration's inputs. ``before_each`` runs before each iteration's clock starts (on
-    CUDA: work it enqueues on other streams runs beside the iteration)."""
-    device = device_of(inputs)
-    cuda = device.type == "cuda"
-    state = [t.clone() for t in inputs]
-    times: list[float] = []
-    peak: int | None = None
-    with torch.no_grad():
-        for run in range(warmup + runs):
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                baseline = torch.cuda.memory_allocated(device) - device_bytes(state, device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                if before_each is not None:
-                    before_each()
-                start.record()
-                outputs = module(*state)
-                end.record()
-                del outputs
-                torch.cuda.synchronize(device)
-                seconds = start.elapsed_time(end) / 1e3
-                run_peak = torch.cuda.max_memory_allocated(device) - baseline
-            else:
-                if before_each is not None:
-                    before_each()
-                begin = time.perf_counter()
-                outputs = module(*state)
-                del outputs
-                seconds, run_peak = time.perf_counter() - begin, None
-            if run >= warmup:
-                times.append(seconds)
-                if run_peak is not None:
-                    peak = run_peak if peak is None else max(peak, run_peak)
-    if peak is not None:  # a CUDA graph allocated the iteration's memory once, when it recorded it
-        peak = max(peak, device_bytes(state, device) + getattr(module, "recorded_peak_bytes", 0))
-    return IterationMeasurement(statistics.median(times), peak, runs)
-
-
-def cpu_iteration_peak(run: Callable[..., Any], inputs: list[torch.Tensor]) -> int:
-    """Peak bytes one iteration of ``run`` allocates on the CPU beyond its inputs, from the
-    profiler's memory events (the CPU allocator keeps no peak statistics): how Inductor's buffer
-    lifetimes compare with the plan's without a GPU. Runs once to warm up, then once measured,
-    on clones of ``inputs``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    state = [t.clone() for t in inputs]
-    with torch.no_grad():
-        run(*[t.clone() for t in inputs])
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-            outputs = run(*state)
-            del outputs
-    events = [e for e in recorded.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
-    current = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak

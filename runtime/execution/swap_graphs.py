@@ -11,7 +11,7 @@ says its copy out has ended: :func:`insert_release_points` puts a ``mutwo::relea
 before the node select-swap chose (``release_before`` in the plan, :func:`mutwo.ir.timeline.release_points`;
 insert-swap keeps them in ``Graph.meta``). There the compute stream waits for the copy out (no wait
 if the timeline was right) and the swap runtime drops the device tensor it kept for the copy, which
-is then freed in the compute stream's order (:meth:`mutwo.runtime.swap.SwapRuntime.release`).
+is then freed in the compute stream's order (:meth:`mutwo.runtime.execution.swap.SwapRuntime.release`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import fx
 from mutwo.ir.graph import Graph
 from mutwo.ir.swap import OFFLOAD, OFFLOAD_ELEMENTS, PREFETCH, RELEASE_IN_PLACE, SWAP_RELEASES
 from mutwo.ir.to_fx import NODE_ID_META
+from mutwo.runtime.execution.errors import BackendError
 
 LOG = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ def insert_release_points(module: fx.GraphModule, graph: Graph) -> int:
     lowered by ``to_fx``, its offloads possibly rewritten for Inductor) at the release point
     recorded in ``graph.meta``, or before the swap's prefetch when the plan put it later or that
     node is gone. Returns how many were inserted; a swap without a release point (a plan made
-    before they existed) is a :class:`~mutwo.runtime.backends.BackendError`."""
-    from mutwo.runtime.backends import BackendError
-
+    before they existed) is a :class:`~mutwo.runtime.execution.errors.BackendError`."""
     releases: dict[int, int] = graph.meta.get(SWAP_RELEASES, {})
     nodes = list(module.graph.nodes)
     order = {node: position for position, node in enumerate(nodes)}

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.tracing import CaptureError
 
 #: precision name -> the autocast dtype (None: no autocast)
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16-autocast": torch.bfloat16,

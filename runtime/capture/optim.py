@@ -4,7 +4,7 @@ The captured iteration calls the optimizer's own ``step`` — whatever its class
 or multi-tensor (foreach) form, its options — on the traced parameters, gradients and state: the
 param groups and ``optimizer.state`` are pointed at the traced tensors for the duration of the call.
 What torch.optim computes on the host from the step count and the learning rate (``lr / (1 -
-beta1 ** step)``) stays symbolic (:mod:`mutwo.runtime.host_scalars`), so step counts and learning
+beta1 ** step)``) stays symbolic (:mod:`mutwo.runtime.capture.host_scalars`), so step counts and learning
 rates are inputs of the graph, never constants, and the captured update is bitwise equal to eager
 ``optimizer.step()`` on every device: it performs the same operations with the same numbers. So are
 the other hyperparameters schedulers change (:data:`SCHEDULED`: OneCycleLR and CyclicLR cycle
@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optimizer_module
 
-from mutwo.runtime.host_scalars import HostScalar, HostScalarMode
-from mutwo.runtime.tracing import not_compiling
+from mutwo.runtime.capture.host_expressions import HostScalar
+from mutwo.runtime.capture.host_scalars import HostScalarMode
+from mutwo.runtime.capture.tracing import not_compiling
 
 #: Optimizers whose update one captured iteration cannot express, and why.
 REFUSED = {

@@ -22,8 +22,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 from torch.utils import _pytree as pytree
 
-from mutwo.runtime.host_scalars import HostScalar, describe_encoded, evaluate
-from mutwo.runtime.tracing import CaptureError
+from mutwo.runtime.capture.host_expressions import HostScalar, describe_encoded, evaluate
+from mutwo.runtime.capture.tracing import CaptureError
 
 #: A slice node's value may hold at most this many elements (step counts, learning rates, flags).
 _SMALL = 1

@@ -11,7 +11,7 @@ On CUDA, for a swapped tensor ``x``:
   of the graph), then the copy-in stream waits for the compute stream (the block may have been
   in use there until this point) and for the copy out, and copies the buffer in;
 * ``wait(x)``: the compute stream waits for that copy, and only there;
-* ``release_(host)`` (only in a step recorded as a CUDA graph, :mod:`mutwo.runtime.swap_graphs`):
+* ``release_(host)`` (only in a step recorded as a CUDA graph, :mod:`mutwo.runtime.execution.swap_graphs`):
   the compute stream waits for the copy out into ``host``, at the node where the plan's timeline
   says it has ended, and the runtime drops the device tensor it kept for the copy, so its block
   is freed there in the compute stream's order. While a graph records, offloads do not call

@@ -15,7 +15,7 @@ What makes that correct for a training step:
   replay advances its offset as the eager step would;
 * a plan that swaps records its copies on the swap runtime's streams, joined to the graph by
   events, into host buffers the recording takes out of the runtime's pool for as long as the graph
-  lives; an offloaded tensor is freed at its release point (:mod:`mutwo.runtime.swap_graphs`).
+  lives; an offloaded tensor is freed at its release point (:mod:`mutwo.runtime.execution.swap_graphs`).
 
 What cannot be recorded is refused before anything runs (:func:`refuse_uncapturable`): a step
 on the CPU, inputs that live on the CPU (a learning rate given as a Python number, the step
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from mutwo.runtime.swap import RUNTIME as SWAP_RUNTIME
+from mutwo.runtime.execution.errors import BackendError
+from mutwo.runtime.execution.swap import RUNTIME as SWAP_RUNTIME
 
 #: Ops that read device values on the host: a CUDA graph would record the value read at capture.
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal")
@@ -41,10 +42,8 @@ TRACED_HOST_OPS = ("mutwo.host_", "mutwo.foreach_host")
 
 
 def refuse_uncapturable(module: fx.GraphModule, inputs: Sequence[torch.Tensor], labels: Sequence[str]) -> None:
-    """Raise :class:`mutwo.runtime.backends.BackendError` (one line) unless ``module`` can be
+    """Raise :class:`mutwo.runtime.execution.errors.BackendError` (one line) unless ``module`` can be
     recorded as a CUDA graph; ``labels[i]`` names input ``i`` in the message."""
-    from mutwo.runtime.backends import BackendError
-
     devices = {t.device for t in inputs if t.device.type != "cpu"}
     if not devices or any(d.type != "cuda" for d in devices):
         raise BackendError("CUDA graphs need the model, optimizer state and batch on a CUDA device; this step runs "
