@@ -1,10 +1,11 @@
 """Side-by-side benchmark on one GPU: eager, per-block checkpointing, torch.compile with an
 activation-memory budget, mutwo without recompute and mutwo at budgets (the benchmark issue).
 
-Every variant runs in a fresh process and is measured by ``tools.experiment.measure_step``: 3
-warm-up iterations, then 10 measured ones; peak = ``torch.cuda.max_memory_allocated`` over the
-measured iterations, time = their median CUDA-event time. mutwo's budgets may name another
-variant's measured peak, so that iteration times are compared at equal memory:
+Every variant runs in a fresh process and is measured by
+``tools.experiment_measure.measure_step``: 3 warm-up iterations, then 10 measured ones; peak =
+``torch.cuda.max_memory_allocated`` over the measured iterations, time = their median CUDA-event
+time. mutwo's budgets may name another variant's measured peak, so that iteration times are
+compared at equal memory:
 
 - ``mutwo-0.5``: half of mutwo's own peak without recompute (any ``mutwo-opt --budget``);
 - ``mutwo-eager0.5``: half of eager's measured peak;
@@ -73,7 +74,7 @@ of the budget (Inductor's fusion frees buffers the plan counts;
 ``--measure-choice`` makes the ``mutwo-swap@<compiled backend>`` rows measure select-swap's plan
 against the recompute-only plan at the same budget (both compiled, and calibrated with
 ``--calibrate-peak``) and keep the faster: both are priced at eager times, which a compiled step
-does not keep (``tools.experiment.PlanChoice``). The row's ``measured_choice`` has both.
+does not keep (``tools.experiment_planning.PlanChoice``). The row's ``measured_choice`` has both.
 
 ``--trace`` (GPU only) then profiles 3 more iterations of each variant and records, stream by
 stream, where the time went (compute idle, compute overlapped with copies, copy rates, kernels
@@ -111,11 +112,11 @@ sys.path.insert(0, str(ROOT))
 
 from mutwo.ir.budget import Budget  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
-from mutwo.tools.experiment import (  # noqa: E402
+from mutwo.tools.experiment_configuration import run_configuration  # noqa: E402
+from mutwo.tools.experiment_measure import (  # noqa: E402
     build_training,
     free_planning_leftovers,
     measure_after_planning,
-    run_configuration,
 )
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",

@@ -18,11 +18,12 @@ seed and trains on its shard of a global batch of ``batch × world size`` sample
 - *mutwo, no recompute*: the graph that ``optimize`` captured, before its passes (no second
   capture or profile).
 
-Each variant: 3 warm-up iterations, then 10 measured (``mutwo.tools.experiment.measure_step``);
-per rank, peak = ``torch.cuda.max_memory_allocated`` over the measured iterations (everything:
-parameters, gradients, DDP's or mutwo's buckets, optimizer state, activations) and time = their
-median CUDA-event time; a row keeps every rank's numbers and their maximum. Rank 0 rewrites
-``--out`` after every variant, so a run cut short keeps what it measured.
+Each variant: 3 warm-up iterations, then 10 measured
+(``mutwo.tools.experiment_measure.measure_step``); per rank, peak = ``torch.cuda.max_memory_allocated``
+over the measured iterations (everything: parameters, gradients, DDP's or mutwo's buckets,
+optimizer state, activations) and time = their median CUDA-event time; a row keeps every rank's
+numbers and their maximum. Rank 0 rewrites ``--out`` after every variant, so a run cut short keeps
+what it measured.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from mutwo.runtime.api import optimize  # noqa: E402
 from mutwo.runtime.execution.step import GraphStep  # noqa: E402
 from mutwo.runtime.parallel import distributed  # noqa: E402
 from mutwo.tools.config import Config, apply_overrides, load_config  # noqa: E402
-from mutwo.tools.experiment import Training, measure_after_planning  # noqa: E402
+from mutwo.tools.experiment_measure import Training, measure_after_planning  # noqa: E402
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, to_device  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml"}

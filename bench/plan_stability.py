@@ -42,7 +42,8 @@ from mutwo.ir.registry import PassRegistry  # noqa: E402
 from mutwo.runtime.execution.backends import backend_services  # noqa: E402
 from mutwo.runtime.execution.step import GraphStep  # noqa: E402
 from mutwo.runtime.planning.captured import capture_graph, pass_context  # noqa: E402
-from mutwo.tools.experiment import PlannedStep, build_training, measure_step  # noqa: E402
+from mutwo.tools.experiment_measure import build_training, measure_step  # noqa: E402
+from mutwo.tools.experiment_planning import PlannedStep  # noqa: E402
 
 
 def plan(lowered: Any, profile: Any, budget: Budget, backend: str) -> tuple[Any, Any]:

@@ -38,7 +38,7 @@ from mutwo.ir.pass_manager import PassManager, PipelineFailure  # noqa: E402
 from mutwo.ir.registry import PassRegistry  # noqa: E402
 from mutwo.runtime.execution.backends import backend_services  # noqa: E402
 from mutwo.runtime.planning.captured import pass_context  # noqa: E402
-from mutwo.tools.experiment import swap_plan_row  # noqa: E402
+from mutwo.tools.experiment_planning import swap_plan_row  # noqa: E402
 
 
 def plan_id(plan: Any) -> str:

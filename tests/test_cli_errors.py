@@ -26,7 +26,8 @@ from mutwo.ir.registry import BUILTIN_PASSES, ENTRY_POINT_GROUP, PassRegistry
 from mutwo.runtime.execution.backends import BackendError
 from mutwo.tools.cli import OutputFolder
 from mutwo.tools.config import DEFAULT_PIPELINE
-from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main, plan_fingerprint
+from mutwo.tools.mutwo_opt import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, main
+from mutwo.tools.mutwo_opt_report import plan_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 

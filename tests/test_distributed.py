@@ -1,4 +1,4 @@
-"""Data-parallel iterations (runtime/parallel/collectives.py, runtime/parallel/distributed.py).
+"""Data-parallel iterations (runtime/capture/collectives.py, runtime/parallel/distributed.py).
 
 Two ranks on CPU with gloo, each in its own process, train from identical state against eager
 ``DistributedDataParallel`` for 3 iterations: the loss, every averaged gradient and, at the end,

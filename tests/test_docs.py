@@ -69,3 +69,11 @@ def test_the_synopses_name_every_option_of_the_parser() -> None:
     for where, text in (("README.md's synopsis", block), ("mutwo_opt's docstring", docstring)):
         assert _synopsis_options(text) == options, f"{where}: missing {sorted(options - _synopsis_options(text))}, " \
                                                    f"unknown {sorted(_synopsis_options(text) - options)}"
+
+
+def test_the_parser_describes_mutwo_opt_as_its_docstring_does() -> None:
+    """``mutwo-opt --help`` opens with the first line of the module's docstring (the parser is built
+    in mutwo_opt_args, the docstring is the command module's)."""
+    from mutwo.tools import mutwo_opt
+
+    assert mutwo_opt.build_parser().description == (mutwo_opt.__doc__ or "").split("\n\n")[0].replace("``", "")

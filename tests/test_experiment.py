@@ -1,4 +1,5 @@
-"""``mutwo-experiment`` (:mod:`mutwo.tools.experiment`), on CPU.
+"""``mutwo-experiment`` (:mod:`mutwo.tools.experiment` and the modules it measures, plans and plots
+with), on CPU.
 
 One real end-to-end run of ``examples/tiny_mlp.yaml`` (every configuration in its own worker
 process, so it takes a few seconds per configuration), shared by the tests that read its output;
@@ -27,15 +28,11 @@ import mutwo.tools.experiment as experiment
 import mutwo.tools.experiment_plots as experiment_plots
 from mutwo.ir.registry import PassRegistry
 from mutwo.runtime.planning.plan_choice import choose_measured
-from mutwo.tools.experiment import (
-    EXIT_OK,
-    EXIT_USAGE,
-    OUT_OF_MEMORY,
-    TRANSFER_FILE,
-    main,
-    measure_step,
-    run_configuration,
-)
+from mutwo.tools.cli import EXIT_OK, EXIT_USAGE
+from mutwo.tools.experiment import main
+from mutwo.tools.experiment_configuration import run_configuration
+from mutwo.tools.experiment_measure import OUT_OF_MEMORY, device_turn, measure_step
+from mutwo.tools.experiment_planning import TRANSFER_FILE
 from mutwo.tools.experiment_plots import plot_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -553,15 +550,15 @@ def test_device_turn_lets_one_process_measure_at_a_time(tmp_path: Path) -> None:
 
     lock = tmp_path / "device.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
-                               "from mutwo.tools.experiment import device_turn\n"
+                               "from mutwo.tools.experiment_measure import device_turn\n"
                                f"with device_turn(Path({str(lock)!r})):\n"
                                "    print('held', flush=True)\n    time.sleep(1.5)\n"],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     started = time.monotonic()
-    with experiment.device_turn(lock):
+    with device_turn(lock):
         waited = time.monotonic() - started
     holder.wait(timeout=30)
     assert waited > 0.5, waited
-    with experiment.device_turn(None):  # nothing to share the device with: no file, no wait
+    with device_turn(None):  # nothing to share the device with: no file, no wait
         pass

@@ -19,7 +19,7 @@ from mutwo.ir.budget import parse_budget
 from mutwo.ir.swap import OFFLOAD
 from mutwo.runtime.api import optimize_graph
 from mutwo.runtime.planning.peak_calibration import CalibrationRound, calibrate, next_budget
-from mutwo.tools.experiment import run_configuration
+from mutwo.tools.experiment_configuration import run_configuration
 from mutwo.tools.mutwo_opt import EXIT_OK, EXIT_USAGE, main
 from tests import models
 

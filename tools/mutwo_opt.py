@@ -14,6 +14,11 @@ inside the graph, and rank 0 writes the output folder.
 
 Exit codes: 0 success; 1 a pass or verification failed, or --check found a difference;
 2 bad usage, config or pipeline. Every error is one line on stderr.
+
+This module runs the command (:class:`MutwoOpt`, :func:`main`); its command line and the checks
+made before the capture are :mod:`mutwo.tools.mutwo_opt_args`', the files an earlier run gives
+are read by :mod:`mutwo.tools.mutwo_opt_reuse`, and the output folder is written by
+:mod:`mutwo.tools.mutwo_opt_report`.
 """
 
 from __future__ import annotations
@@ -21,69 +26,53 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
-import json
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from mutwo.ir import to_fx
 from mutwo.ir.graph import Graph
-from mutwo.ir.liveness import compute_liveness
-from mutwo.ir.memory import simulate
-from mutwo.ir.pass_base import Pass, PassContext, write_atomic
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
-from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
-from mutwo.ir.swap import swap_nodes
-from mutwo.ir.time_model import TimeModel
-from mutwo.ir.timeline import TransferModel, graph_timeline
 from mutwo.ir.verifier import VerificationError
-from mutwo.passes.select import Plan
-from mutwo.passes.select_swap import SwapPlan
 from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 from mutwo.runtime.capture.tracing import CaptureError, debug_enabled
-from mutwo.runtime.execution.backends import (
-    BACKENDS,
-    BackendError,
-    CompiledStep,
-    CompileError,
-    backend_services,
-    compile_graph,
-)
+from mutwo.runtime.execution.backends import BackendError, CompiledStep, CompileError, backend_services, compile_graph
 from mutwo.runtime.execution.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.measurement.iterations import measure_iterations
-from mutwo.runtime.measurement.profiler import Profile, fingerprint
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.captured import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.planning.fit import FitError
-from mutwo.runtime.planning.fit_search import FIT_PIPELINE
-from mutwo.runtime.planning.peak_calibration import Calibrated, Calibration, calibrated_step, calibration_refusal
-from mutwo.runtime.planning.plan_choice import ChoiceFailed, choice_refusal, measured_choice
-from mutwo.tools.cli import (
-    EXIT_FAILURE,
-    EXIT_OK,
-    EXIT_USAGE,
-    OutputFolder,
-    Parser,
-    UsageError,
-    did_you_mean,
-    print_debug_traceback,
-    unreadable,
-)
-from mutwo.tools.config import DEFAULT_PIPELINE, Config, ConfigError, apply_overrides, load_config
+from mutwo.runtime.planning.peak_calibration import Calibrated, Calibration, calibrated_step
+from mutwo.runtime.planning.plan_choice import ChoiceFailed, measured_choice
+from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, OutputFolder, UsageError, print_debug_traceback
+from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
-from mutwo.tools.reports import memory_timeline, swap_timeline, write_reports
+from mutwo.tools.mutwo_opt_args import (
+    build_parser,
+    checked_out_dir,
+    print_ir_after,
+    refuse_backend_choices,
+    refuse_fit_misuse,
+    refuse_options_fit_leaves_unused,
+)
+from mutwo.tools.mutwo_opt_report import describe_files, write_outputs
+from mutwo.tools.mutwo_opt_reuse import (
+    REUSED,
+    GivenFile,
+    check_given_files,
+    given_files,
+    load_artifact,
+    refuse_remade_artifacts,
+    refuse_unread_plan,
+)
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, target_device, to_device, training_options
 
 
@@ -91,63 +80,8 @@ class Failure(Exception):
     """A pass, verification or the equivalence check failed: exit code 1."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # The description is the docstring's first line, without its reStructuredText markup.
-    parser = Parser(prog="mutwo-opt", description=__doc__.split("\n\n")[0].replace("``", ""))
-    parser.add_argument("config", nargs="?", help="YAML config describing the model (see the README)")
-    parser.add_argument("-p", "--passes", help="pipeline, e.g. 'stats,dce' (default: the config's 'passes', else "
-                        f"{DEFAULT_PIPELINE})")
-    parser.add_argument("-o", "--out", help="output folder (default: mutwo-out/<config name>)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to run (default: the config's)")
-    parser.add_argument("--batch-size", type=int, help="override the config's batch size")
-    parser.add_argument("--budget", help="memory budget: a fraction of the unoptimized peak (0.5), bytes (6GiB), or "
-                        "'min' (the lowest peak recomputation reaches); default: the config's 'budget', else the "
-                        "GPU's memory (on CPU nothing needs recomputing)")
-    parser.add_argument("--seed", type=int, help="override the config's seed")
-    parser.add_argument("--backend", choices=BACKENDS,
-                        help="what runs the final graph (default: the config's, else eager); see docs/backends.md")
-    parser.add_argument("--precision", help="override the config's precision: fp32, bf16-autocast, fp16-autocast")
-    parser.add_argument("--memory-format", help="override the config's memory_format: contiguous, or channels_last "
-                        "(the model's and the batch's 4-D tensors NHWC, as cuDNN's fastest convolutions want)")
-    parser.add_argument("--check", action="store_true",
-                        help="run the original and final graphs for 3 iterations and compare every number")
-    parser.add_argument("--profile-from", metavar="FILE",
-                        help="reuse a profile.json written by the profile pass for this same graph")
-    parser.add_argument("--plan-from", metavar="FILE",
-                        help="reuse a plan.json (select) or swap_plan.json (select-swap) written for this same graph")
-    parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
-                        "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
-    parser.add_argument("--fit-margin", type=float, metavar="SHARE",
-                        help="with --fit: the share of MEMORY the plans keep free for what the simulator does not "
-                        "see (default 0.1)")
-    parser.add_argument("--fit-max-slowdown", type=float, metavar="FACTOR",
-                        help="with --fit: only batches whose plan predicts at most FACTOR times the time of the step "
-                        "without recomputation (like 1.3); the largest batch is often not the fastest training")
-    parser.add_argument("--calibrate-peak", type=int, metavar="ROUNDS",
-                        help="with a compiled --backend: plan again, up to ROUNDS times, until the compiled step's "
-                        "measured peak is within 3%% of the budget (each round compiles again; docs/backends.md)")
-    parser.add_argument("--measure-choice", action="store_true",
-                        help="with a compiled --backend and -p swap: when select-swap's plan swaps, compile the "
-                        "recompute-only plan at the same budget too, measure both and keep the faster (both plans "
-                        "are priced at eager times; docs/swap.md)")
-    parser.add_argument("--list-passes", action="store_true", help="list every registered pass and exit")
-    parser.add_argument("--load-passes", action="append", default=[], metavar="MODULE_OR_FILE",
-                        help="register the passes defined in a module or .py file (repeatable)")
-    parser.add_argument("--no-verify", action="store_true", help="do not verify the IR after every pass")
-    parser.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass")
-    parser.add_argument("--print-ir-after", default="", metavar="P,...",
-                        help="print the IR after these passes of the pipeline (an alias such as rewrite: after its "
-                        "last pass)")
-    parser.add_argument("--dump-dot", action="store_true", help="write NN-<pass>-before.dot and -after.dot")
-    parser.add_argument("--time-passes", action="store_true",
-                        help="print the time each pass took, then the whole run's: capture, passes, compile, check "
-                        "(with --fit, the search's: capture, profile, plan, measure)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
-    parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
-                        help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
-    parser.add_argument("--debug", action="store_true",
-                        help="print the traceback behind an error (like MUTWO_DEBUG=1)")
-    return parser
+#: What a failure inside a pass adds to its one line: where the traceback is.
+DEBUG_HINT = "run again with --debug for the traceback"
 
 
 class MutwoOpt:
@@ -250,108 +184,28 @@ class MutwoOpt:
         return device
 
     def build_pipeline(self, config: Config) -> PassManager:
-        self.check_reused_files()  # a missing file, or one of another kind, is named before what a pipeline needs
+        # A missing file, or one of another kind, is named before what a pipeline needs.
+        check_given_files(self.reused_files)
         available = {reused.artifact for reused, _, _ in self.reused_files}
         try:
             if available:  # what is wrong with a given file first: the requirements it does not meet follow
                 unchecked = self.registry.build_pipeline(config.passes, {r.artifact for r in REUSED})
-                self.refuse_remade_artifacts(unchecked)
-                self.refuse_unread_plan(unchecked)
+                refuse_remade_artifacts(self.reused_files, unchecked)
+                refuse_unread_plan(self.reused_files, unchecked)
             passes = self.registry.build_pipeline(config.passes, available)
         except RegistryError as error:
             raise UsageError(str(error)) from None
         instrumentation = Instrumentation(
             verify=not self.args.no_verify, print_ir_after_all=self.args.print_ir_after_all,
-            print_ir_after=self.print_ir_after(passes), dump_dot=self.args.dump_dot,
-            time_passes=self.args.time_passes,
+            print_ir_after=print_ir_after(self.args.print_ir_after, self.registry, passes),
+            dump_dot=self.args.dump_dot, time_passes=self.args.time_passes,
         )  # fmt: skip
         return PassManager(passes, instrumentation)
 
-    def print_ir_after(self, passes: list[Pass]) -> frozenset[str]:
-        """The passes ``--print-ir-after`` names, an alias standing for the last of its passes the
-        pipeline runs (``rewrite``: the IR once rewritten); each must be in the pipeline, or nothing
-        would be printed for it."""
-        names: set[str] = set()
-        running = [p.name for p in passes]
-        for name in (n.strip() for n in self.args.print_ir_after.split(",")):
-            if not name:
-                continue
-            members = self.registry.aliases.get(name, (name,))
-            # An alias stands for the last of its passes this pipeline runs (-p optimizer-in-backward
-            # runs only the first of the alias optimizer's two).
-            target = next((m for m in reversed(members) if m in running), members[-1])
-            if target not in self.registry.names():
-                hint = did_you_mean(name, self.registry.names() + sorted(self.registry.aliases))
-                raise UsageError(f"--print-ir-after names unknown pass '{name}'; "
-                                 + (f"{hint} " if hint else "") + "see mutwo-opt --list-passes")  # fmt: skip
-            if target not in running:
-                raise UsageError(f"--print-ir-after names '{name}', which this pipeline does not run "
-                                 f"({','.join(running)}); name one of its passes")  # fmt: skip
-            names.add(target)
-        return frozenset(names)
-
-    def refuse_unread_plan(self, passes: list[Pass]) -> None:
-        """Refuse ``--plan-from`` when no pass of the pipeline reads its plan: the file would go unused."""
-        for reused, _, written in self.reused_files:
-            if reused.option == "--plan-from" and not any(reused.artifact in type(p).requires for p in passes):
-                pipeline = ",".join(p.name for p in passes)
-                what = reused.filename if written == reused.filename else "plan file"
-                raise UsageError(f"--plan-from gives a {what}, but no pass of this pipeline ({pipeline}) "
-                                 f"reads it, so the file would go unused; {reused.example.removeprefix('-p ')} "
-                                 f"applies it ({reused.example} --plan-from FILE)")  # fmt: skip
-
     @functools.cached_property
-    def reused_files(self) -> list[tuple[ReusedFile, Path, str | None]]:
-        """The files ``--profile-from`` and ``--plan-from`` give, each with what it stands for and
-        which file it was recognised as (:func:`artifact_file`, read once: a profile.json can be
-        megabytes): a ``--plan-from`` file is select's plan or, by its fields, select-swap's."""
-        given = []
-        for option in ("--profile-from", "--plan-from"):
-            text = getattr(self.args, option.removeprefix("--").replace("-", "_"))
-            if text:
-                kinds = [r for r in REUSED if r.option == option]
-                written = artifact_file(Path(text))
-                given.append((next((r for r in kinds if r.filename == written), kinds[0]), Path(text), written))
-        return given
-
-    def refuse_remade_artifacts(self, passes: list[Pass]) -> None:
-        """Refuse ``--profile-from``/``--plan-from`` beside a pass that makes the same artifact again:
-        the pass would silently replace what the file gave, and the file would go unused."""
-        for reused, _, _ in self.reused_files:
-            maker = next((p.name for p in passes if reused.artifact in type(p).provides), None)
-            if maker is not None:
-                raise UsageError(f"{reused.option} gives the {reused.artifact}, but the pipeline's '{maker}' pass "
-                                 f"would make a new one and leave the file unused; drop {maker} from --passes "
-                                 f"({reused.example} {reused.option} FILE)")  # fmt: skip
-
-    def check_reused_files(self) -> None:
-        """``--profile-from`` and ``--plan-from`` name readable files of their kind: checked before the
-        capture, which can take minutes (whether a file belongs to the graph is checked after it)."""
-        for reused, path, written in self.reused_files:
-            accepted = " or ".join(r.filename for r in REUSED if r.option == reused.option)
-            problem = unreadable(path, f"{reused.option}:")
-            if problem is not None:
-                raise UsageError(f"{problem}; give the {accepted} an earlier run wrote")
-            if written is not None and written != reused.filename:
-                maker = next(r.maker for r in REUSED if r.filename == written)
-                raise UsageError(f"{reused.option}: {path} is a {written} written by the {maker} pass, not a "
-                                 f"{accepted}; give the {accepted} an earlier run wrote")  # fmt: skip
-
-    def prepare_out_dir(self, config: Config) -> Path:
-        """Check, without creating anything yet, that the output folder can be written."""
-        out = Path(self.args.out) if self.args.out else Path("mutwo-out") / config.name
-        if not self.lead:  # only rank 0 writes
-            return out
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"output folder {str(out)!r} is a file, not a folder; choose another with -o DIR")
-        existing = out
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            reason = f"it is under the file {str(existing)!r}" if existing.exists() and not existing.is_dir() \
-                else "permission denied"  # fmt: skip
-            raise UsageError(f"output folder {str(out)!r} is not writable ({reason}); choose another with -o DIR")
-        return out
+    def reused_files(self) -> list[GivenFile]:
+        """The files ``--profile-from`` and ``--plan-from`` give (:func:`given_files`), read once."""
+        return given_files(self.args)
 
     def capture(self, config: Config, device: torch.device) -> CapturedGraph:
         self.log(f"building {config.model.source} model '{config.model.name}' (batch {config.batch_size}, {device})")
@@ -382,34 +236,6 @@ class MutwoOpt:
             return workload, workload.batch
         workload = build_workload(dataclasses.replace(config, batch_size=config.batch_size * self.dp.world_size))
         return workload, distributed.shard_batch(workload.batch, self.dp.rank, self.dp.world_size)
-
-    def load_artifact(self, graph: Graph, reused: ReusedFile, path: Path) -> Any:
-        """A profile.json, plan.json or swap_plan.json of an earlier run, refused unless it belongs to this graph."""
-        option = reused.option
-        try:
-            artifact = reused.cls.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except OSError as error:  # checked before the capture; gone or unreadable since
-            raise UsageError(f"{option}: {str(path)!r} cannot be read ({error.strerror})") from None
-        except (ValueError, KeyError, TypeError) as error:
-            raise UsageError(f"{option}: {path} is not a {reused.filename} written by the {reused.maker} pass "
-                             f"({type(error).__name__}: {error})") from None  # fmt: skip
-        if artifact.fingerprint != fingerprint(graph):
-            raise UsageError(f"{option}: {path} belongs to a different graph (fingerprint {artifact.fingerprint}, "
-                             f"this graph {fingerprint(graph)}); run the {reused.maker} pass again for this model, "
-                             "batch size and device")  # fmt: skip
-        return artifact
-
-    def refuse_backend(self, config: Config, device: torch.device, manager: PassManager) -> None:
-        """Backend choices that cannot work here, refused before anything is captured."""
-        fused = next((p.name for p in manager.passes if getattr(p, "fused", False)), None)
-        if fused is not None and not backend_services(config.backend)["fused_recompute"]:
-            raise UsageError(f"{fused}{{fused=true}} prices recomputes as Inductor fuses them, but --backend is "
-                             f"{config.backend}: use --backend inductor, or drop fused=true")  # fmt: skip
-        if config.backend.endswith("cudagraphs") and device.type != "cuda":
-            raise UsageError(f"--backend {config.backend} needs a CUDA device, this run is on {device}; use --backend "
-                             "eager or inductor")  # fmt: skip
-        if self.dp is not None and config.backend != "eager":
-            raise UsageError(f"--backend {config.backend} does not run data-parallel steps yet; use --backend eager")
 
     def compile(self, config: Config, final: Graph, inputs: list[Any]) -> CompiledStep:
         """The final graph made runnable by the config's backend (compiled here, timed as planning)."""
@@ -446,125 +272,6 @@ class MutwoOpt:
         self.log(report.summary())
         return report
 
-    def write_outputs(self, out: Path, config: Config, device: torch.device, original: Graph, final: Graph,
-                      result: PipelineResult | None, report: EquivalenceReport | None, error: str | None,
-                      ctx: PassContext, measured: dict[str, Any],
-                      compiled: CompiledStep | None) -> list[str]:  # fmt: skip
-        """Write the output folder; returns the names of the files this run wrote. After a failed
-        pipeline there is no final graph: summary.json records the error (and the plan that
-        missed its budget), beside input.ir.txt and what the passes wrote before the failure."""
-        write_atomic(out / "input.ir.txt", print_graph(original))
-        profile = ctx.artifacts.get("profile")
-        workspace = profile.workspace() if profile is not None else None
-        before = simulate(original, workspace=workspace)
-        title = f"{config.model.name}, batch {config.batch_size}, {device}"
-        outcome: dict[str, Any]
-        if error is None:
-            outcome, reports = self.write_final(out, original, final, before, ctx, title)
-        else:
-            reports = []
-            unmet = [plan.to_json() for plan in (ctx.artifacts.get(key) for key in ("plan", "swap-plan"))
-                     if plan is not None and not plan.met]  # fmt: skip
-            outcome = {"unmet_plan": unmet[0] if unmet else None}
-        summary = {
-            "model": config.model.name,
-            "source": config.model.source,
-            "config": str(config.path),
-            "batch_size": config.batch_size,
-            "device": str(device),
-            # What else decides the numbers, so that a summary says how to run it again.
-            "seed": config.seed,
-            "precision": config.precision,
-            "memory_format": config.memory_format,
-            "budget": planned_budget(ctx, config),
-            "torch_version": torch.__version__,
-            "pipeline": [r.name for r in result.records] if result else [],
-            "nodes_before": _counts(original),
-            "nodes_after": None,
-            "pass_seconds": result.timings() if result else {},
-            "total_seconds": round(time.perf_counter() - self.started, 3),
-            "phase_seconds": self.rounded_phases(),
-            "peak_bytes_before": before.peak_bytes,
-            "peak_phase_before": before.peak_phase,
-            "peak_breakdown_before": before.breakdown,
-            "peak_bytes_after": None,
-            "peak_node_after": None,
-            "peak_phase_after": None,
-            "peak_breakdown_after": None,
-            "persistent_bytes": before.persistent_bytes,
-            "measured_peak_bytes_before": measured.get("measured_peak_bytes_before"),
-            "measured_peak_bytes_after": measured.get("measured_peak_bytes_after"),
-            "iteration_seconds_before": measured.get("iteration_seconds_before"),
-            "iteration_seconds_after": measured.get("iteration_seconds_after"),
-            "reports": reports,
-            "recomputed": None,
-            "plan_fingerprint": None,
-            "swapped": None,
-            "swapped_bytes": None,
-            "cloned_nodes": None,
-            "equivalent": None if report is None else report.equivalent,
-            "error": error,
-            **outcome,
-            "data_parallel": self.describe_data_parallel(config),
-            # The simulator models the eager executor: one aten kernel per node, in the plan's order,
-            # which the compiled backends keep (docs/backends.md); their peak is the measured one.
-            "simulated_backend": "eager",
-            **({"calibration": self.calibration.describe()} if self.calibration is not None else {}),
-            **({"measured_choice": self.choice} if self.choice is not None else {}),
-            **(compiled.describe() if compiled is not None else {"backend": config.backend}),
-        }
-        # The folder is not emptied between runs: list what this run wrote.
-        summary["files"] = sorted({p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
-                                   and p.stat().st_mtime >= self.wall_started} | {"summary.json"})  # fmt: skip
-        write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-        return summary["files"]
-
-    def write_final(self, out: Path, original: Graph, final: Graph, before: Any, ctx: PassContext,
-                    title: str) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
-        """The final graph's files and reports; its entries of summary.json and the reports' names."""
-        profile = ctx.artifacts.get("profile")
-        after = simulate(final, workspace=profile.workspace() if profile is not None else None)
-        final_liveness = compute_liveness(final)
-        reports = write_reports(out, final, after, final_liveness, profile, title)
-        if final is not original:
-            memory_timeline(out / "memory_timeline_input.png", original, before, profile, f"{title} (input)")
-            reports.append("memory_timeline_input.png")
-        swaps = swap_nodes(final)
-        if swaps and profile is not None and "transfer" in ctx.artifacts:
-            swap_plan = ctx.artifacts.get("swap-plan")  # its copies priced as the plan priced them (contention)
-            transfer = ctx.artifacts["transfer"] if swap_plan is None else TransferModel.from_json(swap_plan.transfer)
-            timeline = graph_timeline(final, TimeModel.of(original, profile), transfer)
-            swap_timeline(out / "swap_timeline.png", final, timeline, after, f"{title}: compute and copies")
-            reports.append("swap_timeline.png")
-        # Recomputed: activations of the input whose backward readers now read a clone instead
-        # (swapped ones read the copy brought back from host memory).
-        swapped = {offload.args[0].tensor.storage for offload, _, _ in swaps}
-        recomputed = {r.key for r in compute_liveness(original).activations()} - {
-            r.key for r in final_liveness.activations()} - swapped  # fmt: skip
-        write_atomic(out / "final.ir.txt", print_graph(final))
-        write_atomic(out / "final_graph.py", to_fx(final).code)
-        return {
-            "nodes_after": _counts(final),
-            "peak_bytes_after": after.peak_bytes,
-            "peak_node_after": after.peak_node,
-            "peak_phase_after": after.peak_phase,
-            "peak_breakdown_after": after.breakdown,
-            "persistent_bytes": after.persistent_bytes,
-            "recomputed": len(recomputed),
-            "plan_fingerprint": plan_fingerprint(recomputed, swapped),
-            "swapped": len(swapped),
-            "swapped_bytes": sum(offload.tensors[0].storage_bytes for offload, _, _ in swaps),
-            "cloned_nodes": sum(1 for n in final if n.origin is not None),
-        }, reports
-
-    def describe_data_parallel(self, config: Config) -> dict[str, Any] | None:
-        if self.dp is None:
-            return None
-        return {"world_size": self.dp.world_size, "backend": torch.distributed.get_backend(self.dp.group),
-                "global_batch_size": config.batch_size * self.dp.world_size,
-                "bucket_limits_bytes": list(self.dp.bucket_limits), "sync_buffers": self.dp.sync_buffers,
-                "buckets": self.gradient_buckets}  # fmt: skip
-
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
         try:
@@ -595,36 +302,16 @@ class MutwoOpt:
             return EXIT_OK
         config = self.load_config()
         device = self.join_data_parallel(self.resolve_device(config))
-        if self.args.fit is not None:
-            given = (("-p", self.args.passes), ("--plan-from", self.args.plan_from),
-                     ("--profile-from", self.args.profile_from), ("--calibrate-peak", self.args.calibrate_peak),
-                     ("--measure-choice", self.args.measure_choice))  # fmt: skip
-            unused = [option for option, value in given if value]
-            if unused:
-                raise UsageError(f"--fit profiles once and plans every batch size with its own pipeline "
-                                 f"({FIT_PIPELINE}), so {unused[0]} would go unused; drop it, and use it on the "
-                                 "batch size --fit finds")  # fmt: skip
+        refuse_options_fit_leaves_unused(self.args)
         manager = self.build_pipeline(config)
-        out = self.prepare_out_dir(config)
-        fit_only = (("--fit-margin", self.args.fit_margin), ("--fit-max-slowdown", self.args.fit_max_slowdown))
-        for option, value in fit_only:
-            if value is not None and self.args.fit is None:
-                raise UsageError(f"{option} applies to --fit; add --fit MEMORY (like --fit 16GiB)")
+        out = checked_out_dir(self.args, config, writes=self.lead)
+        refuse_fit_misuse(self.args, config.backend)
         if self.args.fit is not None:
-            if config.backend != "eager":  # the search measures eager runs: a compiled step's peak differs
-                raise UsageError(f"--fit searches with the eager backend, not {config.backend}; run --fit without "
-                                 "--backend, then the batch size it finds with --backend")  # fmt: skip
             try:
                 return run_fit(self, config, device, out)
             except FitError as error:
                 raise Failure(str(error)) from None
-        self.refuse_backend(config, device, manager)
-        refusal = calibration_refusal(self.args.calibrate_peak, config.backend, manager.passes, "--calibrate-peak",
-                                      "--budget")  # fmt: skip
-        refusal = refusal or choice_refusal(self.args.measure_choice, config.backend, manager.passes,
-                                            "--measure-choice", config.budget)  # fmt: skip
-        if refusal is not None:
-            raise UsageError(refusal)
+        refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp is not None)
         with self.timed("capture"):
             lowered = self.capture(config, device)
         if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
@@ -638,7 +325,7 @@ class MutwoOpt:
         original = graph.copy()
         captured_version = graph.version
         for reused, path, _ in self.reused_files:  # before anything is written: a refused file leaves nothing
-            reused_artifacts[reused.artifact] = self.load_artifact(graph, reused, path)
+            reused_artifacts[reused.artifact] = load_artifact(graph, reused, path)
         # Everything is written into a stage, moved into `out` when the run ends (tools/cli.OutputFolder).
         staged = None
         if self.lead:
@@ -698,8 +385,8 @@ class MutwoOpt:
                           "predicted other strides than the kernels produce: please report it)") from None
         if self.lead:
             assert staged is not None
-            files = self.write_outputs(staged, config, device, original, final, result, report, error, ctx, measured,
-                                       compiled)  # fmt: skip
+            files = write_outputs(self, staged, config, device, original, final, result, report, error, ctx, measured,
+                                  compiled)  # fmt: skip
             self.log(f"wrote {out}/: {describe_files(files)}")
             if self.args.time_passes:
                 print(self.phase_report())
@@ -710,79 +397,6 @@ class MutwoOpt:
         if report is not None and not report.equivalent:
             raise Failure(report.summary())
         return EXIT_OK
-
-
-@dataclass(frozen=True)
-class ReusedFile:
-    """A file of an earlier run that an option gives in place of a pass's artifact."""
-
-    option: str  #: --profile-from or --plan-from
-    artifact: str  #: the artifact it stands for (ctx.artifacts' key)
-    filename: str  #: as the pass writes it
-    maker: str  #: the pass that writes it
-    cls: Any  #: what reads it (from_json)
-    example: str  #: a pipeline that uses it without making it again
-    fields: tuple[str, ...]  #: keys its JSON has and the other files' lack, to tell them apart
-
-
-REUSED = (
-    ReusedFile("--profile-from", "profile", "profile.json", "profile", Profile, "-p select,rewrite",
-               ("nodes", "runs", "iteration")),
-    ReusedFile("--plan-from", "plan", "plan.json", "select", Plan, "-p rewrite", ("clones", "entries")),
-    ReusedFile("--plan-from", "swap-plan", "swap_plan.json", "select-swap", SwapPlan, "-p insert-swap",
-               ("transfer", "entries")),
-)  # fmt: skip
-
-
-def planned_budget(ctx: PassContext, config: Config) -> str | None:
-    """The budget the run's plan was made for (a reused plan's, a pass option's), else the config's."""
-    plan = ctx.artifacts.get("plan") or ctx.artifacts.get("swap-plan")
-    if plan is not None:
-        return str(plan.budget)
-    return None if config.budget is None else str(config.budget)
-
-
-def artifact_file(path: Path) -> str | None:
-    """Which of the files mutwo-opt reuses ``path`` holds, by its fields (``swap_plan.json``); None
-    when it cannot be read or is none of them (loading it then says what is wrong)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    return next((r.filename for r in REUSED if all(key in data for key in r.fields)), None)
-
-
-def plan_fingerprint(recomputed: set[Any], swapped: set[Any]) -> str:
-    """Which activations of the captured graph a run recomputes and which it swaps, hashed: two runs
-    of one model and pipeline with the same fingerprint recompute and swap the same activations
-    (how the clones are built and what other passes did is not in it; every plan that recomputes
-    and swaps nothing has the same one). Plans made from two profiles may differ (per-node times
-    move between profiles, docs/benchmarks.md, "Why one budget gives several plans");
-    ``--profile-from`` reuses one profile and so one plan."""
-    text = ";".join([",".join(sorted(map(str, recomputed))), ",".join(sorted(map(str, swapped)))])
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
-#: The files named first when a run says what it wrote (the rest are counted).
-MAIN_FILES = ("summary.json", "final.ir.txt", "final_graph.py", "plan.json", "swap_plan.json", "profile.json")
-#: What a failure inside a pass adds to its one line: where the traceback is.
-DEBUG_HINT = "run again with --debug for the traceback"
-
-
-def describe_files(files: list[str]) -> str:
-    """``12 files: summary.json, final.ir.txt, final_graph.py, plan.json and 8 more (listed in summary.json)``."""
-    main_files = [name for name in MAIN_FILES if name in files]
-    rest = len(files) - len(main_files)
-    if len(files) <= 6:
-        return f"{len(files)} files: " + ", ".join(main_files + [f for f in files if f not in main_files])
-    return f"{len(files)} files: {', '.join(main_files)} and {rest} more (listed in summary.json)"
-
-
-def _counts(graph: Graph) -> dict[str, Any]:
-    return {"total": len(graph), "by_phase": dict(sorted(Counter(n.phase.value for n in graph).items())),
-            "by_kind": dict(sorted(Counter(n.kind.value for n in graph).items()))}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

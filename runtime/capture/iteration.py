@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.from_fx import PHASE_META
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime.capture import optim as functional_optim
+from mutwo.runtime.capture.collectives import GradientBuckets, broadcast_coalesced
 from mutwo.runtime.capture.guards import RecordedGuard, TraceDecider
 from mutwo.runtime.capture.input_aliasing import refuse_written_aliases, separate_aliases
 from mutwo.runtime.capture.rnn import run_rnn_layers_in_training_mode
@@ -43,7 +44,6 @@ from mutwo.runtime.capture.tracing import (
     quiet_torch_errors,
 )
 from mutwo.runtime.capture.training import TrainingOptions
-from mutwo.runtime.parallel.collectives import GradientBuckets, broadcast_coalesced
 
 if TYPE_CHECKING:
     from mutwo.runtime.parallel.distributed import DataParallel
@@ -374,7 +374,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     Missing optimizer state is created as torch.optim's first step would create it. Raises
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
     data-dependent control flow) when the iteration cannot be traced. With ``data_parallel``, the
-    graph also averages the gradients across ranks (:mod:`mutwo.runtime.parallel.collectives`).
+    graph also averages the gradients across ranks (:mod:`mutwo.runtime.capture.collectives`).
     """
     binding = StepBinding.bind(model, optimizer, loss_fn, training, micro, accumulated, data_parallel)
     try:

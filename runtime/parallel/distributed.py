@@ -3,7 +3,7 @@ how they are bucketed (as ``DistributedDataParallel`` buckets them), joining the
 ``torchrun`` describes, each rank's shard of a batch, and making every rank run the same plan.
 
 Every rank captures, plans and runs the same graph: the collectives in it (see
-:mod:`mutwo.runtime.parallel.collectives`) must be issued in the same order everywhere. Each rank
+:mod:`mutwo.runtime.capture.collectives`) must be issued in the same order everywhere. Each rank
 profiles its own graph, then all ranks plan from one profile — each node's slowest time and
 largest workspace over the ranks — and the smallest device memory, so ``select`` makes the same
 choices everywhere; :func:`require_same_graph` then checks, after capture and after the passes,
@@ -26,9 +26,9 @@ from torch.utils import _pytree as pytree
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.printer import print_graph
+from mutwo.runtime.capture.collectives import broadcast_coalesced
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, Mismatch
 from mutwo.runtime.measurement.profiler import Profile
-from mutwo.runtime.parallel.collectives import broadcast_coalesced
 
 #: DDP's default bucket size (``bucket_cap_mb``) and its smaller first bucket.
 DEFAULT_BUCKET_CAP_MB = 25

@@ -9,7 +9,7 @@ backend the measured choice compiles the recompute-only plan too, measures both,
 faster (docs/swap.md, "Under a compiled backend: choose by measuring").
 
 It is used by ``mutwo-opt --measure-choice``, ``mutwo.optimize(..., measure_choice=True)`` and,
-measuring after ``bench/compare.py``'s gate, by :class:`mutwo.tools.experiment.PlanChoice`.
+measuring after ``bench/compare.py``'s gate, by :class:`mutwo.tools.experiment_planning.PlanChoice`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,165 @@
+"""Measuring a training step as a user's loop would run it (``mutwo-experiment``, the benchmarks).
+
+:func:`build_training` builds a config's model, optimizer and batch on its device
+(:class:`Training`, whose :meth:`Training.eager_step` is the eager loop); :func:`measure_step`
+runs a step for warm-up iterations, then takes the median time of the measured ones and, on CUDA,
+their peak memory. Running out of memory is a result, not a crash. :func:`device_turn` lets
+processes planning side by side measure one at a time. ``bench/compare.py``,
+``bench/data_parallel.py`` and ``bench/plan_stability.py`` measure their variants with these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mutwo.runtime.capture.training import PRECISIONS, TrainingOptions
+
+OUT_OF_MEMORY = "out of memory"
+
+
+@contextlib.contextmanager
+def device_turn(lock: Path | None) -> Iterator[None]:
+    """Hold ``lock`` (an exclusive ``flock`` on that file) while measuring on the device during
+    planning, so that processes planning side by side (``bench/compare.py --parallel-planning``)
+    measure one at a time: four BERT-base processes calibrating at once on an 80 GB H100 ran out
+    of memory (2026-11-26). ``None``: nothing to share the device with."""
+    if lock is None:
+        yield
+        return
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            # What the measurement left in the allocator's cache goes back before the next process
+            # measures (an Inductor step keeps no recording to release; its blocks stay cached).
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, iterations: int) -> dict[str, Any]:
+    """Median time of ``iterations`` whole steps after ``warmup`` and, on CUDA, their peak memory.
+
+    Running out of memory is a result, not a crash: it comes back as ``{"error": "out of memory"}``.
+    """
+    cuda = device.type == "cuda"
+    times: list[float] = []
+    try:
+        for _ in range(warmup):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(iterations):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize(device)
+                times.append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - begin) * 1e3)
+    except torch.OutOfMemoryError:
+        return {"error": OUT_OF_MEMORY}
+    return {
+        "iteration_ms": statistics.median(times),
+        "iteration_ms_all": [round(t, 3) for t in times],
+        "peak_bytes": max(torch.cuda.max_memory_allocated(device), getattr(step, "recorded_peak_bytes", 0))
+        if cuda else None,
+    }
+
+
+def free_planning_leftovers(device: torch.device) -> None:
+    """Collect what planning left and, on CUDA, give the allocator's cached blocks back, so that a
+    measurement starts from the step's own memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_after_planning(step: Callable[[], Any], device: torch.device, memory_limit: int | None, *,
+                           warmup: int, iterations: int, trace: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Free what planning left in the allocator's cache, cap memory if asked, and measure; with
+    ``trace``, then profile 3 more iterations per stream (:mod:`mutwo.tools.stream_trace`)."""
+    row: dict[str, Any] = {}
+    free_planning_leftovers(device)
+    if device.type == "cuda":
+        if memory_limit is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), index)
+            row["memory_limit_bytes"] = memory_limit
+    row.update(measure_step(step, device, warmup=warmup, iterations=iterations))
+    if trace is not None and "error" not in row:
+        from mutwo.tools.stream_trace import trace_iterations
+
+        row["streams"] = trace_iterations(step, device, trace)
+    return row
+
+
+@dataclass
+class Training:
+    """A model, its optimizer, a batch and the loss, built from a config and moved to the device."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    device: torch.device
+    options: TrainingOptions = field(default_factory=TrainingOptions)  #: clipping, precision, scaler
+
+    def eager_step(self, model: torch.nn.Module | None = None) -> Callable[[], None]:
+        """One eager iteration as a user writes it (``model`` defaults to the built one), with the
+        config's autocast, gradient clipping and grad scaler."""
+        runner = model if model is not None else self.model
+        dtype = PRECISIONS[self.options.precision]
+        scaler = self.options.scaler
+
+        def step() -> None:
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                output = runner(**self.batch) if isinstance(self.batch, dict) else runner(*self.batch)
+                loss = self.loss_fn(output, self.batch)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            if self.options.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(runner.parameters(), self.options.max_grad_norm,
+                                               self.options.norm_type)  # fmt: skip
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+
+        return step
+
+
+def build_training(config_path: str | Path, batch_size: int, device: str | None = None,
+                   precision: str | None = None) -> Training:  # fmt: skip
+    """Build the config's model, batch and optimizer at ``batch_size`` on its device (``precision``
+    overrides the config's)."""
+    from mutwo.tools.config import apply_overrides, load_config
+    from mutwo.tools.workloads import build_optimizer, build_workload, target_device, to_device, training_options
+
+    config = apply_overrides(load_config(config_path), batch_size=batch_size, device=device, precision=precision)
+    target = target_device(config)
+    torch.manual_seed(config.seed)
+    workload = build_workload(config)
+    model = workload.model.to(target)
+    return Training(model, build_optimizer(config, model), to_device(workload.batch, target), workload.loss_fn, target,
+                    training_options(config, target))  # fmt: skip
