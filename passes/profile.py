@@ -8,6 +8,7 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+from mutwo.ir.budget import readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.op_signature import pool_times
@@ -70,6 +71,10 @@ class ProfilePass(Pass):
               "beside compute on this graph (a few iterations); default: when a pass of the pipeline prices copies")
     pool: bool = option(True, "give nodes doing the same work (op, operand shapes, views, arguments) the median of "
                               "their times, so repeated blocks are priced alike")  # fmt: skip
+    out_of_core: bool | None = option(
+        None, "run each node with only what it reads on the device, the rest of the iteration's values in host "
+              "memory (docs/out-of-core.md); default: when the unoptimized step would not fit under the budget in "
+              "bytes, the memory limit or the device")
 
     def __post_init__(self) -> None:
         if self.runs < 1 or self.warmup < 0:
@@ -86,6 +91,11 @@ class ProfilePass(Pass):
         asked: dict[str, bool] = {"isolate": True} if self.isolate else {}
         if self.contention is False or takes_keyword(profiler, "contention"):
             asked["contention"] = contention
+        if self.out_of_core is not None:
+            if not takes_keyword(profiler, "out_of_core"):
+                raise PassFailure("profile{out_of_core=...} needs a profiler service that takes out_of_core; the "
+                                  "runtime's does (mutwo-opt, mutwo.optimize)")  # fmt: skip
+            asked["out_of_core"] = self.out_of_core
         profile = profiler(graph, runs=self.runs, warmup=self.warmup, **asked)
         pooling = pool_times(graph, profile.nodes) if self.pool else None
         # Recorded either way, so that a reused profile.json says which kind it is.
@@ -95,6 +105,11 @@ class ProfilePass(Pass):
         if ctx.out_dir is not None:
             write_atomic(ctx.out_dir / "nodes.csv", node_table(graph, profile))
             write_atomic(ctx.out_dir / "activations.csv", activation_table(graph, profile, liveness_of(graph, ctx)))
+        out_of_core = profile.meta.get("out_of_core")
+        if out_of_core:
+            ctx.log(f"profile: out of core, at most {readable_bytes(out_of_core['max_resident_bytes'])} of the step's "
+                    f"values on the device at once; {readable_bytes(out_of_core['copied_to_device_bytes'])} copied to "
+                    "it per run; the iteration's time is its nodes' summed")  # fmt: skip
         total = sum(p.seconds for p in profile.nodes.values())
         ctx.log(f"profile: {len(profile.nodes)} nodes, {total * 1e3:.1f} ms summed over nodes"
                 + (f", iteration {profile.iteration.seconds * 1e3:.1f} ms" if profile.iteration else "")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mutwo.ir.budget import Budget, parse_budget
+from mutwo.ir.budget import Budget, parse_budget, parse_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineResult
@@ -35,7 +35,9 @@ from mutwo.runtime.capture.optim import scheduled_kinds
 from mutwo.runtime.capture.training import TrainingOptions
 from mutwo.runtime.execution.backends import BackendError, CompiledStep, backend_services, check_backend
 from mutwo.runtime.execution.step import GraphStep
+from mutwo.runtime.measurement.device_memory import apply_memory_limit
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs, random_stream_kept
+from mutwo.runtime.measurement.iterations import device_of
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.captured import capture_graph, pass_context
@@ -99,6 +101,7 @@ def optimize_graph(
     backend: str = "eager",
     calibrate_peak: int | None = None,
     measure_choice: bool = False,
+    memory_limit: int | None = None,
 ) -> Optimized:
     """Capture the iteration, lower it, run ``passes`` over it, as ``mutwo-opt`` does, and make the
     final graph runnable by ``backend`` (compiled here: part of planning).
@@ -112,6 +115,8 @@ def optimize_graph(
     a compiled backend and select-swap in ``passes``, when its plan swaps, compile the
     recompute-only plan at the same budget too, measure both and keep the faster
     (:mod:`mutwo.runtime.planning.plan_choice`; ``Optimized.choice`` says what each ran).
+    ``memory_limit``: the bytes the process may hold on the device (applied by :func:`optimize`);
+    profiling runs out of core when the unoptimized step would not fit under it.
     """
     check_backend(backend)
     if data_parallel is not None and backend != "eager":
@@ -124,7 +129,8 @@ def optimize_graph(
     with random_stream_kept(model):  # planning runs the graph; the caller's training draws what eager's would
         lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
         original = lowered.graph.copy()
-        context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads)
+        context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads,
+                               memory_limit=memory_limit)
         context.services.update(backend_services(backend), measure_choice=measure_choice)
         result = PassManager(pipeline).run(lowered.graph, context)
         optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result,
@@ -345,6 +351,7 @@ def optimize(
     backend: str = "eager",
     calibrate_peak: int | None = None,
     measure_choice: bool = False,
+    memory_limit: int | str | None = None,
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -379,19 +386,28 @@ def optimize(
     a compiled backend and ``passes`` planning swaps (``"profile,swap"``), keep select-swap's plan
     only when it is measured faster than the recompute-only plan at the same budget
     (:mod:`mutwo.runtime.planning.plan_choice`).
+
+    ``memory_limit``: the most the process may hold on the GPU ("16GiB" or bytes), as a card of
+    that size would: the process is capped at it from here on
+    (``torch.cuda.set_per_process_memory_fraction``), and planning stays within it, profiling the
+    step out of core when it does not fit (docs/out-of-core.md). A budget in bytes bounds profiling
+    the same way.
     """
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
+    limit = parse_bytes(memory_limit) if isinstance(memory_limit, str) else memory_limit
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     model, dp = distributed.data_parallel_for(model, data_parallel, bucket_cap_mb)
     if dp is not None and not wrapped:
         distributed.broadcast_model(model, dp)
     lead = dp is None or dp.rank == 0
     log = (lambda message: print(message, file=sys.stderr)) if verbose and lead else (lambda message: None)
+    if limit is not None:
+        log(apply_memory_limit(device_of([*model.parameters(), *model.buffers()]), limit))
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
     options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
                "training": training, "data_parallel": dp, "backend": backend, "calibrate_peak": calibrate_peak,
-               "measure_choice": measure_choice,
+               "measure_choice": measure_choice, "memory_limit": limit,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
     step.prepare(example_batch)

@@ -5,7 +5,8 @@
               [--profile-from FILE] [--plan-from FILE] [--list-passes] [--load-passes M]
               [--no-verify] [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot]
               [--time-passes] [--fit MEMORY [--fit-margin SHARE] [--fit-max-slowdown FACTOR]]
-              [--calibrate-peak ROUNDS] [--measure-choice] [-q/--quiet] [--bucket-cap-mb MB] [--debug]
+              [--calibrate-peak ROUNDS] [--measure-choice] [--memory-limit MEMORY] [-q/--quiet]
+              [--bucket-cap-mb MB] [--debug]
               [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
@@ -44,6 +45,7 @@ from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 from mutwo.runtime.capture.tracing import CaptureError, debug_enabled
 from mutwo.runtime.execution.backends import BackendError, CompiledStep, CompileError, backend_services, compile_graph
 from mutwo.runtime.execution.cuda_graphs import refuse_uncapturable
+from mutwo.runtime.measurement.device_memory import MemoryLimitError, apply_memory_limit
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.measurement.iterations import measure_iterations
 from mutwo.runtime.parallel import distributed
@@ -58,6 +60,7 @@ from mutwo.tools.fit import run_fit
 from mutwo.tools.mutwo_opt_args import (
     build_parser,
     checked_out_dir,
+    memory_limit,
     print_ir_after,
     refuse_backend_choices,
     refuse_fit_misuse,
@@ -312,6 +315,12 @@ class MutwoOpt:
             except FitError as error:
                 raise Failure(str(error)) from None
         refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp is not None)
+        limit = memory_limit(self.args)
+        if limit is not None:  # before capture: the model is moved to the device under the cap too
+            try:
+                self.log(apply_memory_limit(device, limit))
+            except MemoryLimitError as error:
+                raise UsageError(str(error)) from None
         with self.timed("capture"):
             lowered = self.capture(config, device)
         if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
@@ -331,7 +340,7 @@ class MutwoOpt:
         if self.lead:
             self.output = OutputFolder.make(out)
             staged = self.output.staging
-        ctx = pass_context(lowered, config.budget, out_dir=staged, log=self.log)
+        ctx = pass_context(lowered, config.budget, out_dir=staged, log=self.log, memory_limit=limit)
         ctx.services.update(backend_services(config.backend), measure_choice=self.args.measure_choice)
         ctx.artifacts.update(reused_artifacts)
         result: PipelineResult | None = None

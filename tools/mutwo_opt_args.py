@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mutwo.ir.budget import BudgetError, parse_bytes
 from mutwo.ir.pass_base import Pass
 from mutwo.ir.registry import PassRegistry
 from mutwo.runtime.execution.backends import BACKENDS, backend_services
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse a profile.json written by the profile pass for this same graph")
     parser.add_argument("--plan-from", metavar="FILE",
                         help="reuse a plan.json (select) or swap_plan.json (select-swap) written for this same graph")
+    parser.add_argument("--memory-limit", metavar="MEMORY",
+                        help="the most the process may hold on the GPU (16GiB), as a card of that size would: "
+                        "planning stays within it (profiling out of core when the step does not fit) and the "
+                        "process is capped at it (docs/out-of-core.md)")
     parser.add_argument("--fit", metavar="MEMORY", help="find the largest batch size whose optimized iteration fits "
                         "in MEMORY (16GiB), starting from the config's; writes fit.json (see docs/fit.md)")
     parser.add_argument("--fit-margin", type=float, metavar="SHARE",
@@ -116,7 +121,8 @@ def refuse_options_fit_leaves_unused(args: argparse.Namespace) -> None:
     if args.fit is None:
         return
     given = (("-p", args.passes), ("--plan-from", args.plan_from), ("--profile-from", args.profile_from),
-             ("--calibrate-peak", args.calibrate_peak), ("--measure-choice", args.measure_choice))  # fmt: skip
+             ("--calibrate-peak", args.calibrate_peak), ("--measure-choice", args.measure_choice),
+             ("--memory-limit", args.memory_limit))  # fmt: skip
     unused = [option for option, value in given if value]
     if unused:
         raise UsageError(f"--fit profiles once and plans every batch size with its own pipeline "
@@ -172,3 +178,13 @@ def checked_out_dir(args: argparse.Namespace, config: Config, writes: bool) -> P
             else "permission denied"  # fmt: skip
         raise UsageError(f"output folder {str(out)!r} is not writable ({reason}); choose another with -o DIR")
     return out
+
+
+def memory_limit(args: argparse.Namespace) -> int | None:
+    """``--memory-limit`` in bytes, or None."""
+    if args.memory_limit is None:
+        return None
+    try:
+        return parse_bytes(args.memory_limit)
+    except BudgetError as error:
+        raise UsageError(f"--memory-limit: {error}") from None

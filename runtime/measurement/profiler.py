@@ -27,6 +27,7 @@ from mutwo.ir.replay import batch_norm_from_stats, training_batch_norm_stats
 from mutwo.ir.to_fx import NODE_ID_META, to_fx
 from mutwo.runtime.measurement.copy_contention import measure_copy_contention
 from mutwo.runtime.measurement.iterations import IterationMeasurement, device_of, measure_iterations
+from mutwo.runtime.measurement.out_of_core import GraphFacts, OutOfCore, Residency, TrackedEnv
 
 
 @dataclass
@@ -168,6 +169,15 @@ class _TimingInterpreter(fx.Interpreter):
         self.replays.append((node_id, start, end))
 
 
+class _OutOfCoreTimingInterpreter(OutOfCore, _TimingInterpreter):
+    """The timing interpreter out of core: the copies happen before a node's timed events."""
+
+    def __init__(self, module: fx.GraphModule, cuda: bool, graph: Graph, spin: int, residency: Residency) -> None:
+        _TimingInterpreter.__init__(self, module, cuda, graph, spin)
+        self.residency = residency
+        self.facts = GraphFacts(graph, module)
+
+
 def profile_graph(
     graph: Graph,
     inputs: list[torch.Tensor],
@@ -178,28 +188,45 @@ def profile_graph(
     progress: Callable[[str], None] | None = None,
     isolate: bool = False,
     contention: bool = True,
+    device_limit: int | None = None,
 ) -> Profile:
     """Measure every node of ``graph`` (median of ``runs`` after ``warmup``) and whole iterations.
 
     ``isolate`` (CUDA): time each node's GPU work without the host's launch time
     (:class:`_TimingInterpreter`); it has no effect on CPU, where the wall clock is the op's time.
     ``contention`` (CUDA, with ``iteration_runs``): also how much host-device copies in flight slow
-    the iteration (:mod:`mutwo.runtime.measurement.copy_contention`), in ``meta["copy_contention"]``."""
+    the iteration (:mod:`mutwo.runtime.measurement.copy_contention`), in ``meta["copy_contention"]``.
+    ``device_limit``: run out of core, with at most that many bytes of the iteration's values on
+    the device (:mod:`mutwo.runtime.measurement.out_of_core`); whole iterations, which would need
+    them all, are then not run: the profile's iteration time is its nodes' times summed, and
+    ``meta["out_of_core"]`` says what was held and copied."""
     if runs < 1:
         raise ValueError("profile needs at least one measured run")
     module = to_fx(graph)
     device = device_of(inputs)
     cuda = device.type == "cuda"
     spin = spin_cycles(device) if cuda and isolate else 0
-    state = [t.clone() for t in inputs]
+    residency = Residency(device, device_limit, list(module.graph.nodes)) if device_limit is not None else None
+    state = residency.adopt_inputs(inputs) if residency is not None else [t.clone() for t in inputs]
+    if residency is not None and cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     samples: dict[int, list[float]] = {}
     replay_samples: dict[int, list[float]] = {}
     memory: dict[int, tuple[int, int, int]] = {}
     run_seconds: list[float] = []  #: each measured run's node times summed: how steady the machine was
     for run in range(warmup + runs):
-        interpreter = _TimingInterpreter(module, cuda, graph, spin)
-        with torch.no_grad():
-            interpreter.run(*state)
+        if residency is None:
+            interpreter = _TimingInterpreter(module, cuda, graph, spin)
+            with torch.no_grad():
+                interpreter.run(*state)
+        else:
+            interpreter = _OutOfCoreTimingInterpreter(module, cuda, graph, spin, residency)
+            try:
+                with torch.no_grad():
+                    interpreter.run(*state, initial_env=TrackedEnv(residency))
+            finally:  # the inputs are the model's own: restored even when the run failed
+                residency.finish()
+                interpreter.env.clear()  # what the run left (its outputs) leaves the device with it
         if cuda:
             torch.cuda.synchronize(device)
         if progress is not None:
@@ -226,10 +253,22 @@ def profile_graph(
         nodes[node_id] = profile
     del state
     # On CPU the node times already add up to the iteration; only CUDA needs whole-iteration runs
-    # (launch gaps and the allocator show only there) and has a peak to measure.
-    iteration = measure_iterations(module, inputs, runs=iteration_runs) if iteration_runs and cuda else None
+    # (launch gaps and the allocator show only there) and has a peak to measure. Out of core,
+    # the whole iteration does not fit: its time is the nodes' summed.
+    whole = iteration_runs and cuda and residency is None
+    iteration = measure_iterations(module, inputs, runs=iteration_runs) if whole else None
     meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None,
             "isolated": bool(spin), "run_seconds": run_seconds}  # fmt: skip
+    if residency is not None:
+        for profile in nodes.values():  # the allocator's totals held whatever was resident, not the iteration's
+            profile.allocated_before = profile.allocated_after = profile.peak = None
+        meta["out_of_core"] = {
+            "device_limit_bytes": residency.limit, "max_resident_bytes": residency.max_resident_bytes,
+            "largest_node_bytes": residency.largest_node_bytes,
+            "copied_to_device_bytes": residency.copied_in // (warmup + runs),
+            "copied_home_bytes": residency.copied_out // (warmup + runs),
+            "device_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        }  # fmt: skip
     if contention and iteration is not None:
         meta["copy_contention"] = measure_copy_contention(module, inputs).to_json()
         if progress is not None:

@@ -18,12 +18,15 @@ import torch
 from mutwo.ir import from_fx
 from mutwo.ir.budget import Budget
 from mutwo.ir.graph import Graph
+from mutwo.ir.memory import simulate
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.verifier import verify
 from mutwo.runtime.capture.iteration import CapturedStep, LossFn, StepBinding, capture
 from mutwo.runtime.capture.training import TrainingOptions
-from mutwo.runtime.measurement.iterations import device_of
-from mutwo.runtime.measurement.profiler import profile_graph
+from mutwo.runtime.measurement.device_memory import device_capacity
+from mutwo.runtime.measurement.iterations import device_bytes, device_of
+from mutwo.runtime.measurement.out_of_core import ProfilingLimit, profiling_limit
+from mutwo.runtime.measurement.profiler import Profile, profile_graph
 from mutwo.runtime.measurement.transfer import measure_transfers
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
@@ -59,24 +62,50 @@ def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
 
 
 def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path | None = None,
-                 log: Callable[[str], None] = lambda message: None,
-                 keep_grads: bool = False) -> PassContext:  # fmt: skip
+                 log: Callable[[str], None] = lambda message: None, keep_grads: bool = False,
+                 memory_limit: int | None = None) -> PassContext:  # fmt: skip
     """The context passes run in: the budget, whether the caller reads the gradients (then
-    optimizer-in-backward keeps them), and the runtime's profiler and device memory as services."""
+    optimizer-in-backward keeps them), and the runtime's profiler and device memory as services.
+    ``memory_limit``: the most the process may hold on the device (already applied on CUDA, see
+    :func:`~mutwo.runtime.measurement.device_memory.apply_memory_limit`); the profiler runs out of
+    core when the unoptimized step would not fit under it or under a budget in bytes."""
     device = lowered.device
     context = PassContext(out_dir=out_dir, device=str(device), log=log)
     context.services["budget"] = budget
     context.services["keep_grads"] = keep_grads
-    context.services["profiler"] = lambda g, runs, warmup, isolate=False, contention=True: profile_graph(
-        g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate, contention=contention)
+
+    def run_profile(g: Graph, runs: int, warmup: int, isolate: bool = False, contention: bool = True,
+                    out_of_core: bool | None = None) -> Profile:  # fmt: skip
+        choice = profiling_choice(g, lowered.inputs, budget, memory_limit, out_of_core)
+        log(f"profile: {choice.reason}")
+        profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,
+                                contention=contention, device_limit=choice.device_limit)  # fmt: skip
+        profile.meta["memory"] = choice.reason
+        return profile
+
+    context.services["profiler"] = run_profile
     context.services["transfer"] = lambda: measure_transfers(device)
-    if device.type == "cuda":
-        context.services["device_memory"] = torch.cuda.get_device_properties(device).total_memory
+    capacity = min((c for c in (device_capacity(device), memory_limit) if c is not None), default=None)
+    if capacity is not None and device.type == "cuda":
+        context.services["device_memory"] = capacity
     dp = lowered.binding.data_parallel
     if dp is not None:  # every rank plans from the same numbers, so every rank makes the same plan
         profiler = context.services["profiler"]
-        context.services["profiler"] = lambda g, runs, warmup, isolate=False, contention=True: \
-            distributed.agreed_profile(profiler(g, runs, warmup, isolate, contention), dp)  # fmt: skip
+        context.services["profiler"] = lambda g, runs, warmup, isolate=False, contention=True, out_of_core=None: \
+            distributed.agreed_profile(profiler(g, runs, warmup, isolate, contention, out_of_core), dp)  # fmt: skip
         if "device_memory" in context.services:
             context.services["device_memory"] = distributed.smallest(context.services["device_memory"], dp)
     return context
+
+
+def profiling_choice(graph: Graph, inputs: list[torch.Tensor], budget: Budget | None, memory_limit: int | None,
+                     forced: bool | None) -> ProfilingLimit:  # fmt: skip
+    """In memory or out of core (:func:`~mutwo.runtime.measurement.out_of_core.profiling_limit`):
+    the cap is the lowest of the budget in bytes, the memory limit and what the device allows
+    (a budget given as a fraction names a share of a step the user can size, so it caps nothing
+    here); what the process holds already is read from the allocator on CUDA."""
+    device = device_of(inputs)
+    budget_bytes = budget.bytes if budget is not None and budget.bytes is not None else None
+    cap = min((c for c in (budget_bytes, memory_limit, device_capacity(device)) if c is not None), default=None)
+    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else device_bytes(inputs, device)
+    return profiling_limit(simulate(graph).peak_bytes, held, cap, forced)

@@ -1,0 +1,46 @@
+"""How much memory the process may hold on a device, and capping it as a smaller card would.
+
+``torch.cuda.set_per_process_memory_fraction`` makes the caching allocator refuse (with an
+out-of-memory error) any allocation that would take what the process has reserved past the
+fraction of the card: the same failure a card of that size gives. mutwo's memory limit
+(``memory_limit=`` of the API, ``--memory-limit`` of mutwo-opt) sets it, so that a user can
+rehearse a smaller card on a larger one, and planning reads it back, so that a cap set by the
+user's own code is honoured too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mutwo.ir.budget import readable_bytes
+
+
+class MemoryLimitError(ValueError):
+    """A memory limit that cannot be applied; the message says why."""
+
+
+def device_capacity(device: torch.device) -> int | None:
+    """The bytes the process may hold on ``device``: the card's memory times the per-process
+    fraction in force (1 unless someone capped it). None on the CPU, which has no such cap."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+    return int(total * fraction)
+
+
+def apply_memory_limit(device: torch.device, limit: int) -> str:
+    """Cap what the process may hold on ``device`` at ``limit`` bytes; a line for the log saying what
+    was done. On the CPU nothing can be capped: the limit then bounds planning only."""
+    if limit <= 0:
+        raise MemoryLimitError(f"the memory limit must be a positive amount of bytes, like 16GiB; got {limit}")
+    if device.type != "cuda":
+        return (f"memory limit {readable_bytes(limit)}: on the CPU the process cannot be capped; planning stays "
+                "within it")  # fmt: skip
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit > total:
+        raise MemoryLimitError(f"the memory limit {readable_bytes(limit)} is more than the {readable_bytes(total)} "
+                               f"{torch.cuda.get_device_name(device)} has; give at most that")  # fmt: skip
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    return (f"memory limit {readable_bytes(limit)}: the process may hold at most that on {device} "
+            f"({100 * limit / total:.1f}% of its {readable_bytes(total)}), as a card of that size would")
