@@ -6,6 +6,8 @@ two profiles node by node, each one's prediction of the iteration (its nodes' ti
 with the measured iteration, and the memory the out-of-core profile held (device peak) with its
 limit.
 
+Run it where mutwo is installed (``make`` sets up .venv; on the GPU machine, bench/device_env.sh).
+
 ``capped``: as a user whose step does not fit: cap the process (``memory_limit``), then
 ``mutwo.optimize`` at a budget in bytes and train; records which way it profiled, planning
 time, and max allocated and max reserved over steady steps, or the error.
@@ -20,22 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import mutwo  # noqa: E402
-from mutwo.ir.budget import parse_bytes  # noqa: E402
-from mutwo.ir.memory import simulate  # noqa: E402
-from mutwo.runtime.measurement.device_memory import apply_memory_limit  # noqa: E402
-from mutwo.runtime.measurement.profiler import Profile, profile_graph  # noqa: E402
-from mutwo.runtime.planning.captured import capture_graph  # noqa: E402
-from mutwo.tools.experiment_measure import build_training  # noqa: E402
+import mutwo
+from mutwo.ir.budget import parse_bytes
+from mutwo.ir.memory import simulate
+from mutwo.runtime.measurement.device_memory import apply_memory_limit
+from mutwo.runtime.measurement.profiler import Profile, profile_graph
+from mutwo.runtime.planning.captured import capture_graph
+from mutwo.tools.experiment_measure import build_training
 
 MIB = 2**20
 
