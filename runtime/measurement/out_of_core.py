@@ -117,6 +117,10 @@ class Residency:
         self.copied_in = 0
         self.copied_out = 0
         self.now = 0
+        #: host buffers of values that are gone, by size, for the next value sent home: the
+        #: iterations of a profile send home the same sizes, so after the first nothing is allocated
+        #: (page-locked on CUDA, so that copies run at the link's speed)
+        self.free_homes: dict[int, list[torch.UntypedStorage]] = {}
 
     # -- which tensors are managed ----------------------------------------------------------------
     def managed(self, value: Any) -> bool:
@@ -231,7 +235,7 @@ class Residency:
         assert slot.device is not None and self.env is not None
         device = slot.device
         if slot.dirty or slot.host is None:
-            slot.host = slot.host if slot.host is not None else torch.UntypedStorage(slot.nbytes)
+            slot.host = slot.host if slot.host is not None else self._home(slot.nbytes)
             slot.host.copy_(device)
             self.copied_out += slot.nbytes
         pointer = device.data_ptr()
@@ -256,12 +260,25 @@ class Residency:
             if slot is not None:
                 slot.dirty = True
 
+    def _home(self, nbytes: int) -> torch.UntypedStorage:
+        free = self.free_homes.get(nbytes)
+        if free:
+            return free.pop()
+        home = torch.UntypedStorage(nbytes)
+        return home.pin_memory() if self.device.type == "cuda" else home
+
     def forget(self, slot: _Slot) -> None:
-        """The last value viewing ``slot`` is gone: free its device copy (an input's stays, the caller's)."""
-        if slot.device is not None and not slot.input:
+        """The last value viewing ``slot`` is gone: free its device copy (an input's stays, the
+        caller's) and keep its home for the next value of its size."""
+        if slot.input:
+            return
+        if slot.device is not None:
             del self.resident[slot.device.data_ptr()]
             self.resident_bytes -= self._size(slot)
             slot.device, slot.dirty = None, False
+        if slot.host is not None:
+            self.free_homes.setdefault(slot.nbytes, []).append(slot.host)
+            slot.host = None
 
     def finish(self) -> None:
         """End of a run, failed or not: nothing of it left on the device, and every input it wrote
@@ -290,8 +307,10 @@ class GraphFacts:
         self.graph = graph
         self.by_id = {n.meta[NODE_ID_META]: n for n in module.graph.nodes if NODE_ID_META in n.meta}
 
-    def output_bytes(self, node: fx.Node) -> int:
-        return self.graph.node(node.meta[NODE_ID_META]).owned_bytes
+    def output_bytes(self, node: fx.Node, device: torch.device) -> int:
+        """What ``node`` allocates for its results on ``device``, as the allocator rounds each storage."""
+        owned = self.graph.node(node.meta[NODE_ID_META]).owned_storages()
+        return sum(allocation_size(meta.storage_bytes, str(device)) for meta in owned)
 
     def written(self, node: fx.Node) -> list[fx.Node]:
         """The values ``node`` may write in place; every operand of an op without a schema (a
@@ -334,6 +353,11 @@ class TrackedEnv(dict):  # type: ignore[type-arg]
             if not slot.keys:
                 self.residency.forget(slot)
 
+    def release(self) -> None:
+        """Drop every value (the end of a run): their device copies are freed, their homes kept for reuse."""
+        for key in list(self):
+            del self[key]
+
     def replace(self, key: Any, leaf: Callable[[Any], Any]) -> None:
         """Rebuild the value of ``key`` leaf by leaf (a storage moved), keeping what it views."""
         super().__setitem__(key, pytree.tree_map(leaf, dict.__getitem__(self, key)))
@@ -350,7 +374,7 @@ class OutOfCore:
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):  # the outputs stay where they are (see materialize)
             return super().run_node(n)  # type: ignore[misc]
-        self.residency.prepare(n, self.facts.output_bytes(n))
+        self.residency.prepare(n, self.facts.output_bytes(n, self.residency.device))
         try:
             result = super().run_node(n)  # type: ignore[misc]
         except torch.OutOfMemoryError:
@@ -398,6 +422,8 @@ def run_out_of_core(graph: Graph, inputs: Sequence[Any], limit: int) -> tuple[An
                                       else materialize(leaf), outputs)  # fmt: skip
             state = [t.to(host, copy=True) if isinstance(t, torch.Tensor) else t for t in state]
     finally:
+        if residency.env is not None:
+            residency.env.release()
         residency.finish()
     return outputs, state, residency
 

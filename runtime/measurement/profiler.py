@@ -197,15 +197,18 @@ def profile_graph(
     ``contention`` (CUDA, with ``iteration_runs``): also how much host-device copies in flight slow
     the iteration (:mod:`mutwo.runtime.measurement.copy_contention`), in ``meta["copy_contention"]``.
     ``device_limit``: run out of core, with at most that many bytes of the iteration's values on
-    the device (:mod:`mutwo.runtime.measurement.out_of_core`); whole iterations, which would need
-    them all, are then not run: the profile's iteration time is its nodes' times summed, and
-    ``meta["out_of_core"]`` says what was held and copied."""
+    the device (:mod:`mutwo.runtime.measurement.out_of_core`), each node's GPU work timed alone as
+    with ``isolate``; whole iterations, which would need them all, are then not run: the
+    profile's iteration time is its nodes' times summed, and ``meta["out_of_core"]`` says what was
+    held and copied."""
     if runs < 1:
         raise ValueError("profile needs at least one measured run")
     module = to_fx(graph)
     device = device_of(inputs)
     cuda = device.type == "cuda"
-    spin = spin_cycles(device) if cuda and isolate else 0
+    # Out of core, the copies before a node leave the GPU idle, so its start event would time the
+    # host's launch too: its GPU work is timed alone, as ``isolate`` does.
+    spin = spin_cycles(device) if cuda and (isolate or device_limit is not None) else 0
     residency = Residency(device, device_limit, list(module.graph.nodes)) if device_limit is not None else None
     state = residency.adopt_inputs(inputs) if residency is not None else [t.clone() for t in inputs]
     if residency is not None and cuda:
@@ -225,8 +228,8 @@ def profile_graph(
                 with torch.no_grad():
                     interpreter.run(*state, initial_env=TrackedEnv(residency))
             finally:  # the inputs are the model's own: restored even when the run failed
+                interpreter.env.release()  # what the run left (its outputs) leaves the device with it
                 residency.finish()
-                interpreter.env.clear()  # what the run left (its outputs) leaves the device with it
         if cuda:
             torch.cuda.synchronize(device)
         if progress is not None:
@@ -260,6 +263,8 @@ def profile_graph(
     meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if cuda else None,
             "isolated": bool(spin), "run_seconds": run_seconds}  # fmt: skip
     if residency is not None:
+        # The allocator's peak inside each node (reset before it) is what the run held at most.
+        device_peak = max((peak for _, _, peak in memory.values()), default=None)
         for profile in nodes.values():  # the allocator's totals held whatever was resident, not the iteration's
             profile.allocated_before = profile.allocated_after = profile.peak = None
         meta["out_of_core"] = {
@@ -267,7 +272,7 @@ def profile_graph(
             "largest_node_bytes": residency.largest_node_bytes,
             "copied_to_device_bytes": residency.copied_in // (warmup + runs),
             "copied_home_bytes": residency.copied_out // (warmup + runs),
-            "device_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "device_peak_bytes": device_peak,
         }  # fmt: skip
     if contention and iteration is not None:
         meta["copy_contention"] = measure_copy_contention(module, inputs).to_json()
