@@ -106,7 +106,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 def capped(args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"config": args.config, "batch_size": args.batch_size, "memory_limit": args.memory_limit,
-                           "budget": args.budget, "backend": args.backend, "gpu": _gpu(),
+                           "budget": args.budget, "backend": args.backend, "passes": args.passes, "gpu": _gpu(),
                            "torch": torch.__version__}  # fmt: skip
     try:
         # Capped before anything is built, as on a card of that size.
@@ -115,7 +115,7 @@ def capped(args: argparse.Namespace) -> dict[str, Any]:
         begin = time.perf_counter()
         step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
-                              verbose=True)  # fmt: skip
+                              passes=args.passes, verbose=True)  # fmt: skip
         row["planning_seconds"] = time.perf_counter() - begin
         for _ in range(args.warmup):
             step(training.batch)
@@ -148,6 +148,7 @@ def main() -> int:
     sub.choices["capped"].add_argument("--memory-limit", required=True)
     sub.choices["capped"].add_argument("--budget", required=True)
     sub.choices["capped"].add_argument("--backend", default="eager")
+    sub.choices["capped"].add_argument("--passes", default="profile,optimizer,select,rewrite")
     sub.choices["capped"].add_argument("--warmup", type=int, default=3)
     sub.choices["capped"].add_argument("--steps", type=int, default=10)
     args = parser.parse_args()

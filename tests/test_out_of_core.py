@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from mutwo.ir.memory import simulate
 from mutwo.ir.to_fx import to_fx
+from mutwo.runtime.measurement.device_memory import apply_memory_limit, device_capacity
 from mutwo.runtime.measurement.equivalence import deterministic_algorithms
 from mutwo.runtime.measurement.out_of_core import OutOfCoreError, profiling_limit, run_out_of_core
 from mutwo.runtime.measurement.profiler import profile_graph
@@ -174,3 +175,18 @@ def test_out_of_core_on_the_gpu_holds_the_limit_and_computes_the_same_numbers() 
         profile = profile_graph(lowered.graph, lowered.inputs, runs=1, warmup=0, device_limit=limit)
         workspace = max((p.workspace for p in profile.nodes.values()), default=0)
         assert peak <= held + max(limit, residency.largest_node_bytes) + workspace + 2**20
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_memory_limit_caps_the_process_and_planning_reads_it_back() -> None:
+    device = torch.device("cuda")  # no index: the current device's cap
+    total = torch.cuda.get_device_properties(device).total_memory
+    try:
+        apply_memory_limit(device, total // 2)
+        assert abs(device_capacity(device) - total // 2) <= 1024
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(total // 2 + 2**30, dtype=torch.uint8, device=device)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+        torch.cuda.empty_cache()

@@ -19,11 +19,17 @@ class MemoryLimitError(ValueError):
     """A memory limit that cannot be applied; the message says why."""
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (the current device): the allocator's settings are per device index."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
 def device_capacity(device: torch.device) -> int | None:
     """The bytes the process may hold on ``device``: the card's memory times the per-process
     fraction in force (1 unless someone capped it). None on the CPU, which has no such cap."""
     if device.type != "cuda":
         return None
+    device = _indexed(device)
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
     return int(total * fraction)
@@ -37,6 +43,7 @@ def apply_memory_limit(device: torch.device, limit: int) -> str:
     if device.type != "cuda":
         return (f"memory limit {readable_bytes(limit)}: on the CPU the process cannot be capped; planning stays "
                 "within it")  # fmt: skip
+    device = _indexed(device)
     total = torch.cuda.get_device_properties(device).total_memory
     if limit > total:
         raise MemoryLimitError(f"the memory limit {readable_bytes(limit)} is more than the {readable_bytes(total)} "
