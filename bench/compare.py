@@ -111,13 +111,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mutwo.ir.budget import Budget  # noqa: E402
+from mutwo.runtime.measurement.device_memory import free_planning_leftovers  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment_configuration import run_configuration  # noqa: E402
-from mutwo.tools.experiment_measure import (  # noqa: E402
-    build_training,
-    free_planning_leftovers,
-    measure_after_planning,
-)
+from mutwo.tools.experiment_measure import build_training, measure_after_planning  # noqa: E402
 
 CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "gpt2": "examples/gpt2.yaml",
            "tiny": "examples/tiny_mlp.yaml", "resnet152-cl": "examples/resnet152_channels_last.yaml"}  # fmt: skip

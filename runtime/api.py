@@ -35,7 +35,7 @@ from mutwo.runtime.capture.optim import scheduled_kinds
 from mutwo.runtime.capture.training import TrainingOptions
 from mutwo.runtime.execution.backends import BackendError, CompiledStep, backend_services, check_backend
 from mutwo.runtime.execution.step import GraphStep
-from mutwo.runtime.measurement.device_memory import apply_memory_limit
+from mutwo.runtime.measurement.device_memory import apply_memory_limit, free_planning_leftovers
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs, random_stream_kept
 from mutwo.runtime.measurement.iterations import device_of
 from mutwo.runtime.parallel import distributed
@@ -165,7 +165,8 @@ def optimize_graph(
                                             candidate_run=compiled.checked_run, tolerance=compiled.tolerance)
             if data_parallel is not None:
                 optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
-        return optimized
+    free_planning_leftovers(lowered.device)  # from here on the process holds what the step needs
+    return optimized
 
 
 @dataclass

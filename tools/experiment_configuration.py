@@ -14,12 +14,8 @@ from typing import Any
 
 import torch
 
-from mutwo.tools.experiment_measure import (
-    OUT_OF_MEMORY,
-    build_training,
-    free_planning_leftovers,
-    measure_after_planning,
-)
+from mutwo.runtime.measurement.device_memory import free_planning_leftovers
+from mutwo.tools.experiment_measure import OUT_OF_MEMORY, build_training, measure_after_planning
 from mutwo.tools.experiment_planning import PlanChoice, planned_step
 
 

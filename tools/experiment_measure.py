@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from mutwo.runtime.capture.training import PRECISIONS, TrainingOptions
+from mutwo.runtime.measurement.device_memory import free_planning_leftovers
 
 OUT_OF_MEMORY = "out of memory"
 
@@ -81,14 +81,6 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
         "peak_bytes": max(torch.cuda.max_memory_allocated(device), getattr(step, "recorded_peak_bytes", 0))
         if cuda else None,
     }
-
-
-def free_planning_leftovers(device: torch.device) -> None:
-    """Collect what planning left and, on CUDA, give the allocator's cached blocks back, so that a
-    measurement starts from the step's own memory."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def measure_after_planning(step: Callable[[], Any], device: torch.device, memory_limit: int | None, *,

@@ -10,6 +10,8 @@ user's own code is honoured too.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from mutwo.ir.budget import readable_bytes
@@ -51,3 +53,12 @@ def apply_memory_limit(device: torch.device, limit: int) -> str:
     torch.cuda.set_per_process_memory_fraction(limit / total, device)
     return (f"memory limit {readable_bytes(limit)}: the process may hold at most that on {device} "
             f"({100 * limit / total:.1f}% of its {readable_bytes(total)}), as a card of that size would")
+
+
+def free_planning_leftovers(device: torch.device) -> None:
+    """Collect what planning left and, on CUDA, give the allocator's cached blocks back, so that the
+    process holds what the step needs, not what profiling, calibration or the check once did (on
+    the H100, BERT-base b64's in-memory profile left 38 GB reserved under a 14 GB step)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
