@@ -8,6 +8,12 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
+# Twelfth session (2026-11-26, H100; bench/results/session12_h100/, docs/benchmarks.md "Planning a
+# step that does not fit"): issue 38's out-of-core profile (start i38-ooc i38-tests)
+#   i38-ooc      BERT-base b32: the in-memory and out-of-core profiles compared node by node; BERT-base
+#                b64 under a 24 GiB memory limit at budget 14426MiB (out of core), and the same
+#                budget uncapped (in memory), each planned, then 10 steps measured          ~4 min
+#   i38-tests    every cuda-marked test                                                      ~4 min
 # Worth measuring next (after the eighth session): bert-swap-window once more (588.2 ms, 16.9%
 # faster than checkpointing, one run); issue 18's four rows side by side in one run (ResNet-152-cl
 # and BERT at half of eager's peak and at checkpointing's: recompute only under inductor-cudagraphs
@@ -170,7 +176,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -226,6 +232,16 @@ case "$section" in
   i18c-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_swap.py tests/test_experiment.py \
       tests/test_backends.py tests/test_peak_calibration.py tests/test_swap_graphs.py ;;
+  i38-ooc)
+    timeout 250 python3 bench/out_of_core_profile.py compare --config examples/bert.yaml --batch-size 32 \
+      --out "$OUT/ooc_compare_bert_b32.json"
+    timeout 280 python3 bench/out_of_core_profile.py capped --config examples/bert.yaml --batch-size 64 \
+      --memory-limit 24GiB --budget 14426MiB --out "$OUT/capped_bert_b64.json"
+    timeout 200 python3 bench/out_of_core_profile.py capped --config examples/bert.yaml --batch-size 64 \
+      --memory-limit 79GiB --budget 14426MiB --passes "profile{out_of_core=false},optimizer,select,rewrite" \
+      --out "$OUT/uncapped_bert_b64.json" ;;
+  i38-tests)
+    timeout 400 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
       tests/test_plan_choice.py tests/test_cuda_swap.py ;;

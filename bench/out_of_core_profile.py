@@ -6,7 +6,7 @@ two profiles node by node, each one's prediction of the iteration (its nodes' ti
 with the measured iteration, and the memory the out-of-core profile held (device peak) with its
 limit.
 
-Run it where mutwo is installed (``make`` sets up .venv; on the GPU machine, bench/device_env.sh).
+Run it where mutwo is installed (``make`` sets up .venv; on the GPU machine, ``. bench/gpu_env.sh``).
 
 ``capped``: as a user whose step does not fit: cap the process (``memory_limit``), then
 ``mutwo.optimize`` at a budget in bytes and train; records which way it profiled, planning

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+import mutwo.runtime.planning.captured as captured
 from mutwo.ir.memory import simulate
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, device_capacity
@@ -190,3 +191,16 @@ def test_the_memory_limit_caps_the_process_and_planning_reads_it_back() -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         torch.cuda.empty_cache()
+
+
+def test_running_out_of_memory_while_profiling_in_memory_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    lowered = _captured("mlp")
+    context = captured.pass_context(lowered, None)
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.73 GiB")
+
+    monkeypatch.setattr(captured, "profile_graph", out_of_memory)
+    with pytest.raises(OutOfCoreError, match=r"profiling in memory ran out of device memory \(in memory \(no memory "
+                                             r"limit\); .*profile\{out_of_core=true\}"):  # fmt: skip
+        context.services["profiler"](lowered.graph, runs=1, warmup=0)

@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from mutwo.ir import from_fx
-from mutwo.ir.budget import Budget
+from mutwo.ir.budget import Budget, readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import simulate
 from mutwo.ir.pass_base import PassContext
 from mutwo.ir.verifier import verify
 from mutwo.runtime.capture.iteration import CapturedStep, LossFn, StepBinding, capture
 from mutwo.runtime.capture.training import TrainingOptions
-from mutwo.runtime.measurement.device_memory import device_capacity
+from mutwo.runtime.measurement.device_memory import device_capacity, free_planning_leftovers
 from mutwo.runtime.measurement.iterations import device_bytes, device_of
-from mutwo.runtime.measurement.out_of_core import ProfilingLimit, profiling_limit
+from mutwo.runtime.measurement.out_of_core import OutOfCoreError, ProfilingLimit, profiling_limit
 from mutwo.runtime.measurement.profiler import Profile, profile_graph
 from mutwo.runtime.measurement.transfer import measure_transfers
 from mutwo.runtime.parallel import distributed
@@ -78,8 +78,18 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
                     out_of_core: bool | None = None) -> Profile:  # fmt: skip
         choice = profiling_choice(g, lowered.inputs, budget, memory_limit, out_of_core)
         log(f"profile: {choice.reason}")
-        profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,
-                                contention=contention, device_limit=choice.device_limit)  # fmt: skip
+        try:
+            profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,
+                                    contention=contention, device_limit=choice.device_limit)  # fmt: skip
+        except torch.OutOfMemoryError as error:
+            if choice.device_limit is not None:
+                raise
+            free_planning_leftovers(device)
+            raise OutOfCoreError(
+                f"profiling in memory ran out of device memory ({choice.reason}; the model, its optimizer state and "
+                f"the batch hold {readable_bytes(device_bytes(lowered.inputs, device))}): profile out of core with "
+                "profile{out_of_core=true}, or give the memory limit the card really has (memory_limit=, "
+                "--memory-limit)") from error
         profile.meta["memory"] = choice.reason
         return profile
 
@@ -105,7 +115,11 @@ def profiling_choice(graph: Graph, inputs: list[torch.Tensor], budget: Budget | 
     (a budget given as a fraction names a share of a step the user can size, so it caps nothing
     here); what the process holds already is read from the allocator on CUDA."""
     device = device_of(inputs)
-    budget_bytes = budget.bytes if budget is not None and budget.bytes is not None else None
-    cap = min((c for c in (budget_bytes, memory_limit, device_capacity(device)) if c is not None), default=None)
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else device_bytes(inputs, device)
+    budget_bytes = budget.bytes if budget is not None and budget.bytes is not None else None
+    if budget_bytes is not None and budget_bytes <= held:
+        # Out of reach whatever the profile: select refuses it with the lowest peak it can reach,
+        # which says more than a refusal here would.
+        budget_bytes = None
+    cap = min((c for c in (budget_bytes, memory_limit, device_capacity(device)) if c is not None), default=None)
     return profiling_limit(simulate(graph).peak_bytes, held, cap, forced)
