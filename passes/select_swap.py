@@ -396,8 +396,9 @@ class SelectSwapPass(Pass):
         measured = profile.meta.get("copy_contention")
         if measured is None:
             ctx.log(f"select-swap: the profile did not measure how much copies slow this graph (a profile from "
-                    f"before mutwo measured it, or profile{{contention=false}}): copies beside compute are priced "
-                    f"at {transfer.compute_slowdown * 100:g}%, the H100's for ResNet-152")  # fmt: skip
+                    f"before mutwo measured it, one made out of core, or profile{{contention=false}}): copies beside "
+                    f"compute are priced at {transfer.compute_slowdown * 100:g}%, the H100's for "
+                    "ResNet-152")  # fmt: skip
             return transfer
         ctx.log(f"select-swap: copies beside compute are priced at {measured['slowdown'] * 100:.1f}%, measured on "
                 f"this graph")  # fmt: skip

@@ -22,7 +22,12 @@ from mutwo.ir.memory import simulate
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, device_capacity
 from mutwo.runtime.measurement.equivalence import deterministic_algorithms
-from mutwo.runtime.measurement.out_of_core import OutOfCoreError, profiling_limit, run_out_of_core
+from mutwo.runtime.measurement.out_of_core import (
+    OutOfCoreError,
+    OutOfCoreInterpreter,
+    profiling_limit,
+    run_out_of_core,
+)
 from mutwo.runtime.measurement.profiler import profile_graph
 from mutwo.runtime.planning.captured import CapturedGraph, capture_graph
 from mutwo.tools.cli import EXIT_USAGE
@@ -57,6 +62,33 @@ def test_out_of_core_run_is_bitwise_the_whole_graph_and_leaves_the_inputs(name: 
     for now, then in zip(lowered.inputs, before, strict=True):  # the caller's model is untouched
         assert torch.equal(now, then)
     assert residency.copied_in > 0 and residency.copied_out > 0  # it did move values
+
+
+def test_an_op_failing_after_it_wrote_an_input_leaves_the_caller_s_tensors_as_they_were(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Adam's step count is written in place; the op then runs out of memory (as a multi-tensor update
+    can, half-way): the run stops in one sentence, without running the op twice, and every input is
+    restored from its snapshot."""
+    lowered = _captured("mlp")
+    simulation = simulate(lowered.graph)
+    before = [t.clone() for t in lowered.inputs]
+    ran = OutOfCoreInterpreter.call_function
+    calls: list[object] = []
+
+    def write_then_fail(self: OutOfCoreInterpreter, target: object, args: tuple[object, ...],
+                        kwargs: dict[str, object]) -> object:  # fmt: skip
+        result = ran(self, target, args, kwargs)
+        if target is torch.ops.aten.add_.Tensor and any(args[0] is t for t in lowered.inputs):
+            calls.append(target)
+            raise torch.OutOfMemoryError("CUDA out of memory (after the op wrote its operand)")
+        return result
+
+    monkeypatch.setattr(OutOfCoreInterpreter, "call_function", write_then_fail)
+    with pytest.raises(OutOfCoreError, match="writes in place or draws random numbers, so it is not run again"):
+        run_out_of_core(lowered.graph, lowered.inputs, (simulation.peak_bytes - simulation.persistent_bytes) // 4)
+    assert len(calls) == 1
+    for now, then in zip(lowered.inputs, before, strict=True):
+        assert torch.equal(now, then)
 
 
 def test_out_of_core_stays_within_the_limit_when_each_node_fits() -> None:
@@ -105,7 +137,7 @@ def test_mutwo_opt_plans_out_of_core_under_a_memory_limit(tmp_path: Path) -> Non
     by itself, the plan recomputes to meet the budget, and the check passes bitwise."""
     out = tmp_path / "out"
     assert main([str(EXAMPLES / "tiny_mlp.yaml"), "-o", str(out), "-q", "--check", "--memory-limit", "1.2MiB",
-                 "--budget", "800KiB"]) == 0  # fmt: skip
+                 "--budget", "800KiB", "--device", "cpu"]) == 0  # fmt: skip
     profile = json.loads((out / "profile.json").read_text())
     assert "out of core" in profile["meta"]["memory"]
     assert profile["meta"]["out_of_core"]["max_resident_bytes"] <= profile["meta"]["out_of_core"]["device_limit_bytes"]
@@ -115,7 +147,7 @@ def test_mutwo_opt_plans_out_of_core_under_a_memory_limit(tmp_path: Path) -> Non
 
 def test_mutwo_opt_profiles_in_memory_when_asked(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert main([str(EXAMPLES / "tiny_mlp.yaml"), "-o", str(out), "-q", "--memory-limit", "1.2MiB",
+    assert main([str(EXAMPLES / "tiny_mlp.yaml"), "-o", str(out), "-q", "--memory-limit", "1.2MiB", "--device", "cpu",
                  "-p", "profile{out_of_core=false},select,rewrite", "--budget", "1MiB"]) == 0  # fmt: skip
     profile = json.loads((out / "profile.json").read_text())
     assert profile["meta"]["memory"].startswith("in memory (asked for)") and "out_of_core" not in profile["meta"]
@@ -128,7 +160,8 @@ def test_mutwo_opt_profiles_in_memory_when_asked(tmp_path: Path) -> None:
 def test_mutwo_opt_refuses_a_bad_memory_limit(limit: str, message: str, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     out = tmp_path / "out"
-    assert main([str(EXAMPLES / "tiny_mlp.yaml"), "-o", str(out), "--memory-limit", limit]) == EXIT_USAGE
+    assert main([str(EXAMPLES / "tiny_mlp.yaml"), "-o", str(out), "--memory-limit", limit, "--device", "cpu"]) == \
+        EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not out.exists()  # nothing half-written
@@ -137,7 +170,7 @@ def test_mutwo_opt_refuses_a_bad_memory_limit(limit: str, message: str, tmp_path
 def test_mutwo_opt_says_when_the_limit_leaves_no_room(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     code = main([str(EXAMPLES / "tiny_mlp.yaml"), "-o", str(out), "-q", "--memory-limit", "100KiB",
-                 "--budget", "90KiB"])  # fmt: skip
+                 "--budget", "90KiB", "--device", "cpu"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1, err
     assert "leaving nothing" in err[0] and "raise the budget or the memory limit" in err[0]

@@ -30,7 +30,7 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +45,7 @@ from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 from mutwo.runtime.capture.tracing import CaptureError, debug_enabled
 from mutwo.runtime.execution.backends import BackendError, CompiledStep, CompileError, backend_services, compile_graph
 from mutwo.runtime.execution.cuda_graphs import refuse_uncapturable
-from mutwo.runtime.measurement.device_memory import MemoryLimitError, apply_memory_limit
+from mutwo.runtime.measurement.device_memory import MemoryLimitError, apply_memory_limit, lift_memory_limit
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.measurement.iterations import measure_iterations
 from mutwo.runtime.parallel import distributed
@@ -101,6 +101,7 @@ class MutwoOpt:
         self.joined = False  #: whether this run joined the process group (and leaves it at the end)
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
         self.output: OutputFolder | None = None  #: the output folder, once this run has made it
+        self.cap_lifted: Callable[[], None] | None = None  #: undoes --memory-limit's cap when the run ends
         self.phase_seconds: dict[str, float] = {}  #: capture, passes, compile, check, measure: seconds each
         self.inner_seconds = 0.0  #: what the phases timed inside the current one took
 
@@ -255,16 +256,22 @@ class MutwoOpt:
                      + (" (from Inductor's cache)" if compiled.cache_hit else ""))  # fmt: skip
         return compiled
 
-    def measure(self, original: Graph, final: CompiledStep, inputs: list[Any], device: torch.device) -> dict[str, Any]:
+    def measure(self, original: Graph, final: CompiledStep, inputs: list[Any], device: torch.device,
+                original_fits: bool) -> dict[str, Any]:  # fmt: skip
         """Measured peaks and iteration times of the captured graph and the final step (run by its
-        backend); on CUDA only (the simulator covers CPU)."""
+        backend); on CUDA only (the simulator covers CPU). The captured graph only where it fits:
+        not after a profile made out of core because it did not."""
         if device.type != "cuda":
             return {}
+        after = measure_iterations(final.run, inputs)
+        measured = {"measured_peak_bytes_after": after.peak_bytes, "iteration_seconds_after": after.seconds}
+        if not original_fits:
+            self.log("measured whole iterations of the final step; not of the original graph, which was profiled "
+                     "out of core because it does not fit")  # fmt: skip
+            return measured
         self.log("measuring whole iterations of the original graph and the final step")
         before = measure_iterations(to_fx(original), inputs)
-        after = measure_iterations(final.run, inputs)
-        return {"measured_peak_bytes_before": before.peak_bytes, "measured_peak_bytes_after": after.peak_bytes,
-                "iteration_seconds_before": before.seconds, "iteration_seconds_after": after.seconds}
+        return {**measured, "measured_peak_bytes_before": before.peak_bytes, "iteration_seconds_before": before.seconds}
 
     def check(self, original: Graph, final: Graph, inputs: list[Any], compiled: CompiledStep) -> EquivalenceReport:
         self.log(f"checking the final step ({compiled.backend}) against the original graph for 3 iterations")
@@ -289,6 +296,8 @@ class MutwoOpt:
             # (summary.json's error, the plan that missed).
             if self.output is not None:
                 self.output.commit()
+            if self.cap_lifted is not None:  # main() may be called again in this process (tests, notebooks)
+                self.cap_lifted()
             if self.joined:
                 # Wait for every rank (rank 0 writes the files) before tearing the group down: a
                 # rank that leaves while another still talks to it aborts gloo's threads.
@@ -321,6 +330,7 @@ class MutwoOpt:
                 self.log(apply_memory_limit(device, limit))
             except MemoryLimitError as error:
                 raise UsageError(str(error)) from None
+            self.cap_lifted = functools.partial(lift_memory_limit, device)
         with self.timed("capture"):
             lowered = self.capture(config, device)
         if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
@@ -382,12 +392,20 @@ class MutwoOpt:
         try:
             report: EquivalenceReport | None = None
             measured: dict[str, Any] = {}
+            # On CUDA, a profile made out of core says the original graph does not fit the device;
+            # on the CPU the limit bounds planning only, and the original runs.
+            profile = ctx.artifacts.get("profile")
+            original_fits = device.type != "cuda" or profile is None or "out_of_core" not in profile.meta
             if self.args.check and compiled:
+                if not original_fits:
+                    raise UsageError("--check runs the original graph whole to compare with, and it was profiled "
+                                     "out of core because it does not fit under the limit; check on a card (or "
+                                     "--memory-limit) where it fits, or drop --check")  # fmt: skip
                 with self.timed("check"):
                     report = self.check(original, graph, inputs, compiled)
             if compiled:
                 with self.timed("measure"):
-                    measured = self.measure(original, compiled, inputs, device)
+                    measured = self.measure(original, compiled, inputs, device, original_fits)
         except RuntimeError as crash:  # a graph that cannot run: say so in one line, never a traceback
             first = (str(crash).strip().splitlines() or [type(crash).__name__])[0]
             raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "

@@ -55,6 +55,12 @@ def apply_memory_limit(device: torch.device, limit: int) -> str:
             f"({100 * limit / total:.1f}% of its {readable_bytes(total)}), as a card of that size would")
 
 
+def lift_memory_limit(device: torch.device) -> None:
+    """Undo :func:`apply_memory_limit`: the process may hold the whole card again."""
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, _indexed(device))
+
+
 def free_planning_leftovers(device: torch.device) -> None:
     """Collect what planning left and, on CUDA, give the allocator's cached blocks back, so that the
     process holds what the step needs, not what profiling, calibration or the check once did (on
@@ -62,3 +68,8 @@ def free_planning_leftovers(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        # The page-locked homes of an out-of-core profile, which torch caches rounded up to a power
+        # of two (a private function; absent in some builds, where the cache is kept).
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty_cache is not None:
+            host_empty_cache()

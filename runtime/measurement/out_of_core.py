@@ -264,8 +264,8 @@ class Residency:
         free = self.free_homes.get(nbytes)
         if free:
             return free.pop()
-        home = torch.UntypedStorage(nbytes)
-        return home.pin_memory() if self.device.type == "cuda" else home
+        pinned = self.device.type == "cuda"
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
 
     def forget(self, slot: _Slot) -> None:
         """The last value viewing ``slot`` is gone: free its device copy (an input's stays, the
@@ -281,12 +281,13 @@ class Residency:
             slot.host = None
 
     def finish(self) -> None:
-        """End of a run, failed or not: nothing of it left on the device, and every input it wrote
-        restored from its snapshot."""
+        """End of a run, failed or not: nothing of it left on the device, and every input restored
+        from its snapshot. Every one, not only those marked written: an op that fails after writing
+        part of its operands (a multi-tensor update out of memory half-way) never got to mark them."""
         for slot in list(self.resident.values()):
             if not slot.input:
                 self.forget(slot)
-            elif slot.dirty:
+            else:
                 assert slot.device is not None and slot.host is not None
                 slot.device.copy_(slot.host)
                 slot.dirty = False
@@ -312,6 +313,12 @@ class GraphFacts:
         owned = self.graph.node(node.meta[NODE_ID_META]).owned_storages()
         return sum(allocation_size(meta.storage_bytes, str(device)) for meta in owned)
 
+    def random(self, node: fx.Node) -> bool:
+        """Whether ``node`` draws from the generator (running it again would draw again)."""
+        if node.op != "call_function" or NODE_ID_META not in node.meta:
+            return False
+        return getattr(node.target, "_schema", None) is None or self.graph.node(node.meta[NODE_ID_META]).is_random
+
     def written(self, node: fx.Node) -> list[fx.Node]:
         """The values ``node`` may write in place; every operand of an op without a schema (a
         higher-order op replaying a random op in place)."""
@@ -334,6 +341,10 @@ class TrackedEnv(dict):  # type: ignore[type-arg]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._drop(key)
+        if isinstance(key, fx.Node) and key.op == "call_function" and not key.users:
+            # Nothing reads it (Adam leaves a parameter-sized quotient per parameter), yet the
+            # interpreter would keep it to the end: let it go now.
+            value = None
         super().__setitem__(key, value)
         slots: dict[int, _Slot] = {}
         for leaf in _leaves(value):
@@ -374,25 +385,39 @@ class OutOfCore:
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("placeholder", "output"):  # the outputs stay where they are (see materialize)
             return super().run_node(n)  # type: ignore[misc]
-        self.residency.prepare(n, self.facts.output_bytes(n, self.residency.device))
-        try:
-            result = super().run_node(n)  # type: ignore[misc]
-        except torch.OutOfMemoryError:
+        output_bytes = self.facts.output_bytes(n, self.residency.device)
+        failed = self._attempt(n, output_bytes)
+        if failed is not None:
+            # Out of the except block first, so that the failed attempt's frames are gone.
             held = self.residency.resident_bytes
+            if self.facts.written(n) or self.facts.random(n):  # it may have written or drawn: not twice
+                raise self._too_large(n, held, "it writes in place or draws random numbers, so it is not "
+                                               "run again") from failed  # fmt: skip
             self.residency.make_room_for(n)
             torch.cuda.empty_cache()
-            try:
-                result = super().run_node(n)  # type: ignore[misc]
-            except torch.OutOfMemoryError as error:
-                raise OutOfCoreError(
-                    f"out of core: node {n.name} ({n.target}) ran out of device memory with only its own inputs "
-                    f"there ({readable_bytes(self.residency.resident_bytes)}; {readable_bytes(held)} before the "
-                    f"rest was sent home): this op alone needs more than the {readable_bytes(self.residency.limit)} "
-                    "the run may use; raise the budget or the memory limit"
-                ) from error
+            failed = self._attempt(n, output_bytes)
+            if failed is not None:
+                raise self._too_large(n, held, "this op alone needs more than the limit") from failed
         env = self.env  # type: ignore[attr-defined]
         self.residency.mark_written(env[m] for m in self.facts.written(n))
+        result, self._result = self._result, None
         return result
+
+    def _attempt(self, n: fx.Node, output_bytes: int) -> torch.OutOfMemoryError | None:
+        """Make room and run ``n`` (its result in ``_result``); the out-of-memory error, if it ran out."""
+        try:
+            self.residency.prepare(n, output_bytes)
+            self._result = super().run_node(n)  # type: ignore[misc]
+        except torch.OutOfMemoryError as error:
+            error.__traceback__ = None  # nothing of the attempt stays referenced
+            return error
+        return None
+
+    def _too_large(self, n: fx.Node, held: int, why: str) -> OutOfCoreError:
+        return OutOfCoreError(
+            f"out of core: node {n.name} ({n.target}) ran out of device memory with "
+            f"{readable_bytes(held)} of the run's values resident (the limit: "
+            f"{readable_bytes(self.residency.limit)}): {why}; raise the budget or the memory limit")
 
 
 class OutOfCoreInterpreter(OutOfCore, fx.Interpreter):
@@ -462,6 +487,8 @@ def profiling_limit(simulated_peak: int, held: int, cap: int | None, forced: boo
         raise OutOfCoreError(f"the process already holds {readable_bytes(held)} on the device (the model, its "
                              f"optimizer state and the batch), leaving nothing of the {readable_bytes(cap)} it may "
                              "hold for running the step; raise the budget or the memory limit")  # fmt: skip
-    why = "asked for" if forced else f"the unoptimized step needs {readable_bytes(need)}, over {readable_bytes(cap)}"
+    why = "asked for" if forced else (f"the unoptimized step needs {readable_bytes(need)}, over "
+                                      f"{readable_bytes(int(cap * (1 - WORKSPACE_SHARE)))}: the "
+                                      f"{readable_bytes(cap)} cap less {WORKSPACE_SHARE:.0%} for workspace")
     return ProfilingLimit(room, f"out of core ({why}): at most {readable_bytes(room)} of the step's values on the "
                                 "device at once, the rest in host memory")  # fmt: skip

@@ -77,6 +77,11 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
     def run_profile(g: Graph, runs: int, warmup: int, isolate: bool = False, contention: bool = True,
                     out_of_core: bool | None = None) -> Profile:  # fmt: skip
         choice = profiling_choice(g, lowered.inputs, budget, memory_limit, out_of_core)
+        if choice.device_limit is not None and lowered.binding.data_parallel is not None:
+            # Its all-reduces run beside the backward until their waits: sending a bucket home while
+            # one is in flight would copy a buffer the collective still writes.
+            raise OutOfCoreError(f"profile: {choice.reason}, which data-parallel steps do not support yet; give "
+                                 "each rank a larger budget or memory limit, or more ranks")  # fmt: skip
         log(f"profile: {choice.reason}")
         try:
             profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,
@@ -95,8 +100,9 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
 
     context.services["profiler"] = run_profile
     context.services["transfer"] = lambda: measure_transfers(device)
+    # select's default budget: what the process may hold (on the CPU only a memory limit says that).
     capacity = min((c for c in (device_capacity(device), memory_limit) if c is not None), default=None)
-    if capacity is not None and device.type == "cuda":
+    if capacity is not None:
         context.services["device_memory"] = capacity
     dp = lowered.binding.data_parallel
     if dp is not None:  # every rank plans from the same numbers, so every rank makes the same plan
