@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, UnreachableBudget, budget_text, counted, parse_budget, sizes
+from mutwo.ir.budget import Budget, UnreachableBudget, budget_text, counted, parse_budget, readable_bytes, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import Headroom, MemorySimulation, allocation_size, describe_breakdown, simulate
@@ -174,6 +174,13 @@ def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: s
     workspace = profile.workspace()
     base = simulate(graph, liveness, workspace)
     budget = resolve_budget(option_value, ctx, base.peak_bytes, unlimited)
+    limit = ctx.services.get("memory_limit")
+    if limit is not None and not budget.minimum and budget.resolve(base.peak_bytes) > limit:
+        # A fraction of the unoptimized peak can be more than the process may hold: the limit wins.
+        who = unlimited.split(":", 1)[0]
+        ctx.log(f"{who}: the budget {budget} ({readable_bytes(budget.resolve(base.peak_bytes))}) is over the memory "
+                f"limit: planning for the limit, {readable_bytes(limit)}")  # fmt: skip
+        budget = Budget(bytes=int(limit))
     return Start(profile, liveness, workspace, base, budget, budget.resolve(base.peak_bytes))
 
 

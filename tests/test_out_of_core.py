@@ -237,3 +237,14 @@ def test_running_out_of_memory_while_profiling_in_memory_says_what_to_do(monkeyp
     with pytest.raises(OutOfCoreError, match=r"profiling in memory ran out of device memory \(in memory \(no memory "
                                              r"limit\); .*profile\{out_of_core=true\}"):  # fmt: skip
         context.services["profiler"](lowered.graph, runs=1, warmup=0)
+
+
+def test_a_fraction_budget_over_the_memory_limit_plans_for_the_limit(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny_mlp.yaml's budget is 0.9 of its 896 KiB unoptimized peak (806 KiB): over a 760 KiB limit,
+    select plans for the limit and says so."""
+    out = tmp_path / "out"
+    assert main([str(EXAMPLES / "tiny_mlp.yaml"), "-o", str(out), "--memory-limit", "760KiB", "--device", "cpu"]) == 0
+    assert "is over the memory limit: planning for the limit, 760.0 KiB" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["recomputed"] and summary["peak_bytes_after"] <= 760 * 2**10

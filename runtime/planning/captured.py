@@ -73,6 +73,8 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
     context = PassContext(out_dir=out_dir, device=str(device), log=log)
     context.services["budget"] = budget
     context.services["keep_grads"] = keep_grads
+    if memory_limit is not None:  # select plans within it whatever the budget says
+        context.services["memory_limit"] = memory_limit
 
     def run_profile(g: Graph, runs: int, warmup: int, isolate: bool = False, contention: bool = True,
                     out_of_core: bool | None = None) -> Profile:  # fmt: skip
