@@ -13,8 +13,8 @@ timed events.
 
 The graph's inputs (parameters, buffers, optimizer state, the batch) are the ones the process
 already holds: the run reads and writes them where they are, so it needs no second copy of the
-model on the device. A snapshot of each is taken home first, and every input the run wrote is
-restored from it when the run ends, failed or not: the model is left exactly as it was. The
+model on the device. A snapshot of each is taken home first, and every input is restored from
+it when the run ends, failed or not: the model is left exactly as it was. The
 limit is on everything else: the iteration's activations, gradients and temporaries.
 
 What is moved is storage, not tensors: views, in-place results and getitems of a value share
@@ -43,6 +43,7 @@ from mutwo.ir.budget import readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import allocation_size
 from mutwo.ir.to_fx import NODE_ID_META, to_fx
+from mutwo.runtime.measurement.iterations import device_of
 
 #: How much of the limit is kept free for what a node allocates besides its outputs (its kernel's
 #: workspace, cuBLAS's and cuDNN's buffers) and for the allocator's rounding: the resident values,
@@ -162,7 +163,9 @@ class Residency:
                 continue
             storage = value.untyped_storage()
             if storage.data_ptr() not in self.resident:
-                slot = _Slot(storage.nbytes(), host=_home_copy(storage), device=storage, dirty=False, input=True)
+                snapshot = self._home(storage.nbytes())
+                snapshot.copy_(storage)
+                slot = _Slot(storage.nbytes(), host=snapshot, device=storage, dirty=False, input=True)
                 self.resident[storage.data_ptr()] = slot  # held already: not counted against the limit
             adopted.append(value)
         return adopted
@@ -291,12 +294,6 @@ class Residency:
                 assert slot.device is not None and slot.host is not None
                 slot.device.copy_(slot.host)
                 slot.dirty = False
-
-
-def _home_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
-    home = torch.UntypedStorage(storage.nbytes())  # a copy even where the device is the CPU
-    home.copy_(storage)
-    return home
 
 
 class GraphFacts:
@@ -433,10 +430,8 @@ def run_out_of_core(graph: Graph, inputs: Sequence[Any], limit: int) -> tuple[An
     """Run ``graph`` once on ``inputs`` with at most ``limit`` bytes of its other values on their
     device. Returns its outputs and the inputs as the run left them (as host tensors), and the
     residency, which says what was held and copied; ``inputs`` themselves are left as they were."""
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
-                  torch.device("cpu"))  # fmt: skip
     module = to_fx(graph)
-    residency = Residency(device, limit, list(module.graph.nodes))
+    residency = Residency(device_of(list(inputs)), limit, list(module.graph.nodes))
     state = residency.adopt_inputs(inputs)
     try:
         with torch.no_grad():

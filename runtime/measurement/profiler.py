@@ -7,7 +7,9 @@ node and the peak inside it; the transient workspace is that peak minus what is 
 On CPU, nodes are timed with the wall clock and memory comes from the simulator. Whole
 iterations are timed separately, through the generated code, without per-node instrumentation.
 
-Everything runs on clones of the inputs, so profiling never trains the real model.
+Everything runs on clones of the inputs, so profiling never trains the real model; out of core
+(:mod:`mutwo.runtime.measurement.out_of_core`), on the inputs themselves, restored from snapshots
+after each run.
 """
 
 from __future__ import annotations

@@ -130,4 +130,6 @@ def profiling_choice(graph: Graph, inputs: list[torch.Tensor], budget: Budget | 
         # which says more than a refusal here would.
         budget_bytes = None
     cap = min((c for c in (budget_bytes, memory_limit, device_capacity(device)) if c is not None), default=None)
-    return profiling_limit(simulate(graph).peak_bytes, held, cap, forced)
+    # The unoptimized peak decides only where there is a cap and the pass forces neither way.
+    peak = simulate(graph).peak_bytes if cap is not None and forced is None else 0
+    return profiling_limit(peak, held, cap, forced)
