@@ -176,7 +176,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: i38-held-bert, i38-held-llama, i38-held-resnet, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -242,6 +242,19 @@ case "$section" in
       --out "$OUT/uncapped_bert_b64.json" ;;
   i38-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
+  i38-held-bert|i38-held-llama|i38-held-resnet)
+    # Issue 38's "Done when": each model under its cap with the budget at the cap, and the same
+    # budget uncapped (profiled in memory), both inductor-cudagraphs, calibrated by default, 50 steps.
+    case $section in
+      *bert) config=examples/bert.yaml; batch=64; cap=16GiB; stem=bert_b64 ;;
+      *llama) config=examples/llama_0_5b.yaml; batch=8; cap=12GiB; stem=llama_0_5b_b8 ;;
+      *resnet) config=examples/resnet152_channels_last.yaml; batch=128; cap=12GiB; stem=resnet152_cl_b128 ;;
+    esac
+    timeout 1500 python3 bench/out_of_core_profile.py capped --config $config --batch-size $batch \
+      --memory-limit $cap --budget $cap --backend inductor-cudagraphs --steps 50 --out "$OUT/held_capped_$stem.json"
+    timeout 1500 python3 bench/out_of_core_profile.py capped --config $config --batch-size $batch \
+      --memory-limit 79GiB --budget $cap --backend inductor-cudagraphs --steps 50 \
+      --passes "profile{out_of_core=false},optimizer,select,rewrite" --out "$OUT/held_uncapped_$stem.json" ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
       tests/test_plan_choice.py tests/test_cuda_swap.py ;;

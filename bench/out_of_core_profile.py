@@ -10,7 +10,8 @@ Run it where mutwo is installed (``make`` sets up .venv; on the GPU machine, ``.
 
 ``capped``: as a user whose step does not fit: cap the process (``memory_limit``), then
 ``mutwo.optimize`` at a budget in bytes and train; records which way it profiled, planning
-time, and max allocated and max reserved over steady steps, or the error.
+time (calibration of what the process holds included: on by default on CUDA), its rounds, and
+max allocated and max reserved over steady steps against the budget and the limit, or the error.
 
     python3 bench/out_of_core_profile.py compare --config examples/bert.yaml --batch-size 32 --out o.json
     python3 bench/out_of_core_profile.py capped --config examples/bert.yaml --batch-size 64 \\
@@ -31,6 +32,7 @@ import torch
 import mutwo
 from mutwo.ir.budget import parse_bytes
 from mutwo.ir.memory import simulate
+from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
 from mutwo.runtime.measurement.device_memory import apply_memory_limit
 from mutwo.runtime.measurement.profiler import Profile, profile_graph
 from mutwo.runtime.planning.captured import capture_graph
@@ -112,6 +114,8 @@ def capped(args: argparse.Namespace) -> dict[str, Any]:
         # Capped before anything is built, as on a card of that size.
         apply_memory_limit(torch.device(args.device), parse_bytes(args.memory_limit))
         training = build_training(args.config, args.batch_size, device=args.device)
+        if args.backend.endswith("cudagraphs"):  # as mutwo-experiment does: step counts and rate on the device
+            graphable_optimizer(training.optimizer, torch.device(args.device))
         begin = time.perf_counter()
         step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
@@ -128,7 +132,16 @@ def capped(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         row.update(step_ms=statistics.median(times) * 1e3, max_allocated_mib=torch.cuda.max_memory_allocated() / MIB,
-                   max_reserved_mib=torch.cuda.max_memory_reserved() / MIB)  # fmt: skip
+                   max_reserved_mib=torch.cuda.max_memory_reserved() / MIB, steps=len(times))  # fmt: skip
+        budget_mib = parse_bytes(args.budget) / MIB
+        row.update(budget_mib=budget_mib, reserved_within_budget=row["max_reserved_mib"] <= budget_mib,
+                   reserved_within_limit=row["max_reserved_mib"] <= parse_bytes(args.memory_limit) / MIB)
+        optimized = step.last
+        if optimized is not None and optimized.calibration is not None:
+            row["calibration"] = optimized.calibration.describe()
+        if optimized is not None:
+            profile = optimized.context.artifacts.get("profile")
+            row["profiled_out_of_core"] = bool(profile is not None and profile.meta.get("out_of_core"))
     except Exception as error:  # the row records the failure: that is what this run is for
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:400]}"
     return row

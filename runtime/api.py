@@ -34,6 +34,7 @@ from mutwo.runtime.capture.iteration import CapturedStep, LossFn, StaleCaptureEr
 from mutwo.runtime.capture.optim import scheduled_kinds
 from mutwo.runtime.capture.training import TrainingOptions
 from mutwo.runtime.execution.backends import BackendError, CompiledStep, backend_services, check_backend
+from mutwo.runtime.execution.failure import Failure, InconsistentStateError, add_note
 from mutwo.runtime.execution.step import GraphStep
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, free_planning_leftovers
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs, random_stream_kept
@@ -46,6 +47,7 @@ from mutwo.runtime.planning.peak_calibration import (
     Calibration,
     calibrated_step,
     calibration_refusal,
+    calibration_rounds,
     pipeline_plan,
 )
 from mutwo.runtime.planning.plan_choice import choice_refusal, measured_choice
@@ -148,16 +150,17 @@ def optimize_graph(
         if backend != "eager":
             log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
                 + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
-        if calibrate_peak:
+        rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline, data_parallel is not None)
+        if rounds:
             first = Calibrated(lowered.graph, compiled, context)
-            kept = calibrated_step(calibrate_peak, PassManager(pipeline), lowered, original, first, compiled_for,
+            kept = calibrated_step(rounds, PassManager(pipeline), lowered, original, first, compiled_for,
                                    out_dir, log)  # fmt: skip
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
         if measure_choice:
             made = Calibrated(optimized.graph, compiled, optimized.context, optimized.calibration)
             kept, optimized.choice = measured_choice(PassManager(pipeline), lowered, original, made, compiled_for,
-                                                     calibrate_peak, out_dir, log)  # fmt: skip
+                                                     rounds, out_dir, log)  # fmt: skip
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
         if check:
@@ -181,6 +184,11 @@ class MutwoStep:
     the latest call. With ``keep_grads``, each parameter's ``.grad`` is set to the step's gradient,
     as ``loss.backward()`` would (this keeps the gradients alive until the next step, like eager
     training without ``zero_grad``).
+
+    A call that fails (``torch.OutOfMemoryError``...) raises its own exception once what it wrote
+    is put back (:mod:`mutwo.runtime.execution.failure`). When the parameters or optimizer state
+    may be part updated, which ``on_failure="restore"`` rules out, the exception gets a note and
+    every later call raises :class:`InconsistentStateError` (``refusal`` says why).
     """
 
     model: torch.nn.Module
@@ -194,6 +202,8 @@ class MutwoStep:
     micro_index: int = 0  #: with gradient accumulation: the micro-batch the next call runs
     #: with gradient accumulation: the gradients accumulated so far (shared with the graphs' bindings)
     accumulated: dict[str, torch.Tensor] = field(default_factory=dict)
+    on_failure: str = "refuse"  #: "restore": copy the written state to host memory before each call
+    refusal: str | None = None  #: why calls are refused, once a failed one may have left the state part written
 
     @property
     def micro(self) -> str:
@@ -239,11 +249,17 @@ class MutwoStep:
         return step, step.flat_inputs(batch)
 
     def __call__(self, batch: Any) -> torch.Tensor:
+        if self.refusal is not None:
+            raise InconsistentStateError(self.refusal)
         if self.options.get("data_parallel") is not None:
             self.options["data_parallel"].require_sync()
         step, flat = self.prepare(batch)
         micro = self.micro
-        output = step.run(flat)
+        try:
+            output = step.run(flat, restore_all=self.on_failure == "restore")
+        except BaseException as error:
+            self._failed(step.failure_guard.failure, error)
+            raise
         gradients = output.gradients
         if micro == "first":
             self.accumulated.clear()  # in place: the bindings of the other graphs read this dict
@@ -260,6 +276,20 @@ class MutwoStep:
             for name, grad in gradients.items():
                 params[name].grad = grad
         return output.loss
+
+    def _failed(self, failure: Failure | None, error: BaseException) -> None:
+        """After a call raised ``error``: refuse later calls when the parameters or optimizer state
+        may be part updated; start a new accumulation cycle when its gradients may be part added."""
+        if failure is None:  # it failed before the graph ran
+            return
+        self.refusal = failure.refusal(error)
+        dropped = self.micro_index if failure.accumulated is not None or self.refusal is not None else 0
+        if dropped:
+            self.micro_index = 0
+            self.accumulated.clear()  # in place: the bindings of the other graphs read this dict
+        note = failure.note(dropped)
+        if note is not None:
+            add_note(error, note)
 
 
 def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> tuple[Any, ...]:
@@ -290,6 +320,8 @@ def _frozen(value: Any) -> Any:
 
 
 HYPERPARAMETERS_CHANGED = "the optimizer's"
+#: What :func:`optimize`'s ``on_failure`` may be.
+ON_FAILURE = ("refuse", "restore")
 
 
 def _fields(key: tuple[Any, ...]) -> dict[str, Any]:
@@ -353,6 +385,7 @@ def optimize(
     calibrate_peak: int | None = None,
     measure_choice: bool = False,
     memory_limit: int | str | None = None,
+    on_failure: str = "refuse",
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -393,7 +426,17 @@ def optimize(
     (``torch.cuda.set_per_process_memory_fraction``), and planning stays within it, profiling the
     step out of core when it does not fit (docs/out-of-core.md). A budget in bytes bounds profiling
     the same way.
+
+    ``on_failure``: what a step that raises (``torch.OutOfMemoryError``...) leaves. It raises its
+    own exception, and the buffers and step counts it wrote are put back. ``"refuse"``: when it
+    had not begun updating parameters and optimizer state (the eager backend knows; a compiled
+    one does not) they are as before it and training goes on; otherwise the step refuses every
+    later call (:class:`InconsistentStateError`). ``"restore"``: every failed step is undone, for
+    a copy of the parameters and optimizer state in host memory made before each step. The
+    README says more ("A step that fails").
     """
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
     if budget is not None and not isinstance(budget, Budget):
         budget = parse_budget(budget)
     limit = parse_bytes(memory_limit) if isinstance(memory_limit, str) else memory_limit
@@ -410,7 +453,7 @@ def optimize(
                "training": training, "data_parallel": dp, "backend": backend, "calibrate_peak": calibrate_peak,
                "measure_choice": measure_choice, "memory_limit": limit,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
-    step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log)
+    step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log, on_failure=on_failure)
     step.prepare(example_batch)
     return step
 

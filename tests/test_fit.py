@@ -82,6 +82,8 @@ def test_a_batch_that_does_not_fit_says_what_it_needs_against_the_limit() -> Non
     assert point.shortfall(2 * 2**30) == "it needs at least 3,276.8 MiB, the limit is 2,048.0 MiB"  # no margin
     planned = FitPoint(1, False, 3 * 2**20, "select failed", 2 * 2**20)
     assert planned.shortfall(2 * 2**20) == "its best plan peaks at 3.0 MiB, the limit is 2.0 MiB"
+    unprofiled = FitPoint(1, False, 0, "it cannot be profiled within the limit (...)", 2 * 2**20)
+    assert unprofiled.shortfall(2 * 2**20) == "it could not be planned, the limit is 2.0 MiB"
     slow = FitPoint(1, False, 2**20, "over the bound of 1.00×", 2 * 2**20, too_slow=True)
     assert slow.shortfall(2 * 2**20) == "its plan fits in 2.0 MiB but is too slow"
 
@@ -96,13 +98,19 @@ def test_fit_on_cpu_writes_the_batch_plan_and_peaks(tmp_path: Path, capsys: pyte
     assert fit["plan"]["predicted_peak"] == fit["best"]["predicted_peak"]
     larger = [p for p in fit["tried"] if p["batch_size"] > best]
     assert larger and not any(p["fits"] for p in larger), "a larger batch was tried and did not fit"
-    assert fit["measured_peak"] is None and fit["attempts"] == [] and "scaled linearly" in fit["assumptions"]
+    assert fit["measured_peak"] is None and fit["attempts"] == [] and "profiled at its own size" in fit["assumptions"]
+    # The answer's numbers come from a profile measured at its batch size, and fit.json says how.
+    assert fit["best"]["profiled_at"] == best and fit["best"]["profile"].startswith(f"measured at batch {best}, ")
+    assert [p["batch_size"] for p in fit["profiles"]] == [256, best]
+    assert fit["profiles"][1]["memory"] in fit["best"]["profile"]
     assert fit["finished"] and not fit["failure"]
     plan = fit["plan"]  # each plan says what its recomputation costs: the price of the larger batch
     assert plan["added_seconds"] > 0 and plan["base_seconds"] > 0
     slower = 1 + plan["added_seconds"] / plan["base_seconds"]
     assert fit["best"]["note"].endswith(f"recomputed, predicted {slower:.2f}× the time without it")
-    assert f"largest batch that fits in 2MiB: {best}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"largest batch that fits in 2MiB: {best}" in out and f"from a profile measured at batch {best}, " in out
+    assert f"predicted peak {readable_bytes(fit['best']['predicted_peak'])}, " in out
 
 
 def test_fit_that_finds_nothing_fails_in_one_line_and_keeps_its_record(tmp_path: Path,

@@ -54,10 +54,6 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
     from mutwo.runtime.planning.captured import capture_graph, pass_context
     from mutwo.runtime.planning.peak_calibration import pipeline_plan
 
-    if calibrate and backend == "eager":
-        raise BackendError("peak calibration re-plans for a compiled step's measured peak (the eager executor's is the "
-                           "simulated one); drop it, or plan for a compiled backend (inductor, inductor-cudagraphs, "
-                           "cudagraphs)")  # fmt: skip
     if measure_choice and backend == "eager":
         raise BackendError("a measured choice between plans is for compiled backends, whose steps run otherwise than "
                            "the eager times the plans are priced at; the eager executor's select-swap choice is "
@@ -211,8 +207,9 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
         candidates.append(made)
         step, chosen, _ = made
         with device_turn(device_lock):
-            measured = measured_peak(step.compiled.run, lowered.inputs)
-        return CalibrationRound(budget_bytes, chosen.predicted_peak, measured, chosen.unoptimized_peak), made
+            measured, allocated = measured_peak(step.compiled.run, lowered.inputs)
+        return CalibrationRound(budget_bytes, chosen.predicted_peak, measured, chosen.unoptimized_peak,
+                                allocated), made  # fmt: skip
 
     calibration = calibrate(plan.budget_bytes, rounds, plan_and_measure, log)
     log(calibration.summary())

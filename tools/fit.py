@@ -78,7 +78,8 @@ def run_fit(cli: Any, config: Config, device: torch.device, out: Path) -> int:
 
 
 def summary(result: FitResult, limit_text: str, out: Path) -> str:
-    """The answer in one line: the batch, its plan, the predicted and measured peaks."""
+    """The answer in one line: the batch, its plan, the predicted peak and time and the profile they
+    come from, and the measured ones."""
     best = result.best
     assert best is not None
     if result.measured_peak is not None:
@@ -88,7 +89,9 @@ def summary(result: FitResult, limit_text: str, out: Path) -> str:
         measured = " (CPU: nothing measured)"
     capped = (f"; the search stops at batch {MAX_BATCH:,}, and a larger one may fit too"
               if result.stopped_at_max_batch else "")  # fmt: skip
+    # The prediction is the batch's own profile's, which says where it was measured.
+    seconds = f", {pace(best.predicted_seconds, best.batch_size)}" if best.predicted_seconds is not None else ""
     return (f"largest batch that fits in {limit_text}: {best.batch_size} (planned {len(result.tried)} times, "
             f"{len(result.attempts)} measured runs); plan: {best.note}, for {readable_bytes(best.budget)} (margin "
-            f"{result.margin:.0%}); predicted peak {readable_bytes(best.predicted_peak)}{measured}"
-            f"{capped}; wrote {out}/fit.json")  # fmt: skip
+            f"{result.margin:.0%}); predicted peak {readable_bytes(best.predicted_peak)}{seconds} from a profile "
+            f"{best.profile}{measured}{capped}; wrote {out}/fit.json")  # fmt: skip

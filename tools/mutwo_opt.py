@@ -52,7 +52,13 @@ from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.captured import CapturedGraph, capture_graph, pass_context
 from mutwo.runtime.planning.fit import FitError
-from mutwo.runtime.planning.peak_calibration import Calibrated, Calibration, calibrated_step
+from mutwo.runtime.planning.peak_calibration import (
+    Calibrated,
+    Calibration,
+    calibrated_step,
+    calibration_rounds,
+    release_recording,
+)
 from mutwo.runtime.planning.plan_choice import ChoiceFailed, measured_choice
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, OutputFolder, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
@@ -263,15 +269,18 @@ class MutwoOpt:
         not after a profile made out of core because it did not."""
         if device.type != "cuda":
             return {}
-        after = measure_iterations(final.run, inputs)
-        measured = {"measured_peak_bytes_after": after.peak_bytes, "iteration_seconds_after": after.seconds}
+        after = measure_iterations(final.run, inputs, on_inputs=True)  # one copy of the state, as under a limit
+        release_recording(final.run)  # the original is measured next, and the process holds the step's pool
+        measured = {"measured_peak_bytes_after": after.peak_bytes, "measured_held_bytes_after": after.held_bytes,
+                    "iteration_seconds_after": after.seconds}  # fmt: skip
         if not original_fits:
             self.log("measured whole iterations of the final step; not of the original graph, which was profiled "
                      "out of core because it does not fit")  # fmt: skip
             return measured
         self.log("measuring whole iterations of the original graph and the final step")
-        before = measure_iterations(to_fx(original), inputs)
-        return {**measured, "measured_peak_bytes_before": before.peak_bytes, "iteration_seconds_before": before.seconds}
+        before = measure_iterations(to_fx(original), inputs, on_inputs=True)
+        return {**measured, "measured_peak_bytes_before": before.peak_bytes,
+                "measured_held_bytes_before": before.held_bytes, "iteration_seconds_before": before.seconds}
 
     def check(self, original: Graph, final: Graph, inputs: list[Any], compiled: CompiledStep) -> EquivalenceReport:
         self.log(f"checking the final step ({compiled.backend}) against the original graph for 3 iterations")
@@ -371,10 +380,11 @@ class MutwoOpt:
         if error is None:
             with self.timed("compile"):
                 compiled = self.compile(config, final, inputs)
-        if self.args.calibrate_peak and compiled is not None:
+        rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes, self.dp is not None)
+        if rounds and compiled is not None:
             first = Calibrated(final, compiled, ctx)
             with self.timed("calibrate"):
-                kept = calibrated_step(self.args.calibrate_peak, manager, lowered, original, first,
+                kept = calibrated_step(rounds, manager, lowered, original, first,
                                        lambda g: self.compile(config, g, inputs), staged, self.log)
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
@@ -384,7 +394,7 @@ class MutwoOpt:
                     kept, self.choice = measured_choice(manager, lowered, original,
                                                         Calibrated(final, compiled, ctx, self.calibration),
                                                         lambda g: self.compile(config, g, inputs),
-                                                        self.args.calibrate_peak, staged, self.log)  # fmt: skip
+                                                        rounds, staged, self.log)  # fmt: skip
                 except ChoiceFailed as failed:
                     raise Failure(str(failed)) from None
             final = graph = kept.graph

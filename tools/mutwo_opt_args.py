@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --fit: only batches whose plan predicts at most FACTOR times the time of the step "
                         "without recomputation (like 1.3); the largest batch is often not the fastest training")
     parser.add_argument("--calibrate-peak", type=int, metavar="ROUNDS",
-                        help="with a compiled --backend: plan again, up to ROUNDS times, until the compiled step's "
-                        "measured peak is within 3%% of the budget (each round compiles again; docs/backends.md)")
+                        help="plan again, up to ROUNDS times, until what the step makes the process hold on the "
+                        "device (reserved bytes, CUDA-graph pools included) is at most the budget and within 3%% "
+                        "under it; each round compiles again (default on CUDA: 2; 0: never; docs/backends.md)")
     parser.add_argument("--measure-choice", action="store_true",
                         help="with a compiled --backend and -p swap: when select-swap's plan swaps, compile the "
                         "recompute-only plan at the same budget too, measure both and keep the faster (both plans "

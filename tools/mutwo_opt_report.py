@@ -94,6 +94,9 @@ def write_outputs(run: RunState, out: Path, config: Config, device: torch.device
         "persistent_bytes": before.persistent_bytes,
         "measured_peak_bytes_before": measured.get("measured_peak_bytes_before"),
         "measured_peak_bytes_after": measured.get("measured_peak_bytes_after"),
+        # what the process held: the allocator's reserved bytes, as the budget counts on CUDA
+        "measured_held_bytes_before": measured.get("measured_held_bytes_before"),
+        "measured_held_bytes_after": measured.get("measured_held_bytes_after"),
         "iteration_seconds_before": measured.get("iteration_seconds_before"),
         "iteration_seconds_after": measured.get("iteration_seconds_after"),
         "reports": reports,

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
+#: The state name of a parameter's accumulated gradient in its slot label (``name:accumulated_grad``).
+ACCUMULATED_GRAD = "accumulated_grad"
+
 
 class StaleCaptureError(RuntimeError):
     """The live model or optimizer no longer matches what the step was captured from."""
@@ -136,7 +139,7 @@ class StepBinding:
         slots = [InputSlot(NodeKind.PARAMETER, n) for n in self.param_names]
         slots += [InputSlot(NodeKind.BUFFER, n) for n in self.buffer_names]
         slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:{s}") for n in self.trainable for s in self.state_names(n)]
-        slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:accumulated_grad") for n in self.accumulated_inputs()]
+        slots += [InputSlot(NodeKind.OPTIMIZER_STATE, f"{n}:{ACCUMULATED_GRAD}") for n in self.accumulated_inputs()]
         if self.training.scaler is not None:
             slots += [InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:scale"),
                       InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:growth_tracker")]  # fmt: skip
@@ -182,6 +185,10 @@ class StepBinding:
         for entry, fake in created.items():
             self.fresh[entry] = torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype,
                                                     device=fake.device)  # fmt: skip
+
+    def fresh_labels(self) -> set[str]:
+        """The slot labels of the state the optimizer creates inside step() (:attr:`fresh`)."""
+        return {f"{name}:{key}" for name, key in self.fresh}
 
     def install_fresh(self) -> None:
         """After a run: hand the state the optimizer created to the optimizer, as its step() would."""

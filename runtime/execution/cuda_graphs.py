@@ -115,23 +115,38 @@ class CudaGraphRunner:
             self.host_buffers = []
 
     def record(self, flat: Sequence[torch.Tensor]) -> None:
-        """Warm up on copies of the state, then record one iteration on the live state."""
+        """Warm up on the live state (saved to host memory and put back after), then record one
+        iteration on it."""
         self.release()  # free the previous recording's pool first
         self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
-        side = warmup_stream(self.static[0].device)
+        device = self.static[0].device
+        # The warm-up runs a whole step, which writes the state in place. Its old values wait in
+        # host memory rather than as device copies: a copy of the parameters and optimizer state
+        # on the device (a second model's worth) would make recording need more than the step, and
+        # under a memory limit set at the budget it ran out of memory there.
+        saved = [t.to("cpu", copy=True) for t in self.static]
+        side = warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            generator = torch.cuda.get_rng_state()
-            self.run(*[t.clone() for t in self.static])  # lazy initialisation, autotuning
-            torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
-        torch.cuda.current_stream().wait_stream(side)
+        try:
+            with torch.cuda.stream(side), torch.no_grad():
+                generator = torch.cuda.get_rng_state()
+                self.run(*self.static)  # lazy initialisation, autotuning
+                torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
+        finally:  # a warm-up that failed half-way (out of memory) leaves the state as it found it too
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.no_grad():
+                for tensor, old in zip(self.static, saved, strict=True):
+                    tensor.copy_(old)
         # The warm-up's copies have ended: the recording must not wait for their events (a capture
         # cannot wait for an event recorded outside it), and the swap runtime drops them.
-        torch.cuda.synchronize(self.static[0].device)
+        torch.cuda.synchronize(device)
+        del saved
+        # What the warm-up freed stays cached for its side stream, where no replay reuses it: give
+        # it back, so that the process holds the state and the graph's pool, as the plan counts.
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
         # are the iteration's memory, and its peak is the only time the allocator sees them.
-        device = self.static[0].device
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         with SWAP_RUNTIME.recording() as host_buffers, torch.cuda.graph(graph), torch.no_grad():

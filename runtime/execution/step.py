@@ -15,6 +15,7 @@ from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.capture.guards import GuardCheck
 from mutwo.runtime.capture.iteration import CapturedStep, StaleCaptureError, StepBinding
 from mutwo.runtime.execution.backends import CompiledStep, check_backend, compile_step
+from mutwo.runtime.execution.failure import FailureGuard
 
 
 class BatchMismatchError(ValueError):
@@ -47,6 +48,11 @@ class GraphStep:
         self.captured = captured
         self.binding = binding
         self.graph_module: fx.GraphModule = to_fx(graph)
+        #: what the graph writes of the live state, and what a failed run left written
+        #: (:mod:`mutwo.runtime.execution.failure`); the eager backend's module tells how far it ran
+        self.failure_guard = FailureGuard(graph, self.backend, binding.fresh_labels())
+        if self.backend == "eager":
+            self.failure_guard.mark(self.graph_module)
         self._batch_metas = [p.tensor for p in graph.placeholders if p.kind is NodeKind.INPUT
                              and p.label.startswith("batch")]  # fmt: skip
         self.guard_check = GuardCheck(captured.graph_module, captured.guards)
@@ -84,9 +90,12 @@ class GraphStep:
     def __call__(self, batch: Any) -> StepOutput:
         return self.run(self.flat_inputs(batch))
 
-    def run(self, flat: list[torch.Tensor]) -> StepOutput:
-        """One iteration on the inputs :meth:`flat_inputs` gave."""
-        output = self.run_flat(flat)
+    def run(self, flat: list[torch.Tensor], *, restore_all: bool = False) -> StepOutput:
+        """One iteration on the inputs :meth:`flat_inputs` gave. When it fails, the state it wrote
+        is put back as far as :attr:`failure_guard` can (all of it with ``restore_all``, which copies it
+        to host memory first), ``failure_guard.failure`` says what may be left written, and the exception
+        goes on unchanged."""
+        output = self.failure_guard.run(lambda: self.run_flat(flat), flat, restore_all=restore_all)
         if self.binding.fresh:
             # The optimizer created its state in this run (SGD's first momentum buffer): from now on
             # the step reads it, which another capture expresses.

@@ -1,7 +1,8 @@
 """Whole iterations of a runnable graph on the machine: their median time and the peak of their
-own memory (on CUDA from the caching allocator, on CPU from the profiler's memory events), and
-which device a list of tensors trains on. The per-node profiler, the copy-contention measurement,
-calibration and the measured choice all time iterations with these."""
+own memory (on CUDA from the caching allocator, on CPU from the profiler's memory events), on
+CUDA also what they made the process hold, and which device a list of tensors trains on. The
+per-node profiler, the copy-contention measurement, calibration and the measured choice all time
+iterations with these."""
 
 from __future__ import annotations
 
@@ -18,11 +19,16 @@ from mutwo.ir.memory import allocation_size
 
 @dataclass
 class IterationMeasurement:
-    """Whole iterations through the generated code: median time and the peak of the graph's own memory."""
+    """Whole iterations through the generated code: median time, the peak of the graph's own memory
+    (allocated bytes) and, on CUDA, the peak of what the iterations made the process hold
+    (``held_bytes``: the allocator's reserved bytes, cached blocks and CUDA-graph pools included,
+    which is what ``torch.cuda.set_per_process_memory_fraction`` caps and what a user's
+    ``torch.cuda.max_memory_reserved()`` reports)."""
 
     seconds: float
     peak_bytes: int | None
     runs: int
+    held_bytes: int | None = None
 
 
 def device_of(tensors: list[torch.Tensor]) -> torch.device:
@@ -42,16 +48,43 @@ def device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
 
 
 def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *, runs: int = 10,
-                       warmup: int = 3, before_each: Callable[[], None] | None = None) -> IterationMeasurement:
+                       warmup: int = 3, before_each: Callable[[], None] | None = None,
+                       on_inputs: bool = False) -> IterationMeasurement:  # fmt: skip
     """Median time of whole iterations of ``module`` on clones of ``inputs``, and on CUDA the peak
     of the iteration's own memory: the allocator's peak minus what was allocated before that is not
-    one of the iteration's inputs. ``before_each`` runs before each iteration's clock starts (on
-    CUDA: work it enqueues on other streams runs beside the iteration)."""
+    one of the iteration's inputs. Held memory is counted the same way from the allocator's
+    reserved bytes, over every iteration, warm-up included (a CUDA graph's pool is made then and
+    stays), after the cache is emptied of what others left (see :func:`held_baseline`).
+    ``before_each`` runs before each iteration's clock starts (on CUDA: work it enqueues on other
+    streams runs beside the iteration).
+
+    ``on_inputs``: run on ``inputs`` themselves, their values kept in host memory meanwhile and put
+    back after, instead of on device clones. The process then holds what a training loop holds
+    (one copy of the model and optimizer state), which is what a step planned under a memory limit
+    must be measured with: a second copy on the device ran Llama-0.5B's measurement out of memory
+    under a 12 GiB limit, and made BERT-base's miss its limit by the copy."""
     device = device_of(inputs)
     cuda = device.type == "cuda"
-    state = [t.clone() for t in inputs]
+    held_base = held_baseline(device) if cuda else 0
+    saved = [t.to("cpu", copy=True) for t in inputs] if on_inputs else []
+    if on_inputs:  # they are held already: count them once, as the clones would be
+        held_base -= device_bytes(inputs, device)
+    state = list(inputs) if on_inputs else [t.clone() for t in inputs]
+    try:
+        return _measure(module, state, device, runs, warmup, before_each, held_base)
+    finally:
+        with torch.no_grad():
+            for tensor, old in zip(inputs, saved, strict=False):
+                tensor.copy_(old)
+
+
+def _measure(module: Callable[..., Any], state: list[torch.Tensor], device: torch.device, runs: int, warmup: int,
+             before_each: Callable[[], None] | None, held_base: int) -> IterationMeasurement:  # fmt: skip
+    """:func:`measure_iterations` on ``state`` as given."""
+    cuda = device.type == "cuda"
     times: list[float] = []
     peak: int | None = None
+    held: int | None = None
     with torch.no_grad():
         for run in range(warmup + runs):
             if cuda:
@@ -68,6 +101,7 @@ def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *
                 torch.cuda.synchronize(device)
                 seconds = start.elapsed_time(end) / 1e3
                 run_peak = torch.cuda.max_memory_allocated(device) - baseline
+                held = max(held or 0, torch.cuda.max_memory_reserved(device) - held_base)
             else:
                 if before_each is not None:
                     before_each()
@@ -81,7 +115,16 @@ def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *
                     peak = run_peak if peak is None else max(peak, run_peak)
     if peak is not None:  # a CUDA graph allocated the iteration's memory once, when it recorded it
         peak = max(peak, device_bytes(state, device) + getattr(module, "recorded_peak_bytes", 0))
-    return IterationMeasurement(statistics.median(times), peak, runs)
+    return IterationMeasurement(statistics.median(times), peak, runs, held)
+
+
+def held_baseline(device: torch.device) -> int:
+    """What the process holds on ``device`` before an iteration is measured, with the allocator's
+    cache emptied first: blocks others freed (a profile, another plan's step) would otherwise be
+    reused by the iteration and hide what it makes the process reserve."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
 
 
 def cpu_iteration_peak(run: Callable[..., Any], inputs: list[torch.Tensor]) -> int:

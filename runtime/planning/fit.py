@@ -1,24 +1,35 @@
 """The largest batch size whose optimized iteration fits a memory limit (``mutwo.fit_batch``,
 ``mutwo-opt --fit 16GiB``).
 
-The search predicts, then measures. For each batch size tried, the iteration is captured (over
-fake tensors: nothing of that size is allocated) and the pipeline ``optimizer,select`` plans it
-against a *planning budget*: the limit less a safety margin (10% by default) for what the
-simulator does not see — the allocator's rounding and fragmentation between large blocks, cuBLAS
-and cuDNN workspaces that do not scale linearly with the batch. The largest batch whose plan fits
-is found by doubling, then bisection (:mod:`mutwo.runtime.planning.fit_search`).
+The search predicts, then measures. For each batch size tried, the iteration is captured (traced
+over fake tensors: of that size only the batch itself is allocated) and the pipeline
+``optimizer,select`` plans it against a *planning budget*: the limit less a safety margin (10% by
+default) for what the simulator does not see — the allocator's rounding and fragmentation between
+large blocks, library workspaces. The largest batch whose plan fits is found by doubling, then
+bisection (:mod:`mutwo.runtime.planning.fit_search`), each try planned from the per-op profile of
+the nearest batch size profiled so far, scaled linearly: a cheap heuristic.
+
+The batch the search finds is then profiled at its own size — in memory when its unoptimized step
+fits under the limit, out of core otherwise — and planned again from that profile
+(:mod:`mutwo.runtime.planning.fit_planner`). Where that plan no longer fits the planning budget
+(a workspace or a time that grows faster than the batch), the search steps back below it at the
+same budget, now scaling from that profile. So every batch returned or measured is planned from a
+profile measured at its own size, each size profiled at most once, and its predicted peak and time
+come from that profile; ``FitPoint.profile`` says which profile each plan came from.
 
 On a GPU the batch found is then rewritten and run, the process capped at the limit with
 ``torch.cuda.set_per_process_memory_fraction``. When that measured run runs out of memory or
 peaks above the limit, the search steps back: it plans again with a lower budget (lowered by the
 measured overshoot, or by a fixed step when the run ran out of memory) below the batch that
-failed, and measures that. After a failure followed by a success it bisects the budget between
-them while measured runs remain (4 at most). Every attempt is reported. On a CPU nothing is
-measured: the answer is the prediction at the planning budget.
+failed, and measures that (profiled at its own size first). After a failure followed by a success
+it bisects the budget between them while measured runs remain (4 at most). Every attempt is
+reported. On a CPU nothing is measured: the answer is the prediction at the planning budget, from
+the batch's own profile.
 
-What the prediction assumes, and says in fit.json: the per-op times and workspaces that
-``select`` weighs are measured once, at the starting batch size, and scaled linearly with the
-batch size (the graph of every batch size must have the same nodes; the search refuses otherwise).
+What the prediction assumes, and says in fit.json (``ASSUMPTIONS``): per-op times and workspaces
+of a batch only tried are scaled linearly from the nearest batch size profiled (the graph of every
+batch size must have the same nodes; the search refuses otherwise); those of the batch returned
+are its own.
 """
 
 from __future__ import annotations
@@ -38,15 +49,14 @@ from mutwo.passes.select import Plan
 from mutwo.runtime.capture.iteration import LossFn
 from mutwo.runtime.measurement.equivalence import random_stream_kept
 from mutwo.runtime.measurement.iterations import device_bytes, measure_iterations
-from mutwo.runtime.measurement.profiler import profile_graph
 from mutwo.runtime.planning.captured import CapturedGraph, capture_graph
+from mutwo.runtime.planning.fit_planner import BatchProfiles, Planner
 from mutwo.runtime.planning.fit_search import (
     ASSUMPTIONS,
     Attempt,
     FitError,
     FitPoint,
     FitResult,
-    Planner,
     Search,
     search,
 )
@@ -170,15 +180,16 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         max_runs: int = MAX_RUNS, log: Callable[[str], None] = lambda message: None,
         progress: Callable[[FitResult], None] = lambda result: None,
         timed: Callable[[str], AbstractContextManager[object]] = lambda phase: nullcontext()) -> Fitted:  # fmt: skip
-    """Profile the iteration at ``start`` once, search (``capture_at(batch)`` captures it at a
-    batch size), rewrite the batch found and, with ``measure`` (given, or by default on a GPU),
-    run it capped at the limit, stepping back after a failed run (see the module docstring).
+    """Profile the iteration at ``start``, search (``capture_at(batch)`` captures it at a batch
+    size), profile the batch found at its own size and plan it again from that profile, stepping
+    back below it when it no longer fits; rewrite it and, with ``measure`` (given, or by default on
+    a GPU), run it capped at the limit, stepping back after a failed run (see the module docstring).
     ``result.best`` is None when no batch measured within the limit; ``result.failure`` says why.
-    ``progress`` sees the result so far after every search and every measured run. With
+    ``progress`` sees the result so far after every search, re-plan and measured run. With
     ``max_slowdown``, a batch fits only if its plan also predicts at most that many times the time
-    of the step without recomputation (a rough bound: per-op times are scaled from ``start``).
-    ``timed(phase)`` surrounds its phases, ``profile``, ``plan`` (which captures the batch sizes it
-    tries with ``capture_at``) and ``measure``, for a caller that times them (``--time-passes``)."""
+    of the step without recomputation. ``timed(phase)`` surrounds its phases, ``profile``,
+    ``plan`` (which captures the batch sizes it tries with ``capture_at``) and ``measure``, for a
+    caller that times them (``--time-passes``)."""
     budget = int(limit_bytes * (1 - check_margin(margin)))
     check_max_slowdown(max_slowdown)
     began = time.perf_counter()
@@ -189,23 +200,19 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
     base = capture_at(start)
     if measure is None and base.device.type == "cuda":
         measure = measure_capped
-    note(f"profiling batch size {start} once; other batch sizes scale its times linearly")
-    try:
-        with timed("profile"):
-            profile = profile_graph(base.graph, base.inputs, runs=1, warmup=1, iteration_runs=0)
-    except torch.OutOfMemoryError:
-        raise FitError(f"profiling batch size {start} ran out of memory (it runs unoptimized): start the search "
-                       "from a smaller batch size") from None
-    planner = Planner(capture_at, profile, base.graph, start, note, max_slowdown)
-    planner.graphs[start] = base.graph  # profiling read it, changed nothing: no second capture
+    note(f"profiling batch size {start} first: the search scales the nearest batch size profiled to the sizes it "
+         "tries, and profiles each batch it finds at its own size")  # fmt: skip
+    planner = Planner(capture_at, BatchProfiles(limit_bytes, note, timed), note, max_slowdown)
+    planner.start(start, base)
     del base
     result = FitResult(limit_bytes, start, margin, budget, max_slowdown)
+    result.profiles = planner.profiles.records()
     kept: Plan | None = None  # the plan of ``fitting`` (no tensors: a later run must not pay for them)
     fitting: Attempt | None = None  # the largest batch measured within the limit
     failed: Attempt | None = None  # the smallest batch whose measured run failed
+    top: int | None = None  # the largest batch left to try: below the smallest that failed, re-planned or run
     guess = start
     while True:
-        top = failed.batch_size - 1 if failed is not None else None
         with timed("plan"):
             found = search(lambda batch, at=budget: planner.predict(batch, at), guess, budget, top,
                            frozenset(planner.graphs), limit_bytes)  # fmt: skip
@@ -216,10 +223,29 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
             break  # nothing new to measure at this budget
         with timed("plan"):
             planned = planner.rewrite(found.best.batch_size, budget)
-        if measure is None:
-            result.best = planned.point
-            return Fitted(result, planned.context.artifacts["plan"])
         point = planned.point
+        result.tried.append(point)
+        result.profiles = planner.profiles.records()
+        progress(result)
+        if not point.fits:
+            # Planned from its own profile, the batch is no longer the search's answer: search
+            # again below it at the same budget, as after a failed run, from the nearest profile,
+            # and no higher than halfway down to the largest batch whose own profile fits: where
+            # that profile says little (none could be measured), bisecting profiles a few batches
+            # instead of stepping down one at a time.
+            del planned  # its batch's tensors: the next search should not hold them
+            top = guess = _halfway_below(point, result.tried)
+            note(f"batch {point.batch_size} does not fit once profiled at its own size: searching again up to "
+                 f"batch {top}")  # fmt: skip
+            if top < 1:
+                found = Search(failure=f"not even batch size 1 fits: {point.shortfall(limit_bytes)}, planned from "
+                                       f"its own profile; give it more memory or train a smaller model; planning "
+                                       f"batch 1: {point.note}")  # fmt: skip
+                break
+            continue
+        if measure is None:
+            result.best = point
+            return Fitted(result, planned.plan)
         note(f"measuring batch {point.batch_size} capped at {readable_bytes(limit_bytes)}")
         with timed("measure"):
             attempt = Attempt.of(point, measure(point.batch_size, planned.lowered, limit_bytes), limit_bytes)
@@ -227,9 +253,9 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         progress(result)
         note(attempt.describe())
         if attempt.fits:
-            fitting, result.best, kept = attempt, point, planned.context.artifacts["plan"]
+            fitting, result.best, kept = attempt, point, planned.plan
         else:
-            failed = attempt
+            failed, top = attempt, attempt.batch_size - 1
         del planned
         next_budget = _next_budget(fitting, failed, limit_bytes)
         if next_budget is None or len(result.attempts) >= max_runs:
@@ -241,6 +267,16 @@ def fit(capture_at: Callable[[int], CapturedGraph], start: int, limit_bytes: int
         return Fitted(result, None)
     result.measured_peak, result.measured_seconds = fitting.measured_peak, fitting.measured_seconds
     return Fitted(result, kept)
+
+
+def _halfway_below(failed: FitPoint, tried: list[FitPoint]) -> int:
+    """The largest batch the search may try after ``failed`` did not fit from its own profile:
+    halfway between it and the largest batch that fit from its own profile at the same budget
+    (0 if none did), and below it."""
+    fitting = [p.batch_size for p in tried if p.fits and p.profiled_at == p.batch_size and p.budget == failed.budget
+               and p.batch_size < failed.batch_size]  # fmt: skip
+    low = max(fitting, default=0)
+    return (low + failed.batch_size) // 2 if low < failed.batch_size - 1 else failed.batch_size - 1
 
 
 def _next_budget(fitting: Attempt | None, failed: Attempt | None, limit: int) -> int | None:
@@ -274,11 +310,12 @@ def fit_batch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, make_bat
     """The largest batch size whose optimized iteration fits in ``memory`` (``"16GiB"`` or bytes).
 
     ``make_batch(n)`` returns a batch of ``n`` samples on the training device. The iteration is
-    profiled once at ``start`` and planned (optimizer passes and recomputation) at the batch sizes
-    the search tries, against ``memory`` less ``margin`` of it; see the module docstring. On a GPU
-    (or with ``measure``) the batch found is measured capped at ``memory``, stepping back after a
-    failed run; :class:`FitError` when no batch fits. ``max_slowdown`` (like 1.3) also bounds the
-    plan's predicted time against the step without recomputation: the largest batch is often not
+    planned (optimizer passes and recomputation) at the batch sizes the search tries, against
+    ``memory`` less ``margin`` of it, and the batch found is profiled at its own size and planned
+    again from that profile; see the module docstring. On a GPU (or with ``measure``) the batch
+    found is measured capped at ``memory``, stepping back after a failed run; :class:`FitError`
+    when no batch fits. ``max_slowdown`` (like 1.3) also bounds the plan's predicted time against
+    the step without recomputation: the largest batch is often not
     the fastest training, since each recomputed activation costs time.
     """
     log = (lambda message: print(message, file=sys.stderr)) if verbose else (lambda message: None)

@@ -1,31 +1,26 @@
-"""The predicting half of ``--fit``: plan an iteration at a batch size against a budget with a
-scaled profile (:class:`Planner`), and find the largest batch whose plan fits (:func:`search`).
-:mod:`mutwo.runtime.planning.fit` measures what these predict."""
+"""The searching half of ``--fit``: what it records (a batch planned, a measured run, the whole
+fit) and the search for the largest batch whose plan fits (:func:`search`).
+:class:`mutwo.runtime.planning.fit_planner.Planner` plans each batch the search tries;
+:mod:`mutwo.runtime.planning.fit` measures what they predict."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mutwo.ir.budget import Budget, UnreachableBudget, counted, readable_bytes
-from mutwo.ir.graph import Graph
-from mutwo.ir.pass_base import PassContext
-from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure
-from mutwo.ir.printer import fingerprint
-from mutwo.ir.registry import PassRegistry
-from mutwo.runtime.measurement.profiler import Profile
-from mutwo.runtime.planning.captured import CapturedGraph, pass_context
+from mutwo.ir.budget import readable_bytes
 
-#: What the search plans each batch size with (the profile is given, scaled). A batch whose budget
-#: is out of reach does not fit: searching on for its lowest reachable peak would only cost minutes.
+#: What the search plans each batch size with (the profile is given). A batch whose budget is out
+#: of reach does not fit: searching on for its lowest reachable peak would only cost minutes.
 FIT_PIPELINE = "optimizer,select{lowest=false}"
 #: What the prediction rests on (the module docstring of mutwo.runtime.planning.fit says it at length).
-ASSUMPTIONS = ("per-op times and workspaces measured once at the profiled batch size and scaled linearly with the "
-               "batch size; each batch is planned against the limit less the margin, and on a GPU the batch found "
-               "is measured under a cap at the limit")  # fmt: skip
+ASSUMPTIONS = ("the batch found, and every batch measured, is planned from per-op times and workspaces profiled at "
+               "its own size (in memory when its unoptimized step fits under the limit, out of core otherwise); a "
+               "batch the search only tries is planned from the profile of the nearest batch size profiled, scaled "
+               "linearly with the batch size; each batch is planned against the limit less the margin, and on a GPU "
+               "the batch found is measured under a cap at the limit")  # fmt: skip
 #: The largest batch size the search tries.
 MAX_BATCH = 1 << 16
 
@@ -48,6 +43,15 @@ class FitPoint:
     #: when it does not fit: the bytes every plan of it needs at least (0 when unknown: select
     #: stopped at a plan above the budget without searching for the lowest)
     needs: int = 0
+    #: the batch size whose measured profile gave the plan its per-op times and workspaces: this
+    #: one for the batch found and every batch measured, the nearest profiled for the others
+    profiled_at: int = 0
+    #: that profile in words: "measured at batch 512, out of core", or "..., scaled ×2.00" where
+    #: it was measured at another batch size
+    profile: str = ""
+    #: the plan's predicted time per iteration, recomputation included, from that profile (None
+    #: when planning stopped before a plan)
+    predicted_seconds: float | None = None
 
     def shortfall(self, limit: int) -> str:
         """What it needs against ``limit`` (of which the planning budget is what the margin leaves):
@@ -55,6 +59,8 @@ class FitPoint:
         if self.too_slow:
             return f"its plan fits in {readable_bytes(self.budget)} but is too slow"
         held = f" ({readable_bytes(self.budget)} to plan for after the margin)" if self.budget < limit else ""
+        if not self.needs and not self.predicted_peak:  # not planned: its profile could not be measured
+            return f"it could not be planned, the limit is {readable_bytes(limit)}{held}"
         needs = (f"it needs at least {readable_bytes(self.needs)}" if self.needs else
                  f"its best plan peaks at {readable_bytes(self.predicted_peak)}")  # fmt: skip
         return f"{needs}, the limit is {readable_bytes(limit)}{held}"
@@ -73,13 +79,16 @@ class Attempt:
     fits: bool  #: it ran, and its peak is within the limit
     allocator_retries: int | None = None  #: see :class:`mutwo.runtime.planning.fit.Measured`
     reserved_peak: int | None = None
+    predicted_seconds: float | None = None  #: the plan's predicted time per iteration
+    profile: str = ""  #: the profile the plan came from (:attr:`FitPoint.profile`): measured at this batch
 
     @classmethod
     def of(cls, point: FitPoint, measured: Any, limit: int) -> Attempt:
         """The run ``measured`` (a :class:`mutwo.runtime.planning.fit.Measured`) of the plan ``point``."""
         fits = not measured.error and measured.peak is not None and measured.peak <= limit
         return cls(point.batch_size, point.budget, point.predicted_peak, measured.peak, measured.seconds,
-                   measured.error, fits, measured.allocator_retries, measured.reserved_peak)  # fmt: skip
+                   measured.error, fits, measured.allocator_retries, measured.reserved_peak,
+                   point.predicted_seconds, point.profile)  # fmt: skip
 
     def describe(self) -> str:
         head = (f"batch {self.batch_size} (planned for {readable_bytes(self.planned_budget)}, predicted "
@@ -115,18 +124,34 @@ class Search:
 
 
 @dataclass
+class ProfiledBatch:
+    """One batch size profiled at its own size: how, why, and what it took."""
+
+    batch_size: int
+    memory: str  #: "in memory" or "out of core"
+    reason: str  #: why (the profiling choice's line, as the log gives it)
+    seconds: float  #: what profiling it took
+    nodes: int  #: nodes measured
+    iteration_seconds: float  #: the unoptimized iteration by this profile (its nodes' times summed)
+
+
+@dataclass
 class FitResult:
     """The whole fit: every batch planned, every measured run, and the batch found."""
 
     limit_bytes: int
-    profiled_batch: int
+    profiled_batch: int  #: the starting batch size, profiled first: the search's first heuristic
     margin: float  #: the share of the limit the first plans keep free
     planning_budget: int  #: the first planning budget: the limit less the margin
     #: the bound on a plan's predicted time against the step without recomputation (None: no bound)
     max_slowdown: float | None = None
+    #: every batch planned: by the search (most from a scaled profile), and each batch it found
+    #: planned again from its own profile (``profile`` says which)
     tried: list[FitPoint] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
-    best: FitPoint | None = None  #: the batch found (on a GPU: the largest measured within the limit)
+    #: the batch found (on a GPU: the largest measured within the limit), planned from its own profile
+    best: FitPoint | None = None
+    profiles: list[ProfiledBatch] = field(default_factory=list)  #: every batch size profiled, in order
     measured_peak: int | None = None  #: of the batch found
     measured_seconds: float | None = None
     failure: str = ""  #: why no batch was found ('' when one was)
@@ -184,100 +209,3 @@ def search(predict: Callable[[int], FitPoint], start: int, budget: int, max_batc
     found.best = cache[low]
     found.capped = low == MAX_BATCH
     return found
-
-
-def scaled_profile(profile: Profile, profiled: Graph, graph: Graph, factor: float) -> Profile:
-    """``profile`` (measured on ``profiled``) for ``graph``, the same iteration at another batch
-    size: node by node in execution order, times and workspaces multiplied by ``factor``."""
-    if [n.op_name for n in profiled.nodes] != [n.op_name for n in graph.nodes]:
-        raise FitError("the iteration's graph changes with the batch size (other ops, not just other shapes), so "
-                       "the profile cannot be scaled; use mutwo-experiment to sweep batch sizes instead")  # fmt: skip
-    nodes = {}
-    for old, new in zip(profiled.nodes, graph.nodes, strict=True):
-        if old.id in profile.nodes:
-            measured = profile.nodes[old.id]
-            nodes[new.id] = dataclasses.replace(measured, seconds=measured.seconds * factor,
-                                                workspace=int(measured.workspace * factor))  # fmt: skip
-    return Profile(profile.device, fingerprint(graph), nodes, profile.runs, None,
-                   {**profile.meta, "scaled_from_batch_size": profiled.meta.get("batch_size"), "factor": factor})
-
-
-@dataclass
-class Planned:
-    """A batch planned and rewritten, with the inputs to run it on."""
-
-    point: FitPoint
-    lowered: CapturedGraph
-    context: PassContext
-
-
-class Planner:
-    """Plans the iteration at any batch size against any budget, from one profile.
-
-    Each batch size is captured once; its graph is kept (metadata only, no tensors) and every plan
-    runs on a copy, so planning a batch again at another budget costs no capture. Plans made to
-    search are not verified after each pass (the plan of the batch found is, and rewritten)."""
-
-    def __init__(self, capture_at: Callable[[int], CapturedGraph], profile: Profile, profiled: Graph,
-                 profiled_batch: int, log: Callable[[str], None],
-                 max_slowdown: float | None = None) -> None:  # fmt: skip
-        self.capture_at = capture_at
-        self.profile = profile
-        self.profiled = profiled
-        self.profiled_batch = profiled_batch
-        self.log = log
-        #: a plan predicted slower than this many times the step without recomputation does not fit
-        self.max_slowdown = max_slowdown
-        self.graphs: dict[int, Graph] = {}
-
-    def predict(self, batch: int, budget: int) -> FitPoint:
-        """Plan ``batch`` against ``budget``: whether it fits, and the plan's simulated peak."""
-        began = time.perf_counter()
-        if batch not in self.graphs:
-            self.graphs[batch] = self.capture_at(batch).graph
-        point, _ = self.plan(self.graphs[batch].copy(), batch, budget, PassContext(device=self.profile.device),
-                              verify=False)  # fmt: skip
-        point.seconds = time.perf_counter() - began
-        summary = point.note.splitlines()[0] if point.note else ""
-        peak = f"predicted peak {readable_bytes(point.predicted_peak)}" if point.predicted_peak else "not simulated"
-        verdict = "fits" if point.fits else "fits, but too slow," if point.too_slow else "does not fit"
-        self.log(f"batch {batch}: {verdict} in {readable_bytes(budget)}, {peak} ({summary}; "
-                 f"{point.seconds:.1f} s)")  # fmt: skip
-        return point
-
-    def rewrite(self, batch: int, budget: int) -> Planned:
-        """Capture ``batch`` with its inputs, plan it against ``budget`` and rewrite it."""
-        lowered = self.capture_at(batch)
-        context = pass_context(lowered, Budget(bytes=budget))
-        point, context = self.plan(lowered.graph, batch, budget, context, verify=True, final=",rewrite")
-        if not point.fits:
-            raise FitError(f"planning batch {batch} again failed: {point.note}")
-        return Planned(point, lowered, context)
-
-    def plan(self, graph: Graph, batch: int, budget: int, context: PassContext, *, verify: bool,
-             final: str = "") -> tuple[FitPoint, PassContext]:  # fmt: skip
-        """Run the fit pipeline (and ``final``) on ``graph``: the point, and the context with the plan."""
-        context.services["budget"] = Budget(bytes=budget)
-        context.artifacts["profile"] = scaled_profile(self.profile, self.profiled, graph, batch / self.profiled_batch)
-        pipeline = PassRegistry().build_pipeline(FIT_PIPELINE + final, {"profile"})
-        try:
-            PassManager(pipeline, Instrumentation(verify=verify)).run(graph, context)
-        except PipelineFailure as failure:
-            if not isinstance(failure.cause, UnreachableBudget):
-                # Not "the budget is out of reach" but a crash: that is no answer about fitting.
-                raise FitError(f"planning batch {batch} failed: {failure}") from failure
-            plan = context.artifacts.get("plan")  # none when select failed on its estimate alone
-            # select's advice (another budget) is no answer here: the search sets the budget itself.
-            return FitPoint(batch, False, plan.predicted_peak if plan else 0, failure.reason, budget,
-                            needs=failure.cause.needs or 0), context  # fmt: skip
-        plan = context.artifacts["plan"]
-        # The plan's own estimate of what recomputation costs, relative to the step without it: the
-        # price of a larger batch (per-op times scaled from the profiled batch, so a rough one).
-        slower = (plan.base_seconds + plan.added_seconds) / plan.base_seconds if plan.base_seconds > 0 else None
-        cost = f", predicted {slower:.2f}× the time without it" if slower is not None else ""
-        count = len(plan.entries)
-        note = f"{counted(count, 'activation')} recomputed{cost}"
-        if self.max_slowdown is not None and slower is not None and slower > self.max_slowdown:
-            return FitPoint(batch, False, plan.predicted_peak, f"{note}, over the bound of {self.max_slowdown:.2f}×",
-                            budget, too_slow=True), context  # fmt: skip
-        return FitPoint(batch, True, plan.predicted_peak, note, budget), context

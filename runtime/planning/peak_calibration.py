@@ -12,17 +12,28 @@ their step's peak is the recording's, measured when it records, and each round's
 released once measured. Measured on an H200, BERT-base b64 under ``inductor-cudagraphs`` peaked
 11-29% under its plans (docs/benchmarks.md, issue 18's rows).
 
+On CUDA what calibration measures is what the step makes the process *hold*: the allocator's
+reserved bytes over a warm-up and a measured iteration (cached blocks, fragmentation between them,
+CUDA-graph pools, library workspaces), not only its allocated bytes. A budget is then what
+``torch.cuda.max_memory_reserved()`` reports over a user's steady iterations, and what a cap of
+``torch.cuda.set_per_process_memory_fraction`` (``memory_limit``) must hold. Measured on the H100
+before this, processes held 11-28% more than their plans' allocated peaks (issue 38). On the CPU,
+which keeps no reserve, it is the allocated peak from the profiler's memory events.
+
 Calibration closes that loop by measurement, not by a model of Inductor's buffers:
 
 1. Plan at the budget, compile, and measure the compiled step's peak.
-2. Within ``tolerance`` of the budget: done.
-3. Otherwise plan again with the budget moved by the gap. If the step peaked ``gap`` bytes under
-   the budget, the next plan may simulate ``gap`` bytes more. Then compile and measure again.
+2. At most the budget and within ``tolerance`` under it: done.
+3. Otherwise plan again with the budget moved by the gap to the middle of that window. If the
+   step peaked ``gap`` bytes under it, the next plan may simulate ``gap`` bytes more. A step that
+   ran out of memory (under a memory limit) is planned again 10% of the budget lower. Then
+   compile and measure again.
 
 Each round costs a compile: ~150 s for BERT-base and ~4 min for ResNet-152 on the H100's host.
-The step kept is a round within the tolerance; failing that, one at most the tolerance over the
-budget. Among those it takes the largest budget, since that recomputes least. When no round
-qualifies, the step with the lowest measured peak is kept and the result says so.
+The step kept is a round within the tolerance; failing that, one under the budget. Among those it
+takes the largest budget, since that recomputes least. When no round qualifies, the step with the
+lowest measured peak is kept and the result says so; when every round ran out of memory,
+:class:`CalibrationOutOfMemory` says so.
 """
 
 from __future__ import annotations
@@ -43,22 +54,35 @@ from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import cpu_iteration_peak, device_bytes, device_of, measure_iterations
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 
-#: How far from the budget a compiled step's measured peak may be (the fused-executor issue's 3%).
+#: How far under the budget a compiled step's measured peak may be (the fused-executor issue's 3%).
 TOLERANCE = 0.03
+#: Re-plans calibration makes by default on CUDA (:func:`calibration_rounds`): in the calibrated
+#: H100 rows of docs/benchmarks.md, two re-plans brought every step within the tolerance.
+DEFAULT_ROUNDS = 2
+#: How much of the budget a round that ran out of memory moves the next one down.
+OUT_OF_MEMORY_STEP = 0.1
+
+
+class CalibrationOutOfMemory(RuntimeError):
+    """Every plan calibration measured ran out of device memory (under a memory limit)."""
 
 Step = TypeVar("Step")
 
 
 @dataclass(frozen=True)
 class CalibrationRound:
-    """One plan: the budget ``select`` planned for, the peak it simulated, the peak measured; and
-    the simulated peak of the graph with nothing recomputed (a budget at or above it plans nothing),
-    when known."""
+    """One plan: the budget ``select`` planned for, the peak it simulated, the peak measured (on
+    CUDA what the process held: reserved bytes); the simulated peak of the graph with nothing
+    recomputed (a budget at or above it plans nothing), when known; on CUDA the allocated peak;
+    and whether measuring it ran out of memory (its measured peak is then unknown, and set to
+    the budget's reach: the round is never kept)."""
 
     budget_bytes: int
     planned_peak_bytes: int
     measured_peak_bytes: int
     unoptimized_peak_bytes: int | None = None
+    allocated_peak_bytes: int | None = None
+    out_of_memory: bool = False
 
 
 @dataclass
@@ -78,8 +102,8 @@ class Calibration(Generic[Step]):
 
     @property
     def within(self) -> bool:
-        """Whether the kept step's measured peak is within the tolerance of the target."""
-        return _within(self.rounds[self.chosen].measured_peak_bytes, self.target_bytes, self.tolerance)
+        """Whether the kept step's measured peak is at most the target and within the tolerance under it."""
+        return _within(self.rounds[self.chosen], self.target_bytes, self.tolerance)
 
     def describe(self) -> dict[str, Any]:
         """The calibration for a results row or summary.json."""
@@ -88,26 +112,33 @@ class Calibration(Generic[Step]):
 
     def summary(self) -> str:
         """One line: the rounds' measured peaks against the target, and which was kept."""
-        peaks = ", ".join(f"{r.measured_peak_bytes / 2**20:,.1f}" for r in self.rounds)
+        peaks = ", ".join("out of memory" if r.out_of_memory else f"{r.measured_peak_bytes / 2**20:,.1f} MiB"
+                          for r in self.rounds)  # fmt: skip
         kept = self.rounds[self.chosen].measured_peak_bytes
         verdict = "within" if self.within else "NOT within"
-        return (f"peak calibration: measured {peaks} MiB over {len(self.rounds)} round(s) for a budget of "
+        return (f"peak calibration: measured {peaks} over {len(self.rounds)} round(s) for a budget of "
                 f"{self.target_bytes / 2**20:,.1f} MiB; kept round {self.chosen + 1} ({kept / 2**20:,.1f} MiB, "
-                f"{(kept / self.target_bytes - 1) * 100:+.1f}%, {verdict} {self.tolerance:.0%})")  # fmt: skip
+                f"{(kept / self.target_bytes - 1) * 100:+.1f}%, {verdict} {self.tolerance:.0%} under it)")  # fmt: skip
 
 
-def measured_peak(run: Callable[..., Any], inputs: list[torch.Tensor]) -> int:
-    """The peak of one iteration of ``run``, its inputs included, as the simulator counts a plan's.
-    On CUDA from the allocator, after one warm-up iteration (a CUDA-graph backend records then: its
-    recording's peak counts, and the recording is released after, see :func:`release_recording`).
-    On the CPU from the profiler's allocation events (the CPU allocator keeps no peak), plus the
-    inputs' bytes."""
+def measured_peak(run: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[int, int | None]:
+    """The peak of ``run``'s iterations, its inputs included, as the simulator counts a plan's, and
+    on CUDA the allocated peak beside it. On CUDA what the process held (reserved bytes) over a
+    warm-up iteration and two measured ones (a CUDA-graph backend records in the first: its pool
+    counts, and the recording is released after, see :func:`release_recording`), on the inputs
+    themselves (a second copy of the state on the device is more than a memory limit allows;
+    their values are put back after). On the CPU the
+    allocated peak from the profiler's allocation events (the CPU allocator keeps no peak), plus
+    the inputs' bytes. A run out of memory raises ``torch.OutOfMemoryError`` with its recording
+    released."""
     if device_of(inputs).type == "cuda":
-        peak = measure_iterations(run, inputs, runs=1, warmup=1).peak_bytes
-        release_recording(run)
-        assert peak is not None  # measured on CUDA
-        return peak
-    return cpu_iteration_peak(run, inputs) + device_bytes(inputs, torch.device("cpu"))
+        try:
+            measured = measure_iterations(run, inputs, runs=2, warmup=1, on_inputs=True)
+        finally:
+            release_recording(run)
+        assert measured.held_bytes is not None and measured.peak_bytes is not None  # measured on CUDA
+        return measured.held_bytes, measured.peak_bytes
+    return cpu_iteration_peak(run, inputs) + device_bytes(inputs, torch.device("cpu")), None
 
 
 def release_recording(run: Callable[..., Any]) -> None:
@@ -122,14 +153,22 @@ def release_recording(run: Callable[..., Any]) -> None:
         torch.cuda.empty_cache()
 
 
-def _within(peak: int, target: int, tolerance: float) -> bool:
-    return abs(peak - target) <= tolerance * target
+def _within(round_: CalibrationRound, target: int, tolerance: float) -> bool:
+    """A budget is a ceiling: a round is within when it peaked at most ``target``, and at most
+    ``tolerance`` of it under (more under recomputes more than the budget needs)."""
+    peak = round_.measured_peak_bytes
+    return not round_.out_of_memory and (1 - tolerance) * target <= peak <= target
 
 
-def next_budget(target: int, last: CalibrationRound) -> int:
+def next_budget(target: int, last: CalibrationRound, tolerance: float = TOLERANCE) -> int:
     """The budget for the next plan: the last one moved by how far its step's measured peak missed
-    the target (the compiled step is assumed to keep the same gap to its plan's simulated peak)."""
-    return max(1, last.budget_bytes + target - last.measured_peak_bytes)
+    the middle of the window under the target (the compiled step is assumed to keep the same gap
+    to its plan's simulated peak); after running out of memory, :data:`OUT_OF_MEMORY_STEP` of the
+    target lower."""
+    if last.out_of_memory:
+        return max(1, last.budget_bytes - int(OUT_OF_MEMORY_STEP * target))
+    aim = target - int(tolerance * target / 2)
+    return max(1, last.budget_bytes + aim - last.measured_peak_bytes)
 
 
 def calibrate(target_bytes: int, rounds: int,
@@ -157,12 +196,13 @@ def calibrate(target_bytes: int, rounds: int,
         result, step = outcome
         results.append(result)
         steps.append(step)
+        measured = ("ran out of memory" if result.out_of_memory
+                    else f"measured {result.measured_peak_bytes / 2**20:,.1f} MiB")  # fmt: skip
         log(f"peak calibration round {index + 1}: planned for {budget / 2**20:,.1f} MiB, simulated "
-            f"{result.planned_peak_bytes / 2**20:,.1f} MiB, measured {result.measured_peak_bytes / 2**20:,.1f} MiB "
-            f"(budget {target_bytes / 2**20:,.1f} MiB)")  # fmt: skip
-        if _within(result.measured_peak_bytes, target_bytes, tolerance):
+            f"{result.planned_peak_bytes / 2**20:,.1f} MiB, {measured} (budget {target_bytes / 2**20:,.1f} MiB)")
+        if _within(result, target_bytes, tolerance):
             break
-        following = next_budget(target_bytes, result)
+        following = next_budget(target_bytes, result, tolerance)
         # Every budget at or above the graph's simulated peak with nothing recomputed plans nothing:
         # measured on the H100 (BERT-base b64 at torch.compile 0.5's peak), that step peaked 4.9%
         # under the budget, and a third compile planned nothing again.
@@ -174,18 +214,24 @@ def calibrate(target_bytes: int, rounds: int,
                     "graph simulates with nothing recomputed, whose step was measured already; stopping")  # fmt: skip
             break  # the same plan again would measure the same peak
         budget = following
+    if all(r.out_of_memory for r in results):
+        raise CalibrationOutOfMemory(
+            f"every plan measured for the budget of {target_bytes / 2**20:,.1f} MiB ran out of device memory "
+            f"({len(results)} round(s), down to {results[-1].budget_bytes / 2**20:,.1f} MiB planned); give a "
+            "lower budget, or a higher memory limit")  # fmt: skip
     return Calibration(target_bytes, results, steps, _choose(results, target_bytes, tolerance), tolerance)
 
 
 def _choose(rounds: list[CalibrationRound], target: int, tolerance: float) -> int:
-    """The round to keep: of those whose measured peak is within the tolerance of the target, else
-    of those at most the tolerance over it, the one of the largest budget (it recomputes least);
-    when none fits, the round of the lowest measured peak."""
-    within = [i for i, r in enumerate(rounds) if _within(r.measured_peak_bytes, target, tolerance)]
-    fitting = within or [i for i, r in enumerate(rounds) if r.measured_peak_bytes <= (1 + tolerance) * target]
+    """The round to keep: of those within the tolerance under the target, else of those under it,
+    the one of the largest budget (it recomputes least); when none fits, the round of the lowest
+    measured peak. Never a round that ran out of memory, unless all did."""
+    ran = [i for i, r in enumerate(rounds) if not r.out_of_memory] or list(range(len(rounds)))
+    within = [i for i in ran if _within(rounds[i], target, tolerance)]
+    fitting = within or [i for i in ran if rounds[i].measured_peak_bytes <= target]
     if fitting:
         return max(fitting, key=lambda i: rounds[i].budget_bytes)
-    return min(range(len(rounds)), key=lambda i: rounds[i].measured_peak_bytes)
+    return min(ran, key=lambda i: rounds[i].measured_peak_bytes)
 
 
 def calibration_refusal(rounds: int | None, backend: str, passes: Sequence[Pass], option: str,
@@ -194,11 +240,10 @@ def calibration_refusal(rounds: int | None, backend: str, passes: Sequence[Pass]
     ``budget_option``), or ``None`` when it can (or ``rounds`` is ``None``: not asked for)."""
     if rounds is None:
         return None
-    if rounds < 1:
-        return f"{option} takes the number of re-plans, 1 or more (like 2), got {rounds}"
-    if backend == "eager":
-        return (f"{option} re-plans for the measured peak of a compiled step; use the inductor, inductor-cudagraphs "
-                "or cudagraphs backend (the eager executor's peak is the simulated one)")  # fmt: skip
+    if rounds < 0:
+        return f"{option} takes the number of re-plans, 0 (none) or more (like 2), got {rounds}"
+    if rounds == 0:
+        return None
     select = next((p for p in passes if p.name in ("select", "select-swap")), None)
     if select is None:
         return (f"{option} re-plans select's (or select-swap's) budget, and the pipeline runs neither; add one "
@@ -207,6 +252,20 @@ def calibration_refusal(rounds: int | None, backend: str, passes: Sequence[Pass]
         return (f"{option} moves the run's budget, which {select.name}{{budget=...}} overrides; give the budget "
                 f"with {budget_option}")  # fmt: skip
     return None
+
+
+def calibration_rounds(rounds: int | None, device: torch.device, passes: Sequence[Pass], data_parallel: bool) -> int:
+    """The re-plans calibration makes: ``rounds`` when given (0: none). By default
+    :data:`DEFAULT_ROUNDS` on CUDA, where what the process holds differs from the plan's simulated
+    peak, when the pipeline plans the run's budget (select or select-swap without a budget of its
+    own) and the step is not data-parallel (each rank would measure its own peak, and the ranks
+    must keep one plan); none on the CPU, which holds what it allocates."""
+    if rounds is not None:
+        return rounds
+    if device.type != "cuda" or data_parallel:
+        return 0
+    select = next((p for p in passes if p.name in ("select", "select-swap")), None)
+    return DEFAULT_ROUNDS if select is not None and getattr(select, "budget", None) is None else 0
 
 
 @dataclass
@@ -264,10 +323,14 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
             made = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
         else:
             made, text = first, print_graph(first.graph)
-        peak = measured_peak(made.compiled.run, lowered.inputs)
         made_plan = pipeline_plan(made.ctx.artifacts)
-        measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak,
-                                          made_plan.unoptimized_peak), made  # fmt: skip
+        try:
+            peak, allocated = measured_peak(made.compiled.run, lowered.inputs)
+            out_of_memory = False
+        except torch.OutOfMemoryError:  # under a memory limit: this plan is over it
+            peak, allocated, out_of_memory = budget_bytes, None, True
+        measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak, made_plan.unoptimized_peak,
+                                          allocated, out_of_memory), made  # fmt: skip
         return measured[text]
 
     calibration = calibrate(pipeline_plan(first.ctx.artifacts).budget_bytes, rounds, plan_and_measure, log)

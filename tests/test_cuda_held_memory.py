@@ -1,0 +1,90 @@
+"""The budget is what the process holds (skipped without a GPU): measured as a user's loop measures
+it, ``torch.cuda.max_memory_reserved()`` over steady iterations after warm-up stays within the
+budget that ``mutwo.optimize`` was given, for the eager executor and under CUDA graphs, and a
+memory limit at that budget trains without running out of memory.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import mutwo
+from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
+from mutwo.runtime.measurement.device_memory import lift_memory_limit
+from tests import models
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = torch.device("cuda")
+
+
+def deep_mlp() -> models.Workload:
+    """Eight layers whose activations are 128 MiB each: plans of fine grain (one activation is 5%
+    of the peak), so that a budget can be met by a plan, and the allocator's blocks, not the
+    plan's granularity, decide what is held over it (a small CNN's plans could not go under the
+    34% its allocator held over its allocated peak)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(2048, 2048), torch.nn.GELU()]
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(2048, 10)).to(DEVICE)
+    batch = (torch.randn(16384, 2048, device=DEVICE), torch.randint(0, 10, (16384,), device=DEVICE))
+    return models.Workload(models.Classifier(net), batch, models.cross_entropy)
+
+
+@pytest.fixture
+def clean_device() -> Iterator[int]:
+    """What the process holds before the test makes anything (other tests' leftovers given back),
+    and the cap lifted after it."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    yield torch.cuda.memory_reserved(DEVICE)
+    lift_memory_limit(DEVICE)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _held_over_steady_steps(step: mutwo.MutwoStep, batch: object, base: int) -> tuple[int, int]:
+    """Max reserved and max allocated over 5 steps after 3 warm-up steps, as a plain loop measures."""
+    for _ in range(3):
+        step(batch)
+    torch.cuda.synchronize(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    for _ in range(5):
+        step(batch)
+    torch.cuda.synchronize(DEVICE)
+    return torch.cuda.max_memory_reserved(DEVICE) - base, torch.cuda.max_memory_allocated(DEVICE) - base
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor-cudagraphs"])
+def test_cuda_the_process_holds_at_most_the_budget(backend: str, clean_device: int) -> None:
+    work = deep_mlp()
+    batch = work.batch
+    optimizer = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    if backend.endswith("cudagraphs"):
+        graphable_optimizer(optimizer, DEVICE)
+    step = mutwo.optimize(work.model, optimizer, batch, work.loss_fn, budget=0.6, backend=backend)
+    optimized = step.last
+    assert optimized is not None and optimized.calibration is not None, "calibrated by default on CUDA"
+    target = optimized.calibration.target_bytes
+    held, allocated = _held_over_steady_steps(step, batch, clean_device)
+    assert held <= target, (f"held {held / 2**20:.1f} MiB (allocated {allocated / 2**20:.1f} MiB) over a budget of "
+                            f"{target / 2**20:.1f} MiB; {optimized.calibration.summary()}")  # fmt: skip
+
+
+def test_cuda_a_memory_limit_at_the_budget_trains_without_running_out(clean_device: int) -> None:
+    work = deep_mlp()
+    batch = work.batch
+    optimizer = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    graphable_optimizer(optimizer, DEVICE)
+    planned = mutwo.optimize(work.model, optimizer, batch, work.loss_fn, budget=0.6, passes="profile,select")
+    budget = planned.last.plan.budget_bytes  # the same fraction in bytes, for the limit
+    del planned
+    step = mutwo.optimize(work.model, optimizer, batch, work.loss_fn, budget=budget, backend="inductor-cudagraphs",
+                          memory_limit=budget + clean_device)  # fmt: skip
+    held, _ = _held_over_steady_steps(step, batch, clean_device)
+    assert held <= budget
