@@ -8,6 +8,10 @@
 #
 #   . bench/gpu_env.sh && bash bench/h100_campaign.sh SECTION
 #
+# Thirteenth session (2026-11-26, an H200; bench/results/session13_h200/, docs/benchmarks.md "Under a
+# hard cap at the budget"): issue 38's held memory (start i38-held-bert i38-held-llama, ~30 min)
+#   i38-held-*   BERT-base b64 under 16 GiB, the 0.5B Llama under 12 GiB, ResNet-152-cl b128 under
+#                12 GiB (not run yet): capped and uncapped at the cap's budget, 50 steps each
 # Twelfth session (2026-11-26, H100; bench/results/session12_h100/, docs/benchmarks.md "Planning a
 # step that does not fit"): issue 38's out-of-core profile (start i38-ooc i38-tests)
 #   i38-ooc      BERT-base b32: the in-memory and out-of-core profiles compared node by node; BERT-base
