@@ -36,6 +36,7 @@ from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.capture.tracing import quiet_loggers, quiet_torch_errors
+from mutwo.runtime.execution.compiled_random import draw_as_eager
 from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.execution.errors import BackendError, CompileError
 from mutwo.runtime.execution.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
@@ -59,9 +60,9 @@ BACKENDS = ("eager", "inductor", "cudagraphs", "inductor-cudagraphs")
 #: - ``reorder_for_peak_memory``: the scheduler replaces the graph's order by the best of three
 #:   topological sorts under its own estimate, which does not know the plan; the plan's order is
 #:   the one whose peak mutwo simulated.
-#: - ``fallback_random``: random ops run aten's kernels on the default generator, so a compiled
-#:   step draws the same numbers as the eager one (dropout masks, and the generator states that
-#:   recompute replays restore).
+#: - ``fallback_random``: random ops run aten's kernels on the default generator, in the graph's
+#:   order; with the layouts :func:`~mutwo.runtime.execution.compiled_random.draw_as_eager` pins,
+#:   a compiled step draws the same numbers as the eager one.
 #: On a GPU also (:data:`CUDA_INDUCTOR_OPTIONS`):
 #: - ``layout_optimization``: Inductor would turn a convolutional network's tensors channels-last,
 #:   and cuDNN then picks other algorithms, which with TF32 (on for convolutions by default)
@@ -180,6 +181,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     if graphed:
         refuse_uncapturable(module, inputs, [label for _, label in slots])
     if backend.startswith("inductor"):
+        draw_as_eager(module, graph, inputs, backend)
         functionalizable_host_calls(module)
         compiled_swap_ops(module)
     if graphed and swaps:

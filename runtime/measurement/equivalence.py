@@ -109,6 +109,8 @@ class EquivalenceReport:
     passed_by_fp64: int = 0
     #: why the fp64 run of the original stopped (then the direct tolerance alone decided)
     fp64_failure: str | None = None
+    #: the random ops the candidate runs, by op, in graph order (:func:`random_ops`)
+    random_ops: dict[str, int] = field(default_factory=dict)
 
     @property
     def equivalent(self) -> bool:
@@ -130,7 +132,20 @@ class EquivalenceReport:
                        "parameters and state their updates wrote") if self.gradients_not_returned else ""
             return f"equivalent over {self.iterations} iterations ({self.compared} tensors compared, {mode}{dropped})"
         head = f"NOT equivalent ({len(self.mismatches)} mismatches, {mode}); first: {self.mismatches[0]}"
-        return head
+        return head + self._random_cause()
+
+    def _random_cause(self) -> str:
+        """Whether random numbers may explain the mismatches: a mask drawn in other places changes
+        every number after it, and the first tensor named is then wherever that shows first."""
+        if not self.random_ops:
+            return ""
+        ops = ", ".join(f"{count} {op}" for op, count in list(self.random_ops.items())[:3])
+        drew = next((m for m in self.mismatches if m.what == "random generator"), None)
+        if drew is not None:
+            return (f"; random numbers differ: the steps drew different counts of them (the generator states differ "
+                    f"after iteration {drew.iteration}; random ops: {ops})")  # fmt: skip
+        return (f"; the step draws random numbers ({ops}), which may be the cause: a draw in another place changes "
+                "every number computed from it; the same check with every dropout probability at 0 tells")
 
     def _fp64_outcome(self) -> str:
         """Which rule passed how many tensors, or why the fp64 rule was not applied."""
@@ -183,6 +198,15 @@ def random_stream_kept(model: torch.nn.Module) -> Iterator[None]:
             for t in (*model.parameters(), *model.buffers()) if t.is_cuda}  # fmt: skip
     with torch.random.fork_rng(devices=sorted(gpus)):
         yield
+
+
+def random_ops(graph: Graph) -> dict[str, int]:
+    """How many nodes of ``graph`` draw random numbers, by op, in graph order."""
+    counts: dict[str, int] = {}
+    for node in graph:
+        if node.op == "call_function" and node.is_random:
+            counts[str(node.target)] = counts.get(str(node.target), 0) + 1
+    return counts
 
 
 def replays_exact(graph: Graph, device: str) -> bool:
@@ -304,7 +328,8 @@ def compare_graphs(
         # noise in a near-zero gradient with a learning-rate-sized step either way (and clipping
         # spreads one gradient's noise to all): compare the way a compiled step is compared.
         tolerance = Tolerance(*tolerances(reference), fp64=False)
-    report = EquivalenceReport(iterations, bitwise, tolerance, reference_varies=varies)
+    report = EquivalenceReport(iterations, bitwise, tolerance, reference_varies=varies,
+                               random_ops=random_ops(candidate))  # fmt: skip
     report.rtol, report.atol = (tolerance.rtol, tolerance.atol) if tolerance is not None else tolerances(reference)
     if varies is not None:  # a second run of the reference measures how much it varies by itself
         modules.append(modules[0])
