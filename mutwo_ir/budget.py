@@ -105,15 +105,20 @@ def readable_bytes(size: int, unit: str | None = None) -> str:
 
 
 def sizes(*values: int) -> list[str]:
-    """Byte counts written for one message in one unit, so that they compare at a glance: the unit
-    the largest fills, or a smaller one where two different counts would read the same in it (a
-    budget just under the lowest peak must not read as that peak)."""
-    texts: list[str] = []
+    """Byte counts written for one message in one unit (:func:`size_unit`), so that they compare
+    at a glance."""
+    unit = size_unit(*values)
+    return [readable_bytes(value, unit) for value in values]
+
+
+def size_unit(*values: int) -> str:
+    """The one unit a message writes ``values`` in: the unit the largest fills, or a smaller one
+    where two different counts would read the same in it (a budget just under the lowest peak must
+    not read as that peak)."""
     for unit, _ in SIZE_UNITS[_unit_of(max(values, default=0)):]:
-        texts = [readable_bytes(value, unit) for value in values]
-        if len(set(texts)) == len(set(values)):
-            break
-    return texts
+        if len({readable_bytes(value, unit) for value in values}) == len(set(values)):
+            return unit
+    return SIZE_UNITS[-1][0]
 
 
 def counted(count: int, noun: str, plural: str | None = None) -> str:

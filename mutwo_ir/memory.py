@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mutwo.ir.budget import readable_bytes
+from mutwo.ir.budget import SIZE_UNITS, readable_bytes
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import KIND_PRECEDENCE, Liveness, compute_liveness
 from mutwo.ir.node import NodeKind
@@ -61,11 +61,19 @@ class MemorySimulation:
         return describe_breakdown(self.breakdown)
 
 
-def describe_breakdown(breakdown: Mapping[str, int]) -> str:
-    """A breakdown by kind in words, largest first, kinds with no bytes left out."""
+def describe_breakdown(breakdown: Mapping[str, int], unit: str | None = None) -> str:
+    """A breakdown by kind in words, largest first, kinds with no bytes left out. Each share in the
+    largest unit it fills, or all in ``unit``, that of the message's other sizes (a share too small
+    to show in it reads ``< 0.1 MiB``, not ``0.0 MiB``)."""
     parts = sorted(((value, BREAKDOWN_NAMES.get(kind, kind)) for kind, value in breakdown.items() if value),
                    reverse=True)  # fmt: skip
-    return ", ".join(f"{name} {readable_bytes(value)}" for value, name in parts) or "nothing"
+    return ", ".join(f"{name} {_share(value, unit)}" for value, name in parts) or "nothing"
+
+
+def _share(size: int, unit: str | None) -> str:
+    if unit is not None and 20 * size < dict(SIZE_UNITS)[unit]:  # it would read 0.0
+        return f"< 0.1 {unit}"
+    return readable_bytes(size, unit)
 
 
 def main_device(graph: Graph) -> str:

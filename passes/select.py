@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget, UnreachableBudget, budget_text, counted, parse_budget, readable_bytes, sizes
+from mutwo.ir.budget import (
+    Budget,
+    UnreachableBudget,
+    budget_text,
+    counted,
+    parse_budget,
+    readable_bytes,
+    size_unit,
+    sizes,
+)
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness, elapsed_seconds, idle_seconds
 from mutwo.ir.memory import Headroom, MemorySimulation, allocation_size, describe_breakdown, simulate
@@ -491,6 +500,7 @@ class SelectPass(Pass):
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
+        unit = size_unit(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)  # its breakdown's too
         budget_size, lowest, unoptimized = sizes(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)
         share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
         if not self.lowest:
@@ -510,5 +520,5 @@ class SelectPass(Pass):
                 why += ", ...)" if len(plan.refused) > 1 else ")"
         return UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak recomputation "
                                  f"reaches is {lowest} ({share}) {where}, holding "
-                                 f"{describe_breakdown(plan.predicted_breakdown)}; {why}",
+                                 f"{describe_breakdown(plan.predicted_breakdown, unit)}; {why}",
                                  plan.predicted_peak, base.peak_bytes, lowest)  # fmt: skip

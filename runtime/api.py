@@ -9,15 +9,20 @@ a loss function into a training step that uses less memory and computes the same
         scheduler.step()            # learning-rate schedulers work: the rate is read every call
 
 The step updates the real model's parameters and buffers and the real optimizer's state in
-place, so ``state_dict()``, checkpoints, schedulers and evaluation keep working. A batch of
-another shape (a smaller last batch) is captured and optimized again, and the step says so.
+place, so ``state_dict()``, checkpoints, schedulers and evaluation keep working. Every graph the
+loop will run that is known in advance (gradient accumulation's micro-batches, the step after the
+optimizer creates its state) is captured and planned by ``optimize``, which raises there, leaving
+the model and optimizer as they were, when one cannot be planned. A batch of another shape (a
+smaller last batch) is captured and optimized again, and the step says so. The loss a call
+returns has a ``grad_fn``, as eager's has, whose ``backward()`` says that the step already ran it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +46,7 @@ from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graph
 from mutwo.runtime.measurement.iterations import device_of
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
-from mutwo.runtime.planning.captured import capture_graph, pass_context
+from mutwo.runtime.planning.captured import accumulated_stand_ins, capture_graph, pass_context
 from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
     Calibration,
@@ -130,6 +135,7 @@ def optimize_graph(
         raise ValueError(refusal)
     with random_stream_kept(model):  # planning runs the graph; the caller's training draws what eager's would
         lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
+        log(lowered.captured.call.sentence())
         original = lowered.graph.copy()
         context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads,
                                memory_limit=memory_limit)
@@ -197,6 +203,8 @@ class MutwoStep:
     options: dict[str, Any]
     keep_grads: bool = False
     log: Callable[[str], None] = field(default=lambda message: None)
+    #: what is said whether verbose or not: that a check asked for passed
+    say: Callable[[str], None] = field(default=lambda message: None)
     steps: dict[tuple[Any, ...], list[tuple[Optimized, GraphStep]]] = field(default_factory=dict)
     last: Optimized | None = None
     micro_index: int = 0  #: with gradient accumulation: the micro-batch the next call runs
@@ -215,7 +223,7 @@ class MutwoStep:
 
     def prepare(self, batch: Any) -> tuple[GraphStep, list[torch.Tensor]]:
         """The optimized step for ``batch`` and its inputs, captured and optimized when no graph fits."""
-        key = capture_key(self.model, self.optimizer, batch) + ("micro", self.micro)
+        key = self._key(batch)
         candidates = self.steps.setdefault(key, [])
         reasons: list[str] = []
         for optimized, step in list(candidates):
@@ -238,15 +246,63 @@ class MutwoStep:
                               "optimizing the iteration again; changed at every step, each step pays for a capture "
                               "(only the learning rate, momentum and betas are read at every call)",
                               stacklevel=3)  # fmt: skip
+        k = self.options["training"].accumulation_steps
+        step = self._optimize(batch, key, _graph_name(self.micro, k) if k > 1 else "")
+        return step, step.flat_inputs(batch)
+
+    def plan_ahead(self, batch: Any) -> None:
+        """Capture and plan now every graph that training on batches like ``batch`` runs and that
+        is known in advance, so that planning fails here rather than in the training loop: with
+        gradient accumulation the first, middle and last micro-batches' (the gradients accumulated
+        before a middle or last one stood in by zeros, :func:`accumulated_stand_ins`), and where
+        the optimizer creates state in its first step (SGD's momentum buffer with dampening), the
+        step's graph for the steps after it. When one fails, its exception gets a note naming the
+        graph, and the optimizer state planning created (as the first ``step()`` would) is taken
+        back: the model and the optimizer are left as they were given."""
+        k = self.options["training"].accumulation_steps
+        several = k > 1
+        first: Optimized | None = None
+        try:
+            with _optimizer_state_kept_on_failure(self.optimizer):
+                for index in sorted({0, min(1, k - 1), k - 1}):
+                    self.micro_index = index
+                    graph = _graph_name(self.micro, k)
+                    if index:
+                        self.log(f"mutwo: planning {graph} too")
+                    with _noted_on_failure(graph if several else None):
+                        step = self._optimize(batch, self._key(batch), graph if several else "")
+                    first = first or self.last
+                    if index == 0 and several:
+                        self.accumulated.update(accumulated_stand_ins(step.captured))
+                    if step.binding.fresh:
+                        graph = f"{graph} once the optimizer's state exists (it creates it in its first step)"
+                        self.log(f"mutwo: planning {graph} too")
+                        with _noted_on_failure(graph), _fresh_state_installed(step.binding):
+                            self._optimize(batch, self._key(batch), graph)
+        finally:
+            self.micro_index = 0
+            self.accumulated.clear()  # the stand-ins; in place: the bindings of the other graphs read this dict
+        self.last = first  # the graph the first call runs
+
+    def _key(self, batch: Any) -> tuple[Any, ...]:
+        return capture_key(self.model, self.optimizer, batch) + ("micro", self.micro)
+
+    def _optimize(self, batch: Any, key: tuple[Any, ...], graph: str = "") -> GraphStep:
+        """Capture and optimize the iteration for ``batch`` as the next call runs it (the graph of
+        ``self.micro``), check it when asked to, and keep it under ``key``; ``graph`` names it in
+        the check's line where there are several."""
         optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, micro=self.micro,
                                    accumulated=self.accumulated, **self.options)  # fmt: skip
-        if optimized.report is not None and not optimized.report.equivalent:
-            raise NotEquivalentError(optimized.report.summary())
+        report = optimized.report
+        if report is not None:
+            if not report.equivalent:
+                raise NotEquivalentError(report.summary())
+            self.say(f"mutwo: check passed{f' for {graph}' if graph else ''}: the optimized step is "
+                     f"{report.summary()}")  # fmt: skip
         assert optimized.step is not None
-        step = optimized.step
-        candidates.append((optimized, step))
+        self.steps.setdefault(key, []).append((optimized, optimized.step))
         self.last = optimized
-        return step, step.flat_inputs(batch)
+        return optimized.step
 
     def __call__(self, batch: Any) -> torch.Tensor:
         if self.refusal is not None:
@@ -275,7 +331,7 @@ class MutwoStep:
             params = dict(self.model.named_parameters())
             for name, grad in gradients.items():
                 params[name].grad = grad
-        return output.loss
+        return MutwoLoss.returned(output.loss)
 
     def _failed(self, failure: Failure | None, error: BaseException) -> None:
         """After a call raised ``error``: refuse later calls when the parameters or optimizer state
@@ -290,6 +346,92 @@ class MutwoStep:
         note = failure.note(dropped)
         if note is not None:
             add_note(error, note)
+
+
+#: What ``loss.backward()`` on the loss a step returned raises (:class:`MutwoLoss`).
+BACKWARD_AFTER_STEP = ("mutwo: this loss comes from step(batch), which has already run the backward pass and the "
+                       "optimizer step in its graph (with gradient accumulation: added this micro-batch's "
+                       "gradients); drop loss.backward(), optimizer.step() and optimizer.zero_grad() from the loop "
+                       "(optimize(..., keep_grads=True) sets each parameter's .grad)")  # fmt: skip
+
+
+class MutwoLoss(torch.autograd.Function):
+    """The loss a step returns, with a ``grad_fn`` as eager's has: its own value (an alias: nothing
+    is computed, and the graph kept is this node), whose ``backward()`` says in one sentence that
+    the step already ran it, where torch would say "element 0 of tensors does not require grad".
+    An alias that is no view, so that ``loss += x`` works as on eager's loss."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(BACKWARD_AFTER_STEP)
+
+    @classmethod
+    def returned(cls, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` with this node as its ``grad_fn``; as it is where no graph is recorded (no_grad, inference mode)."""
+        if not torch.is_grad_enabled():
+            return loss
+        return cls.apply(loss.detach().requires_grad_())
+
+
+def _graph_name(micro: str, k: int) -> str:
+    """A graph of :attr:`MutwoStep.micro` in words, for messages."""
+    if micro == "step":
+        return "the training step's graph"
+    return f"the {micro} micro-batch's graph of gradient accumulation (accumulation_steps={k})"
+
+
+@contextlib.contextmanager
+def _noted_on_failure(graph: str | None) -> Iterator[None]:
+    """Planning ``graph`` (None: the only one): when it fails, a note on the exception names it."""
+    try:
+        yield
+    except Exception as error:
+        if graph is not None:
+            add_note(error, f"mutwo: optimize() plans every graph training will run before it returns; this one is "
+                            f"{graph}. Nothing was trained, and the optimizer is as it was given")  # fmt: skip
+        raise
+
+
+@contextlib.contextmanager
+def _fresh_state_installed(binding: StepBinding) -> Iterator[None]:
+    """The state the optimizer creates in its first step (``binding.fresh``) in ``optimizer.state``,
+    as zeros in the tensors that step will write, for as long as the graph of the steps after it
+    is captured and planned; then taken out again (the first step puts it in)."""
+    state = binding.optimizer.state
+    params = dict(binding.model.named_parameters())
+    absent = [p for p in {params[name] for name, _ in binding.fresh} if p not in state]
+    for (name, key), tensor in binding.fresh.items():
+        state[params[name]][key] = tensor.zero_()
+    try:
+        yield
+    finally:
+        for name, key in binding.fresh:
+            del state[params[name]][key]
+        for param in absent:
+            del state[param]
+
+
+@contextlib.contextmanager
+def _optimizer_state_kept_on_failure(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Capture creates the optimizer's missing state as its first ``step()`` would
+    (:func:`mutwo.runtime.capture.optim.init_state`); when planning fails, that state is taken back."""
+    state = optimizer.state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    before = {p: set(state[p]) for p in params if p in state}
+    try:
+        yield
+    except BaseException:
+        for param in params:
+            if param not in before:
+                state.pop(param, None)
+            elif param in state:
+                for key in set(state[param]) - before[param]:
+                    del state[param][key]
+        raise
 
 
 def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> tuple[Any, ...]:
@@ -392,14 +534,18 @@ def optimize(
     ``budget``: a fraction of the unoptimized peak (0.5), bytes ("6GiB") or "min"; default: the
     GPU's memory (on CPU nothing needs recomputing). ``passes``: the pipeline, as for mutwo-opt.
     ``check``: compare the optimized step with the captured one before first use and raise
-    :class:`NotEquivalentError` on any difference. The model, optimizer state and batches must
-    be on the device to train on. ``example_batch`` is captured right away.
+    :class:`NotEquivalentError` on any difference, or say in one line on stderr that it passed
+    (verbose or not). The model, optimizer state and batches must be on the device to train on.
+    ``example_batch`` is captured right away, with every graph training on batches like it will
+    run that is known in advance (:meth:`MutwoStep.plan_ahead`): a budget one of them cannot reach
+    raises here, its note naming the graph, and leaves the model and optimizer as they were.
     ``max_grad_norm`` / ``norm_type``: clip the gradients as ``torch.nn.utils.clip_grad_norm_(
     model.parameters(), max_grad_norm, norm_type)`` before the optimizer step, inside the graph.
     ``precision``: ``"fp32"``, ``"bf16-autocast"`` or ``"fp16-autocast"`` (the model and the loss
     under ``torch.autocast``). ``accumulation_steps=k``: each call takes one micro-batch and
     returns its loss (before the division by k); every k-th call steps the optimizer, as an eager
-    loop of ``(loss / k).backward()`` would. ``grad_scaler``: a ``torch.amp.GradScaler`` whose
+    loop of ``(loss / k).backward()`` would; the first, middle and last micro-batches' graphs are
+    all planned here. ``grad_scaler``: a ``torch.amp.GradScaler`` whose
     scale, unscale, inf check, skipped step and scale update run inside the graph, as
     ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` would; see
     :mod:`mutwo.runtime.capture.training`.
@@ -445,7 +591,8 @@ def optimize(
     if dp is not None and not wrapped:
         distributed.broadcast_model(model, dp)
     lead = dp is None or dp.rank == 0
-    log = (lambda message: print(message, file=sys.stderr)) if verbose and lead else (lambda message: None)
+    say = (lambda message: print(message, file=sys.stderr)) if lead else (lambda message: None)
+    log = say if verbose else (lambda message: None)
     if limit is not None:
         log(apply_memory_limit(device_of([*model.parameters(), *model.buffers()]), limit))
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
@@ -453,8 +600,8 @@ def optimize(
                "training": training, "data_parallel": dp, "backend": backend, "calibrate_peak": calibrate_peak,
                "measure_choice": measure_choice, "memory_limit": limit,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
-    step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log, on_failure=on_failure)
-    step.prepare(example_batch)
+    step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log, say, on_failure=on_failure)
+    step.plan_ahead(example_batch)
     return step
 
 

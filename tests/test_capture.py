@@ -115,16 +115,14 @@ def test_non_scalar_loss_is_refused() -> None:
         capture(model, optimizer, (torch.randn(2, 4),), lambda out, b: out)
 
 
-def test_an_inputs_and_labels_batch_for_a_model_that_takes_the_inputs_names_the_rule_and_the_fix() -> None:
+def test_an_inputs_and_labels_batch_for_a_model_that_takes_the_inputs_calls_model_inputs_and_loss_labels() -> None:
     model = nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = (torch.randn(2, 4), torch.randint(0, 3, (2,)))
-    with pytest.raises(CaptureError) as info:
-        capture(model, optimizer, batch, lambda out, b: nn.functional.cross_entropy(out, b[1]))
-    message = str(info.value)
-    assert message.startswith("Linear.forward(input: torch.Tensor) -> torch.Tensor cannot take the batch (too many "
-                              "positional arguments): the batch is a 2-element tuple or list")  # fmt: skip
-    assert "model(*batch)" in message and "forward(self, inputs, labels)" in message and "\n" not in message
+    captured, _ = capture(model, optimizer, batch, nn.functional.cross_entropy)
+    assert captured.call.sentence().startswith("mutwo: calling the model as model(batch[0]) and the loss as "
+                                               "loss_fn(output, batch[1])")  # fmt: skip
+    assert [s.label for s in captured.slots if s.kind is NodeKind.INPUT] == ["batch[0]", "batch[1]"]
 
 
 def test_optimizer_over_foreign_tensors_is_refused() -> None:

@@ -202,6 +202,25 @@ def test_training_keys_run_and_check_bitwise(optimizer: str, workdir: Path,
     assert "equivalent" in (stdout + err + (out / "summary.json").read_text()).lower()
 
 
+def test_accumulation_steps_plans_the_last_micro_batch_and_checks_bitwise(
+        workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The last micro-batch reads the gradients accumulated before it (zeros here) and steps."""
+    config = write_config(workdir, """\
+        model: {source: python, name: tiny.py:make}
+        batch_size: 4
+        optimizer: {name: adam, lr: 0.01}
+        accumulation_steps: 3
+        passes: stats
+        """)  # fmt: skip
+    out = workdir / "out"
+    code, stdout, err = run_cli(capsys, "--check", "-o", out, config)
+    assert code == EXIT_OK, err
+    assert "capturing the last micro-batch of gradient accumulation (accumulation_steps=3)" in err
+    assert "equivalent" in (stdout + err).lower()
+    ir = (out / "input.ir.txt").read_text(encoding="utf-8")
+    assert '"fc.weight:accumulated_grad"' in ir and '"fc.bias:accumulated_grad"' in ir
+
+
 # -- the config file -----------------------------------------------------------------------------
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = expect_usage_error(capsys, tmp_path / "out", tmp_path / "nope.yaml")
@@ -264,6 +283,18 @@ CONFIG_ERRORS = {
     "non-positive-max-grad-norm": (
         "model: {source: python, name: tiny.py:make}\nmax_grad_norm: 0\n",
         ["'max_grad_norm' must be a positive number", "got 0"],
+    ),
+    "accumulation-steps-zero": (
+        "model: {source: python, name: tiny.py:make}\naccumulation_steps: 0\n",
+        ["'accumulation_steps' must be a whole number of micro-batches per optimizer step, 1 or more", "got 0"],
+    ),
+    "accumulation-steps-not-whole": (
+        "model: {source: python, name: tiny.py:make}\naccumulation_steps: 1.5\n",
+        ["'accumulation_steps' must be a whole number of micro-batches", "got 1.5"],
+    ),
+    "accumulation-steps-a-bool": (
+        "model: {source: python, name: tiny.py:make}\naccumulation_steps: true\n",
+        ["'accumulation_steps' must be a whole number of micro-batches", "got True"],
     ),
     "grad-scaler-not-a-bool": (
         "model: {source: python, name: tiny.py:make}\ngrad_scaler: 1\n",

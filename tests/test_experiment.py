@@ -352,6 +352,8 @@ BAD_INPUT = {
                             ["--memory-limit caps CUDA memory", "on the CPU", "drop --memory-limit", "--device cuda"]),
     "warmup-too-small": (["{config}", "--batch-sizes", "32", "--warmup", "1"], ["--warmup must be at least 3"]),
     "iterations-too-few": (["{config}", "--batch-sizes", "32", "--iterations", "5"], ["--iterations at least 10"]),
+    "accumulation-steps": (["{accumulating}", "--batch-sizes", "32"],
+                           ["accumulation_steps: 2", "whole optimizer steps", "set it to 1", "mutwo-opt"]),
 }  # fmt: skip
 
 
@@ -359,7 +361,9 @@ BAD_INPUT = {
 def test_bad_input(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     template, words = BAD_INPUT[case]
-    argv = [a.format(tmp=tmp_path, config=CONFIG) for a in template]
+    accumulating = tmp_path / "accumulating.yaml"  # the tiny config, stepping the optimizer every 2 batches
+    accumulating.write_text(CONFIG.read_text(encoding="utf-8") + "accumulation_steps: 2\n", encoding="utf-8")
+    argv = [a.format(tmp=tmp_path, config=CONFIG, accumulating=accumulating) for a in template]
     out = tmp_path / "out"
     monkeypatch.chdir(tmp_path)  # so that a default output folder would land here too
     code = main([*argv, "-o", str(out)])

@@ -128,6 +128,13 @@ def test_a_breakdown_reads_each_share_in_its_own_unit() -> None:
     assert text == "parameters 2.0 MiB, batch 3.0 KiB"
 
 
+def test_a_breakdown_in_a_messages_unit_reads_small_shares_as_under_a_tenth() -> None:
+    """In a message whose sizes are all in one unit (a budget refusal), so is its breakdown."""
+    text = describe_breakdown({"parameter": 2 * 2**20, "input": 3 * 2**10, "activation": 4}, "MiB")
+    assert text == "parameters 2.0 MiB, batch < 0.1 MiB, activations < 0.1 MiB"
+    assert describe_breakdown({"parameter": 1500, "activation": 4}, "B") == "parameters 1,500 B, activations 4 B"
+
+
 def test_training_graph_has_the_ids_the_tables_assume() -> None:
     graph, n = build_training_graph()
     assert [node.id for node in graph] == list(range(15))

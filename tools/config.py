@@ -52,6 +52,7 @@ TOP_KEYS = {
     "memory_format": Key((str,), "one of " + ", ".join(MEMORY_FORMATS)),
     "max_grad_norm": Key(_NUMBER, "a positive number (clip_grad_norm_ before the optimizer step)"),
     "grad_scaler": Key((bool,), "true or false (a torch.amp.GradScaler, for fp16-autocast)"),
+    "accumulation_steps": Key((int,), "a whole number of micro-batches per optimizer step, 1 or more"),
 }
 MODEL_KEYS = {
     "source": Key((str,), "one of " + ", ".join(SOURCES)),
@@ -114,6 +115,8 @@ class Config:
     memory_format: str = "contiguous"
     max_grad_norm: float | None = None
     grad_scaler: bool = False
+    #: micro-batches per optimizer step (gradient accumulation); mutwo-opt plans the last one's graph
+    accumulation_steps: int = 1
 
 
 def _check_keys(section: str, data: dict[str, Any], schema: dict[str, Key]) -> None:
@@ -189,6 +192,11 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         if data["max_grad_norm"] <= 0:
             raise ConfigError(f"'max_grad_norm' must be a positive number, got {data['max_grad_norm']}")
         config.max_grad_norm = float(data["max_grad_norm"])
+    if data.get("accumulation_steps") is not None:
+        if data["accumulation_steps"] < 1:
+            raise ConfigError(f"'accumulation_steps' must be {TOP_KEYS['accumulation_steps'].what}, "
+                              f"got {data['accumulation_steps']}")  # fmt: skip
+        config.accumulation_steps = data["accumulation_steps"]
     apply_overrides(config, batch_size=data.get("batch_size"), device=data.get("device"),
                     budget=data.get("budget"), passes=data.get("passes"), seed=data.get("seed"),
                     backend=data.get("backend"), precision=data.get("precision"),

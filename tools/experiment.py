@@ -128,6 +128,9 @@ def run_experiment(args: argparse.Namespace) -> int:
         on_gpu = target_device(config).type == "cuda"
     except ConfigError as error:
         raise UsageError(str(error)) from None
+    if config.accumulation_steps > 1:  # its eager baseline and measured steps are whole optimizer steps
+        raise UsageError(f"accumulation_steps: {config.accumulation_steps}: mutwo-experiment measures whole "
+                         "optimizer steps on one batch; set it to 1, or plan the accumulating step with mutwo-opt")
     if memory_limit is not None and not on_gpu:  # set_per_process_memory_fraction caps CUDA memory only
         raise UsageError("--memory-limit caps CUDA memory, but this run is on the CPU, where it would cap nothing; "
                          "drop --memory-limit, or run on a GPU (--device cuda)")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mutwo.runtime.capture.batch_call import batch_call
 from mutwo.runtime.capture.training import PRECISIONS, TrainingOptions
 from mutwo.runtime.measurement.device_memory import free_planning_leftovers
 
@@ -120,12 +121,15 @@ class Training:
         runner = model if model is not None else self.model
         dtype = PRECISIONS[self.options.precision]
         scaler = self.options.scaler
+        call = batch_call(runner, self.batch)  # as the captured step calls them (runtime/capture/batch_call.py)
+        args, kwargs = call.model_arguments(self.batch)
+        loss_batch = call.loss_batch(self.batch)
 
         def step() -> None:
             self.optimizer.zero_grad(set_to_none=True)
             with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-                output = runner(**self.batch) if isinstance(self.batch, dict) else runner(*self.batch)
-                loss = self.loss_fn(output, self.batch)
+                output = runner(*args, **kwargs)
+                loss = self.loss_fn(output, loss_batch)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if scaler is not None:
                 scaler.unscale_(self.optimizer)

@@ -227,7 +227,12 @@ class MutwoOpt:
             optimizer = build_optimizer(config, model)
             if self.dp is not None:
                 distributed.broadcast_model(model, self.dp)
-            self.log("capturing one training iteration (forward, backward, optimizer step)")
+            if config.accumulation_steps == 1:
+                self.log("capturing one training iteration (forward, backward, optimizer step)")
+            else:  # capture_graph's default: the micro-batch that holds the most
+                self.log(f"capturing the last micro-batch of gradient accumulation (accumulation_steps="
+                         f"{config.accumulation_steps}): forward, backward added to the accumulated gradients, "
+                         "optimizer step; the micro-batch with the highest peak")  # fmt: skip
             lowered = capture_graph(model, optimizer, batch, workload.loss_fn, training_options(config, device),
                                     data_parallel=self.dp)
         except (ConfigError, CaptureError, UnsupportedOptimizerError, distributed.DataParallelError) as error:

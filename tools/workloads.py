@@ -225,6 +225,8 @@ def build_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def training_options(config: Config, device: torch.device) -> TrainingOptions:
-    """Clipping, precision and grad scaling as the config asks (a fresh GradScaler for ``device``)."""
+    """Clipping, precision, grad scaling and gradient accumulation as the config asks (a fresh
+    GradScaler for ``device``)."""
     scaler = torch.amp.GradScaler(device.type) if config.grad_scaler else None
-    return TrainingOptions(max_grad_norm=config.max_grad_norm, precision=config.precision, grad_scaler=scaler)
+    return TrainingOptions(max_grad_norm=config.max_grad_norm, precision=config.precision, grad_scaler=scaler,
+                           accumulation_steps=config.accumulation_steps)  # fmt: skip

@@ -18,7 +18,6 @@ The iteration is traced with ``make_fx`` over fake tensors into a single fx grap
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.from_fx import PHASE_META
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime.capture import optim as functional_optim
+from mutwo.runtime.capture.batch_call import BatchCall, batch_call
 from mutwo.runtime.capture.collectives import GradientBuckets, broadcast_coalesced
 from mutwo.runtime.capture.guards import RecordedGuard, TraceDecider
 from mutwo.runtime.capture.input_aliasing import refuse_written_aliases, separate_aliases
@@ -41,6 +41,7 @@ from mutwo.runtime.capture.tracing import (
     debug_enabled,
     explain_capture_failure,
     forbid_value_dependent_shapes,
+    is_data_dependent,
     quiet_torch_errors,
 )
 from mutwo.runtime.capture.training import TrainingOptions
@@ -73,7 +74,8 @@ class CapturedStep:
     ``slots[i]`` describes placeholder ``i``; ``gradient_labels[j]`` names the parameter whose
     gradient is output ``j + 1`` (output 0 is the loss); ``constants`` are tensors the model
     holds outside parameters and buffers, fed like inputs; ``guards`` the branches the optimizer
-    took on host numbers, which must still go the same way for the graph to be run.
+    took on host numbers, which must still go the same way for the graph to be run; ``call`` how
+    the model and the loss were called with the batch (its ``sentence()`` is for the log).
     """
 
     graph_module: fx.GraphModule
@@ -82,6 +84,7 @@ class CapturedStep:
     batch_spec: pytree.TreeSpec
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     guards: list[RecordedGuard] = field(default_factory=list)  #: branches taken on host numbers
+    call: BatchCall = field(default_factory=lambda: BatchCall("whole"))  #: how the model and loss took the batch
 
 
 @dataclass
@@ -106,6 +109,7 @@ class StepBinding:
     accumulated: dict[str, torch.Tensor] = field(default_factory=dict)
     data_parallel: DataParallel | None = None  #: how gradients are averaged across ranks, if they are
     gradient_buckets: list[list[str]] = field(default_factory=list)  #: the all-reduce buckets, in issue order
+    call: BatchCall = field(default_factory=lambda: BatchCall("whole"))  #: how the model and loss take the batch
 
     @classmethod
     def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
@@ -234,8 +238,10 @@ class StepBinding:
             device = next(iter(params.values())).device
             averaging = self._begin_data_parallel(params, buffers)
             with torch.enable_grad(), self.training.forward_context(device):
-                output = _call_model(self.model, params, buffers, traced_batch)
-                loss = self.loss_fn(output, traced_batch)
+                args, kwargs = self.call.model_arguments(traced_batch)
+                output = torch.func.functional_call(self.model, (params, buffers), args, kwargs, tie_weights=True,
+                                                    strict=False)  # fmt: skip
+                loss = self._loss(output, traced_batch)
             _check_loss(loss)
             _end_phase(Phase.FORWARD)
             wanted = [params[n] for n in self.trainable]
@@ -284,6 +290,20 @@ class StepBinding:
 
         return step
 
+    def _loss(self, output: Any, batch: Any) -> torch.Tensor:
+        """``loss_fn(output, ...)`` as :attr:`call` says; a loss function that fails on the labels of an
+        (inputs, labels) batch is told it got the labels, not the batch."""
+        try:
+            return self.loss_fn(output, self.call.loss_batch(batch))
+        except CaptureError:
+            raise
+        except Exception as error:
+            if self.call.how != "pair" or is_data_dependent(error):
+                raise
+            raise CaptureError(f"{explain_capture_failure(error)}; the batch is (inputs, labels) and the model "
+                               "takes the inputs, so the loss is called as loss_fn(output, batch[1]), with the "
+                               "labels (F.cross_entropy works as it is)") from (error if debug_enabled() else None)
+
     def _begin_data_parallel(self, params: dict[str, torch.Tensor],
                              buffers: dict[str, torch.Tensor]) -> GradientBuckets | None:  # fmt: skip
         """Data parallel: trace rank 0's buffers into every rank's, and hook the trainable
@@ -308,37 +328,6 @@ def _accumulate(accumulated: dict[str, torch.Tensor], grads: dict[str, torch.Ten
         for name, grad in grads.items():
             accumulated[name].add_(grad)
     return accumulated
-
-
-def _call_model(model: torch.nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                batch: Any) -> Any:  # fmt: skip
-    if isinstance(batch, dict):
-        args, kwargs = (), batch
-    elif isinstance(batch, (tuple, list)):
-        args, kwargs = tuple(batch), {}
-    else:
-        args, kwargs = (batch,), {}
-    _check_call(model, args, kwargs)
-    return torch.func.functional_call(model, (params, buffers), args, kwargs, tie_weights=True, strict=False)
-
-
-def _check_call(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse, naming the rule and the fix, a batch the model's ``forward`` cannot take: the usual
-    ``(inputs, labels)`` batch handed to a model whose forward takes the inputs only."""
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # a builtin or C++ forward: let the call say what it says
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as mismatch:
-        given = f"a dict with keys {sorted(kwargs)}" if kwargs else f"a {len(args)}-element tuple or list"
-        raise CaptureError(
-            f"{type(model).__name__}.forward{signature} cannot take the batch ({mismatch}): the batch is "
-            f"{given}, and mutwo calls the model with it as model(*batch) (a dict as model(**batch)); pass "
-            "what forward takes, or wrap the model in a module whose forward takes the whole batch (for "
-            "(inputs, labels): forward(self, inputs, labels) returning model(inputs)) and read the labels in "
-            "loss_fn(output, batch)") from None
 
 
 def _check_loss(loss: Any) -> None:
@@ -375,6 +364,10 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
             data_parallel: DataParallel | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
+    The model and ``loss_fn`` are called with the batch as :mod:`mutwo.runtime.capture.batch_call`
+    decides from the model's ``forward`` (``model(*batch)``; an ``(inputs, labels)`` pair whose
+    forward takes the inputs: ``model(inputs)`` and ``loss_fn(output, labels)``); the captured
+    step's ``call`` says which.
     ``training`` adds gradient clipping, mixed precision and gradient accumulation
     (:mod:`mutwo.runtime.capture.training`); with accumulation, ``micro`` says which micro-batch the graph
     runs and ``accumulated`` holds the gradients accumulated before it (see :class:`StepBinding`).
@@ -384,6 +377,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     graph also averages the gradients across ranks (:mod:`mutwo.runtime.capture.collectives`).
     """
     binding = StepBinding.bind(model, optimizer, loss_fn, training, micro, accumulated, data_parallel)
+    binding.call = batch_call(binding.model, batch)
     try:
         graph_module, gradient_labels, guards, aliases = _trace(binding, batch)
     except functional_optim.FreshStateCreated as fresh:
@@ -394,7 +388,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     run_rnn_layers_in_training_mode(graph_module.graph)
     constants = _lift_constants(graph_module, slots)
     _, batch_spec = pytree.tree_flatten(batch)
-    return CapturedStep(graph_module, slots, gradient_labels, batch_spec, constants, guards), binding
+    return CapturedStep(graph_module, slots, gradient_labels, batch_spec, constants, guards, binding.call), binding
 
 
 def _trace(binding: StepBinding, batch: Any) -> tuple[fx.GraphModule, list[str], list[RecordedGuard], Any]:

@@ -47,18 +47,42 @@ class CapturedGraph:
 
 
 def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
-                  training: TrainingOptions | None = None, micro: str = "step",
+                  training: TrainingOptions | None = None, micro: str | None = None,
                   accumulated: dict[str, torch.Tensor] | None = None,
                   data_parallel: DataParallel | None = None) -> CapturedGraph:  # fmt: skip
     """Capture one iteration (model, optimizer and batch already on their device) into verified IR;
     ``training``, ``micro`` and ``accumulated`` as for :func:`mutwo.runtime.capture.iteration.capture`; with
-    ``data_parallel``, gradients are averaged across its ranks, which must all capture it."""
+    ``data_parallel``, gradients are averaged across its ranks, which must all capture it.
+
+    ``micro`` defaults to the whole step, or with gradient accumulation to the last micro-batch:
+    it holds the accumulated gradients from its forward on and steps the optimizer, so its peak is
+    the highest of the micro-batches'. The middle and last micro-batches without ``accumulated``
+    read zeros (:func:`accumulated_stand_ins`)."""
+    k = training.accumulation_steps if training is not None else 1
+    micro = micro or ("step" if k == 1 else "last")
+    if micro in ("middle", "last") and accumulated is None:
+        first, _ = capture(model, optimizer, batch, loss_fn, training, "first", None, data_parallel)
+        accumulated = accumulated_stand_ins(first)
     captured, binding = capture(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
     verify(graph)
     if data_parallel is not None:
         distributed.require_same_graph(graph, data_parallel, "captured")
     return CapturedGraph(graph, captured, binding, binding.flat_inputs(batch) + list(captured.constants.values()))
+
+
+def accumulated_stand_ins(first: CapturedStep) -> dict[str, torch.Tensor]:
+    """Zeros standing in for the gradients accumulated before a middle or last micro-batch, by
+    parameter name: shaped, strided and typed as the gradients the first micro-batch's graph
+    ``first`` returns, in its order, so that those graphs can be captured, planned and compiled
+    before the first has run (what the step compiles for is what it will be called with)."""
+    returned = first.graph_module.graph.output_node().args[0][1:]  # (loss, *gradients)
+    stand_ins = {}
+    for label, node in zip(first.gradient_labels, returned, strict=True):
+        value = node.meta["val"]
+        stand_ins[label] = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                                               device=value.device).zero_()  # fmt: skip
+    return stand_ins
 
 
 def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path | None = None,
