@@ -313,3 +313,21 @@ def test_the_api_refuses_negative_calibration_rounds() -> None:
     with pytest.raises(ValueError, match="calibrate_peak takes the number of re-plans, 0"):
         mutwo.optimize(work.model, torch.optim.SGD(work.model.parameters(), lr=0.1), work.batch, work.loss_fn,
                        calibrate_peak=-1)  # fmt: skip
+
+
+def test_mutwo_opt_says_in_one_line_when_every_round_ran_out_of_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Under a memory limit, a budget whose every plan runs out of memory when measured is a user's
+    error: one line naming a lower budget or a higher limit, no traceback, nothing written."""
+
+    def out_of_memory(run: Any, inputs: Any) -> tuple[int, int | None]:
+        raise torch.OutOfMemoryError("CUDA out of memory (made up by the test)")
+
+    monkeypatch.setattr(peak_calibration, "measured_peak", out_of_memory)
+    out = tmp_path / "out"
+    code = main(["-q", "--device", "cpu", "--budget", "0.9", "--calibrate-peak", "1", "-o", str(out),
+                 str(TINY_MLP)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "ran out of device memory" in err and "higher memory limit" in err
+    assert not out.exists()

@@ -55,6 +55,7 @@ from mutwo.runtime.planning.fit import FitError
 from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
     Calibration,
+    CalibrationOutOfMemory,
     calibrated_step,
     calibration_rounds,
     release_recording,
@@ -389,8 +390,11 @@ class MutwoOpt:
         if rounds and compiled is not None:
             first = Calibrated(final, compiled, ctx)
             with self.timed("calibrate"):
-                kept = calibrated_step(rounds, manager, lowered, original, first,
-                                       lambda g: self.compile(config, g, inputs), staged, self.log)
+                try:
+                    kept = calibrated_step(rounds, manager, lowered, original, first,
+                                           lambda g: self.compile(config, g, inputs), staged, self.log)
+                except CalibrationOutOfMemory as error:  # a budget the memory limit cannot hold: the user's to change
+                    raise UsageError(str(error)) from None
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         if self.args.measure_choice and compiled is not None:

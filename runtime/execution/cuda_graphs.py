@@ -33,6 +33,7 @@ from torch import fx
 
 from mutwo.runtime.execution.errors import BackendError
 from mutwo.runtime.execution.swap import RUNTIME as SWAP_RUNTIME
+from mutwo.runtime.measurement.iterations import values_kept_on_host
 
 #: Ops that read device values on the host: a CUDA graph would record the value read at capture.
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal")
@@ -123,24 +124,21 @@ class CudaGraphRunner:
         # The warm-up runs a whole step, which writes the state in place. Its old values wait in
         # host memory rather than as device copies: a copy of the parameters and optimizer state
         # on the device (a second model's worth) would make recording need more than the step, and
-        # under a memory limit set at the budget it ran out of memory there.
-        saved = [t.to("cpu", copy=True) for t in self.static]
+        # under a memory limit set at the budget it ran out of memory there. They are put back
+        # after a warm-up that failed half-way (out of memory) too.
         side = warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side), torch.no_grad():
-                generator = torch.cuda.get_rng_state()
-                self.run(*self.static)  # lazy initialisation, autotuning
-                torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
-        finally:  # a warm-up that failed half-way (out of memory) leaves the state as it found it too
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.no_grad():
-                for tensor, old in zip(self.static, saved, strict=True):
-                    tensor.copy_(old)
+        with values_kept_on_host(self.static):
+            try:
+                with torch.cuda.stream(side), torch.no_grad():
+                    generator = torch.cuda.get_rng_state()
+                    self.run(*self.static)  # lazy initialisation, autotuning
+                    torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
+            finally:
+                torch.cuda.current_stream().wait_stream(side)
         # The warm-up's copies have ended: the recording must not wait for their events (a capture
         # cannot wait for an event recorded outside it), and the swap runtime drops them.
         torch.cuda.synchronize(device)
-        del saved
         # What the warm-up freed stays cached for its side stream, where no replay reuses it: give
         # it back, so that the process holds the state and the graph's pool, as the plan counts.
         torch.cuda.empty_cache()

@@ -6,9 +6,10 @@ iterations with these."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,14 +71,23 @@ def measure_iterations(module: Callable[..., Any], inputs: list[torch.Tensor], *
     device = device_of(inputs)
     cuda = device.type == "cuda"
     released = held_baseline(device) if cuda else 0
-    held_base = 0 if on_inputs else released
-    saved = [t.to("cpu", copy=True) for t in inputs] if on_inputs else []
-    state = list(inputs) if on_inputs else [t.clone() for t in inputs]
+    if not on_inputs:
+        return _measure(module, [t.clone() for t in inputs], device, runs, warmup, before_each, released)
+    with values_kept_on_host(inputs):
+        return _measure(module, list(inputs), device, runs, warmup, before_each, 0)
+
+
+@contextlib.contextmanager
+def values_kept_on_host(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Run the body on ``tensors`` themselves and put their values back when it ends, however it
+    ends (out of memory half-way included): the old values wait in host memory, not as device
+    copies, which a memory limit at the budget has no room for."""
+    saved = [t.to("cpu", copy=True) for t in tensors]
     try:
-        return _measure(module, state, device, runs, warmup, before_each, held_base)
+        yield
     finally:
         with torch.no_grad():
-            for tensor, old in zip(inputs, saved, strict=False):
+            for tensor, old in zip(tensors, saved, strict=True):
                 tensor.copy_(old)
 
 

@@ -13,7 +13,7 @@ released once measured. Measured on an H200, BERT-base b64 under ``inductor-cuda
 11-29% under its plans (docs/benchmarks.md, issue 18's rows).
 
 On CUDA what calibration measures is what the step makes the process *hold*: the allocator's
-reserved bytes over a warm-up and a measured iteration (cached blocks, fragmentation between them,
+reserved bytes over a warm-up and two measured iterations (cached blocks, fragmentation between them,
 CUDA-graph pools, library workspaces), not only its allocated bytes. A budget is then what
 ``torch.cuda.max_memory_reserved()`` reports over a user's steady iterations, and what a cap of
 ``torch.cuda.set_per_process_memory_fraction`` (``memory_limit``) must hold. Measured on the H100
@@ -127,10 +127,9 @@ def measured_peak(run: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[
     warm-up iteration and two measured ones (a CUDA-graph backend records in the first: its pool
     counts, and the recording is released after, see :func:`release_recording`), on the inputs
     themselves (a second copy of the state on the device is more than a memory limit allows;
-    their values are put back after). On the CPU the
-    allocated peak from the profiler's allocation events (the CPU allocator keeps no peak), plus
-    the inputs' bytes. A run out of memory raises ``torch.OutOfMemoryError`` with its recording
-    released."""
+    their values are put back after). On the CPU the allocated peak from the profiler's allocation
+    events (the CPU allocator keeps no peak), plus the inputs' bytes. A run out of memory raises
+    ``torch.OutOfMemoryError`` with its recording released."""
     if device_of(inputs).type == "cuda":
         try:
             measured = measure_iterations(run, inputs, runs=2, warmup=1, on_inputs=True)
