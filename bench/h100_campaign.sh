@@ -11,7 +11,9 @@
 # Thirteenth session (2026-11-26, an H200; bench/results/session13_h200/, docs/benchmarks.md "Under a
 # hard cap at the budget"): issue 38's held memory (start i38-held-bert i38-held-llama, ~30 min)
 #   i38-held-*   BERT-base b64 under 16 GiB, the 0.5B Llama under 12 GiB, ResNet-152-cl b128 under
-#                12 GiB (not run yet): capped and uncapped at the cap's budget, 50 steps each
+#                12 GiB (the fourteenth session, ~17 min, bench/results/session14_h200/): capped and
+#                uncapped at the cap's budget, 50 steps each
+#   i38-opt-bert BERT-base b64 through mutwo-opt --memory-limit 16GiB --budget 16GiB, inductor-cudagraphs
 # Twelfth session (2026-11-26, H100; bench/results/session12_h100/, docs/benchmarks.md "Planning a
 # step that does not fit"): issue 38's out-of-core profile (start i38-ooc i38-tests)
 #   i38-ooc      BERT-base b32: the in-memory and out-of-core profiles compared node by node; BERT-base
@@ -180,7 +182,7 @@
 #   bash bench/h100_campaign.sh start opt fit-resnet     # runs the sections one after the other
 #   bash bench/h100_campaign.sh wait 560                 # waits up to 560 s; copies what is done to $OUT
 set -u
-section=${1:?"name a section: i38-held-bert, i38-held-llama, i38-held-resnet, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
+section=${1:?"name a section: i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-trace, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, bert-swap-window, tests-swap, bert-swap-deadline, tests-all, bert-swap-contention, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, swap-inductor-bert-isolate, tests-17, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated, inductor-ref, isolate"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -261,6 +263,14 @@ case "$section" in
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 1500 python3 bench/out_of_core_profile.py capped --config $config --batch-size $batch \
       --memory-limit 79GiB --budget $cap --backend inductor-cudagraphs --steps 50 \
       --passes "profile{out_of_core=false},optimizer,select,rewrite" --out "$OUT/held_uncapped_$stem.json" ;;
+  i38-opt-bert)
+    # Issue 38 through the command line: mutwo-opt under --memory-limit at the same budget,
+    # inductor-cudagraphs, calibrated by default; summary.json has the measured held bytes.
+    start=$(date +%s)
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 1200 mutwo-opt examples/bert.yaml --batch-size 64 \
+      --memory-limit 16GiB --budget 16GiB --backend inductor-cudagraphs -o "$BG/opt_bert" 2> "$OUT/opt_bert_b64.log"
+    status=$?; echo "mutwo-opt exit $status in $(( $(date +%s) - start )) s" | tee -a "$OUT/opt_bert_b64.log"
+    cp "$BG/opt_bert/summary.json" "$OUT/opt_bert_b64_summary.json"; exit $status ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
       tests/test_plan_choice.py tests/test_cuda_swap.py ;;
