@@ -160,9 +160,15 @@ class PassManager:
                 write_dot(graph, str(ctx.out_dir / f"{stem}-after.dot"), title=f"after {label}")
             if inst.print_ir_after_all or pass_.name in inst.print_ir_after:
                 text = print_graph(graph)
-                inst.printer(f"// ----- IR after {label} -----\n{text}")
-                if ctx.out_dir is not None:
-                    write_atomic(ctx.out_dir / f"{stem}-after.ir.txt", text)
+                written = ctx.out_dir / f"{stem}-after.ir.txt" if ctx.out_dir is not None else None
+                if written is not None:
+                    write_atomic(written, text)
+                if written is not None and pass_.name not in inst.print_ir_after:
+                    # After every pass of a big graph the text would flood the terminal: the files have
+                    # it, so the terminal gets where (the passes named one by one are printed whole).
+                    inst.printer(f"// ----- IR after {label}: {written} ({len(graph)} nodes) -----")
+                else:
+                    inst.printer(f"// ----- IR after {label} -----\n{text}")
         if inst.time_passes:
             inst.printer(result.timing_report())
         return result

@@ -36,6 +36,10 @@ from mutwo.passes.mu_two import Candidate, GreedyResult, greedy, search
 MIB = 2**20
 
 
+#: A plan predicted at least this many times the step without recompute is flagged in its summary.
+SLOW_PLAN_FACTOR = 2.0
+
+
 @dataclass
 class PlanData:
     """What every selection plan states (its JSON form is its fields: they hold only JSON values)."""
@@ -118,7 +122,18 @@ class Plan(PlanData):
         count = len(self.entries)
         return (f"recompute {counted(count, 'activation')}: predicted peak {predicted} (unoptimized "
                 f"{unoptimized}, budget {budget_text(self.budget, budget)}), +{self.added_seconds * 1e3:.1f} ms per "
-                f"iteration, {counted(self.clones, 'node')} cloned")  # fmt: skip
+                f"iteration{self._slowdown()}, {counted(self.clones, 'node')} cloned")  # fmt: skip
+
+    def _slowdown(self) -> str:
+        """The predicted time against the step without recompute, with a warning when it is
+        large: a user asking for ``min`` should know before training what it costs."""
+        if self.base_seconds <= 0 or not self.entries:
+            return ""
+        factor = (self.base_seconds + self.added_seconds) / self.base_seconds
+        text = f" ({factor:.2f}× the step without recompute"
+        if factor >= SLOW_PLAN_FACTOR:
+            text += f"; WARNING: over {SLOW_PLAN_FACTOR:g}× slower, a larger budget costs less time"
+        return text + ")"
 
     def csv(self) -> str:
         out = io.StringIO()

@@ -248,3 +248,16 @@ def test_fused_pricing_is_asked_for_and_only_under_a_backend_that_fuses() -> Non
     with pytest.raises(PassFailure, match=r"select\{fused=true\} prices recomputes as Inductor fuses them, but "
                                           "this run's backend does not compile with Inductor"):  # fmt: skip
         SelectPass(budget="0.9", fused=True).run(graph, ctx)
+
+
+def test_a_plan_says_how_much_slower_it_is_predicted_and_warns_when_it_is_much_slower() -> None:
+    from mutwo.passes.select import SLOW_PLAN_FACTOR, Plan
+
+    def plan(added: float) -> Plan:
+        entry = {"storage_creator": 1, "storage_output": 0}
+        return Plan("fp", "min", 1000, 4000, 2000, 3, "backward", base_seconds=0.1, met=True,
+                    added_seconds=added, entries=[entry])  # fmt: skip
+
+    assert "(1.50× the step without recompute)" in plan(0.05).summary()
+    slow = plan(0.1 * (SLOW_PLAN_FACTOR - 1) + 0.01).summary()
+    assert f"× the step without recompute; WARNING: over {SLOW_PLAN_FACTOR:g}× slower" in slow
