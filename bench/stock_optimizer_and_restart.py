@@ -1,0 +1,150 @@
+"""Issue 40's GPU checks, each writing one JSON.
+
+``stock``: a stock optimizer (the config's, e.g. ``AdamW(lr=1e-4)``, not capturable, its rate a
+Python float) with a ``LambdaLR`` scheduler under a CUDA-graph backend, against the eager loop of
+the same optimizer, from identical state: the largest difference of every
+parameter and optimizer state tensor after the steps, against ``--rtol``/``--atol`` (1e-3 and
+1e-5: Inductor's kernels sum in other orders than eager's, and Adam's update divides by the square
+root of a second moment that is tiny at the first steps, so the differences grow over steps). Also that the optimizer's ``state_dict`` loads into a fresh
+stock optimizer that then steps eagerly.
+
+``start``: the time from a fresh process's first line to the end of its first training step,
+with mutwo's plan cache in ``--cache-dir``; run twice in a row with the same folder, the second
+process reuses the first's plan. Records ``optimize()``'s per-stage setup seconds.
+
+Run where mutwo is installed (``make`` sets up .venv; on the GPU machine, ``. bench/gpu_env.sh``):
+
+    python3 bench/stock_optimizer_and_restart.py stock --config examples/bert.yaml --batch-size 8 --out s.json
+    python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml --batch-size 64 \\
+        --budget 16GiB --cache-dir /tmp/mutwo-cache --out first.json
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.perf_counter()  # before torch is imported: a restart pays the import too
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+import mutwo  # noqa: E402
+from mutwo.tools.experiment_measure import build_training  # noqa: E402
+
+
+def _schedule(step: int) -> float:
+    """The learning rate's factor at each step: it changes every step, so a frozen rate shows."""
+    return 1.0 / (1 + step)
+
+
+def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = {f"param:{n}": p.detach() for n, p in model.named_parameters()}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state:{names[id(param)]}:{key}"] = value.detach()
+    return tensors
+
+
+def stock(args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {"mode": "stock", "config": args.config, "batch_size": args.batch_size,
+                           "backend": args.backend, "steps": args.steps, "gpu": torch.cuda.get_device_name(),
+                           "torch": torch.__version__}  # fmt: skip
+    eager = build_training(args.config, args.batch_size, device="cuda")
+    mine = build_training(args.config, args.batch_size, device="cuda")
+    mine.model.load_state_dict(eager.model.state_dict())  # identical state, whatever the seeds did
+    row["optimizer"] = f"{type(mine.optimizer).__name__}({mine.optimizer.defaults.get('lr')!r})"
+    row["capturable"] = [bool(g.get("capturable")) for g in mine.optimizer.param_groups]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(t.optimizer, _schedule) for t in (eager, mine)]
+    step = mutwo.optimize(mine.model, mine.optimizer, mine.batch, mine.loss_fn, backend=args.backend,
+                          budget=args.budget, verbose=True)  # fmt: skip
+    eager_step = eager.eager_step()
+    row["losses_mutwo"] = []
+    for _ in range(args.steps):
+        eager_step()
+        row["losses_mutwo"].append(float(step(mine.batch)))
+        for scheduler in schedulers:
+            scheduler.step()
+    torch.cuda.synchronize()
+    row["lr_after"] = [g["lr"] if not isinstance(g["lr"], torch.Tensor) else g["lr"].item()
+                       for g in mine.optimizer.param_groups]  # fmt: skip
+    row["user_groups_unchanged"] = all(not g.get("capturable") and not isinstance(g["lr"], torch.Tensor)
+                                       for g in mine.optimizer.param_groups)  # fmt: skip
+    reference, candidate = _state_tensors(eager.model, eager.optimizer), _state_tensors(mine.model, mine.optimizer)
+    rtol, atol = args.rtol, args.atol
+    worst: dict[str, Any] = {"name": None, "excess": 0.0}
+    mismatched = []
+    for name, ref in reference.items():
+        got = candidate.get(name)
+        if got is None:
+            mismatched.append(f"{name}: missing")
+            continue
+        ref64, got64 = ref.double().to(got.device), got.double()
+        excess = ((got64 - ref64).abs() - (atol + rtol * ref64.abs())).max().item() if ref.numel() else 0.0
+        if excess > worst["excess"] or worst["name"] is None:
+            worst = {"name": name, "excess": excess, "max_abs_diff": (got64 - ref64).abs().max().item()}
+        if excess > 0:
+            mismatched.append(name)
+    row.update(tensors_compared=len(reference), tensors_outside_tolerance=len(mismatched),
+               outside_tolerance=mismatched[:10], worst=worst, rtol=rtol, atol=atol)  # fmt: skip
+    # the state dict of the trained optimizer loads into a fresh stock optimizer, which steps eagerly
+    fresh = copy.deepcopy(eager)
+    fresh.optimizer.load_state_dict(mine.optimizer.state_dict())
+    fresh.eager_step()()
+    torch.cuda.synchronize()
+    row["state_dict_loads_and_steps_eagerly"] = True
+    return row
+
+
+def start(args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {"mode": "start", "config": args.config, "batch_size": args.batch_size,
+                           "budget": args.budget, "backend": args.backend, "cache_dir": args.cache_dir,
+                           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
+    training = build_training(args.config, args.batch_size, device="cuda")
+    built = time.perf_counter()
+    step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
+                          budget=args.budget, backend=args.backend, cache=args.cache_dir, verbose=True)  # fmt: skip
+    optimized = time.perf_counter()
+    step(training.batch)
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    row.update(import_and_build_seconds=built - PROCESS_START, optimize_seconds=optimized - built,
+               first_step_seconds=done - optimized, start_to_first_step_seconds=done - PROCESS_START)  # fmt: skip
+    last = step.last
+    for name in ("setup_seconds", "cache_hit"):
+        value = getattr(last, name, None) if last is not None else None
+        if value is not None:
+            row[name] = value
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("stock", "start"))
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--backend", default="inductor-cudagraphs")
+    parser.add_argument("--budget", default=None)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rtol", type=float, default=1e-3, help="stock: relative tolerance of the comparison")
+    parser.add_argument("--atol", type=float, default=1e-5, help="stock: absolute tolerance of the comparison")
+    parser.add_argument("--cache-dir", default=None, help="start: mutwo's plan cache folder")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    try:
+        row = stock(args) if args.mode == "stock" else start(args)
+    except Exception as error:  # the row records the failure: that is what this run is for
+        row = {"mode": args.mode, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:500]}"}
+    Path(args.out).write_text(json.dumps(row, indent=2))
+    print(json.dumps(row, indent=2))
+    return 1 if "error" in row else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
