@@ -32,7 +32,6 @@ import torch
 import mutwo
 from mutwo.ir.budget import parse_bytes
 from mutwo.ir.memory import simulate
-from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
 from mutwo.runtime.measurement.device_memory import apply_memory_limit
 from mutwo.runtime.measurement.profiler import Profile, profile_graph
 from mutwo.runtime.planning.captured import capture_graph
@@ -114,8 +113,6 @@ def capped(args: argparse.Namespace) -> dict[str, Any]:
         # Capped before anything is built, as on a card of that size.
         apply_memory_limit(torch.device(args.device), parse_bytes(args.memory_limit))
         training = build_training(args.config, args.batch_size, device=args.device)
-        if args.backend.endswith("cudagraphs"):  # as mutwo-experiment does: step counts and rate on the device
-            graphable_optimizer(training.optimizer, torch.device(args.device))
         begin = time.perf_counter()
         step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,

@@ -5,8 +5,8 @@ Python float) with a ``LambdaLR`` scheduler under a CUDA-graph backend, against 
 the same optimizer, from identical state: the largest difference of every
 parameter and optimizer state tensor after the steps, against ``--rtol``/``--atol`` (1e-3 and
 1e-5: Inductor's kernels sum in other orders than eager's, and Adam's update divides by the square
-root of a second moment that is tiny at the first steps, so the differences grow over steps). Also that the optimizer's ``state_dict`` loads into a fresh
-stock optimizer that then steps eagerly.
+root of a second moment that is tiny at the first steps, so the differences grow over steps).
+Also that the optimizer's ``state_dict`` loads into a fresh stock optimizer that then steps eagerly.
 
 ``start``: the time from a fresh process's first line to the end of its first training step,
 with mutwo's plan cache in ``--cache-dir``; run twice in a row with the same folder, the second

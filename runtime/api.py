@@ -32,21 +32,42 @@ from torch.utils import _pytree as pytree
 
 from mutwo.ir.budget import Budget, parse_budget, parse_bytes
 from mutwo.ir.graph import Graph
-from mutwo.ir.pass_base import PassContext
+from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineResult
 from mutwo.ir.registry import PassRegistry
 from mutwo.runtime.capture.iteration import CapturedStep, LossFn, StaleCaptureError, StepBinding
 from mutwo.runtime.capture.optim import scheduled_kinds
 from mutwo.runtime.capture.training import TrainingOptions
-from mutwo.runtime.execution.backends import BackendError, CompiledStep, backend_services, check_backend
-from mutwo.runtime.execution.failure import Failure, InconsistentStateError, add_note
+from mutwo.runtime.execution.auto_backend import AUTO, check_backend_choice, early_choice
+from mutwo.runtime.execution.backends import (
+    BackendError,
+    CompiledStep,
+    backend_services,
+    records_cuda_graphs,
+)
+from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner
+from mutwo.runtime.execution.failure import Failure, InconsistentStateError
 from mutwo.runtime.execution.step import GraphStep
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, free_planning_leftovers
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs, random_stream_kept
 from mutwo.runtime.measurement.iterations import device_of
+from mutwo.runtime.measurement.out_of_memory import (
+    CALIBRATION,
+    CAPTURE,
+    CHECK,
+    CHOICE,
+    COMPILE,
+    MemorySettings,
+    add_note,
+    note_out_of_memory,
+    passes_noted,
+    stage_noted,
+    training_step,
+)
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
-from mutwo.runtime.planning.captured import accumulated_stand_ins, capture_graph, pass_context
+from mutwo.runtime.planning.auto_capture import capture_for_backend
+from mutwo.runtime.planning.captured import accumulated_stand_ins, pass_context
 from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
     Calibration,
@@ -55,7 +76,10 @@ from mutwo.runtime.planning.peak_calibration import (
     calibration_rounds,
     pipeline_plan,
 )
+from mutwo.runtime.planning.plan_cache import CachedPlanning, CacheOption
 from mutwo.runtime.planning.plan_choice import choice_refusal, measured_choice
+from mutwo.runtime.planning.plan_key import run_settings
+from mutwo.runtime.planning.setup_stages import SetupStages
 
 DEFAULT_PASSES = "profile,optimizer,select,rewrite"
 
@@ -82,6 +106,10 @@ class Optimized:
     calibration: Calibration[Any] | None = None
     #: with ``measure_choice``: both plans measured and the one kept (:mod:`mutwo.runtime.planning.plan_choice`)
     choice: dict[str, Any] | None = None
+    #: seconds of each stage of its setup (capture, each pass, compile, calibration...) and ``total``
+    setup_seconds: dict[str, float] = field(default_factory=dict)
+    #: whether the plan came from the plan cache (None: not looked up; :mod:`mutwo.runtime.planning.plan_cache`)
+    cache_hit: bool | None = None
 
     @property
     def plan(self) -> Any:
@@ -109,9 +137,13 @@ def optimize_graph(
     calibrate_peak: int | None = None,
     measure_choice: bool = False,
     memory_limit: int | None = None,
+    cache: CacheOption = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Optimized:
     """Capture the iteration, lower it, run ``passes`` over it, as ``mutwo-opt`` does, and make the
-    final graph runnable by ``backend`` (compiled here: part of planning).
+    final graph runnable by ``backend`` (compiled here: part of planning; ``auto``: chosen and
+    logged, :mod:`mutwo.runtime.execution.auto_backend`). A ``torch.OutOfMemoryError`` on the way
+    gets a note naming the stage and what the process held (:mod:`mutwo.runtime.measurement.out_of_memory`).
 
     With ``check``, the optimized step is compared with the captured graph for 3 iterations from
     cloned state (bitwise on CPU and with deterministic kernels on CUDA; a compiled backend within
@@ -123,59 +155,110 @@ def optimize_graph(
     recompute-only plan at the same budget too, measure both and keep the faster
     (:mod:`mutwo.runtime.planning.plan_choice`; ``Optimized.choice`` says what each ran).
     ``memory_limit``: the bytes the process may hold on the device (applied by :func:`optimize`);
-    profiling runs out of core when the unoptimized step would not fit under it.
+    profiling runs out of core when the unoptimized step would not fit under it. ``cache``: where
+    the plan is kept and looked up (:mod:`mutwo.runtime.planning.plan_cache`; False: nowhere); on a
+    hit, profile, select, calibration and the measured choice do not run. ``progress``: where each
+    stage is said as it starts and ends (default: ``log``); ``Optimized.setup_seconds`` keeps them.
     """
-    check_backend(backend)
-    if data_parallel is not None and backend != "eager":
-        raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
+    check_backend_choice(backend)
     pipeline = PassRegistry().build_pipeline(passes)
-    refusal = calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
-    refusal = refusal or choice_refusal(measure_choice, backend, pipeline, "measure_choice", budget)
-    if refusal is not None:
-        raise ValueError(refusal)
+    memory = MemorySettings(device_of([*model.parameters(), *model.buffers()]), budget, memory_limit)
+    chosen = early_choice(memory.device, data_parallel is not None) if backend == AUTO else None
+    backend = chosen.backend if chosen is not None else backend
+    if backend != AUTO:  # auto on CUDA is refused what its choice cannot do once it has chosen, below
+        _refuse_options(backend, pipeline, data_parallel, calibrate_peak, measure_choice, budget)
+    if chosen is not None:
+        log(f"mutwo: {chosen.sentence()}")
+    stages = SetupStages(progress or log)
     with random_stream_kept(model):  # planning runs the graph; the caller's training draws what eager's would
-        lowered = capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
+        with stages.stage("capture", "capturing the training step"), stage_noted(CAPTURE, memory):
+            lowered, chosen = capture_for_backend(backend, model, optimizer, batch, loss_fn, training, micro,
+                                                  accumulated, data_parallel)  # fmt: skip
+        if chosen is not None:
+            log(f"mutwo: {chosen.sentence()}")
+            backend = chosen.backend
+            _refuse_options(backend, pipeline, data_parallel, calibrate_peak, measure_choice, budget)
         log(lowered.captured.call.sentence())
         original = lowered.graph.copy()
         context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads,
                                memory_limit=memory_limit)
         context.services.update(backend_services(backend), measure_choice=measure_choice)
-        result = PassManager(pipeline).run(lowered.graph, context)
+        planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline, data_parallel is not None)
+        settings = run_settings(budget=budget, memory_limit=memory_limit, backend=backend, keep_grads=keep_grads,
+                                calibration_rounds=planned_rounds, measure_choice=measure_choice,
+                                precision=training.precision if training is not None else "fp32")  # fmt: skip
+        with stages.stage("plan cache"):  # its hit or miss says itself
+            cached = CachedPlanning.begin(cache, lowered, pipeline, settings, context.services.get("device_memory"),
+                                          lambda line: stages.progress(f"mutwo: {line}"),
+                                          data_parallel is not None)  # fmt: skip
+        running = ",".join(p.name for p in cached.passes(pipeline))
+        with stages.stage("passes", f"running the passes ({running})", record=False), passes_noted(memory):
+            lowered.graph, context, result = cached.run(pipeline, lowered.graph, context)
+        stages.passes(result)
         optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result,
                               lowered.inputs)
+        if cached.entry is not None:  # a hit: what the measured choice recorded when it kept this plan
+            optimized.choice = cached.entry.choice
         if data_parallel is not None:
             distributed.require_same_graph(lowered.graph, data_parallel, "optimized")
         steps: dict[int, GraphStep] = {}
 
         def compiled_for(graph: Graph) -> CompiledStep:
             steps[id(graph)] = GraphStep(graph, lowered.captured, lowered.binding, backend)
-            return steps[id(graph)].compile(lowered.inputs)
+            with stage_noted(COMPILE, memory):
+                return steps[id(graph)].compile(lowered.inputs)
 
-        compiled = compiled_for(lowered.graph)
+        with stages.stage("compile", f"compiling the step with {backend}" if backend != "eager"
+                          else "lowering the step to an fx graph"):  # fmt: skip
+            compiled = compiled_for(lowered.graph)
         optimized.step = steps[id(lowered.graph)]
         if backend != "eager":
             log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
                 + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
-        rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline, data_parallel is not None)
+        rounds = 0 if cached.hit else planned_rounds  # a hit's plan is the one calibration kept
         if rounds:
             first = Calibrated(lowered.graph, compiled, context)
-            kept = calibrated_step(rounds, PassManager(pipeline), lowered, original, first, compiled_for,
-                                   out_dir, log)  # fmt: skip
+            with stages.stage("calibration", f"peak calibration: measuring the step, then up to {rounds} re-plans"), \
+                    stage_noted(CALIBRATION, memory):
+                kept = calibrated_step(rounds, PassManager(pipeline), lowered, original, first, compiled_for,
+                                       out_dir, stages.telling(log, "peak calibration"))  # fmt: skip
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
-        if measure_choice:
+        if measure_choice and not cached.hit:
             made = Calibrated(optimized.graph, compiled, optimized.context, optimized.calibration)
-            kept, optimized.choice = measured_choice(PassManager(pipeline), lowered, original, made, compiled_for,
-                                                     rounds, out_dir, log)  # fmt: skip
+            with stages.stage("measured choice", "measured choice: compiling and measuring the recompute-only plan"), \
+                    stage_noted(CHOICE, memory):
+                kept, optimized.choice = measured_choice(PassManager(pipeline), lowered, original, made, compiled_for,
+                                                         rounds, out_dir, stages.telling(log, "measured choice"))
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
         if check:
-            optimized.report = check_graphs(original, optimized.graph, lowered.inputs,
-                                            candidate_run=compiled.checked_run, tolerance=compiled.tolerance)
+            with stages.stage("check", "checking the optimized step against the captured one"), \
+                    stage_noted(CHECK, memory):
+                optimized.report = check_graphs(original, optimized.graph, lowered.inputs,
+                                                candidate_run=compiled.checked_run, tolerance=compiled.tolerance)
             if data_parallel is not None:
                 optimized.report = distributed.equivalent_everywhere(optimized.report, data_parallel)
+        if cached.keeps and (optimized.report is None or optimized.report.equivalent):  # never one that differs
+            calibration = optimized.calibration.describe() if optimized.calibration is not None else None
+            with stages.stage("plan cache"):
+                cached.keep(optimized.context, calibration=calibration, choice=optimized.choice,
+                            setup_seconds=stages.total())  # fmt: skip
     free_planning_leftovers(lowered.device)  # from here on the process holds what the step needs
+    optimized.setup_seconds, optimized.cache_hit = stages.total(), cached.hit if cached.cache is not None else None
     return optimized
+
+
+def _refuse_options(backend: str, pipeline: list[Pass], data_parallel: DataParallel | None, calibrate_peak: int | None,
+                    measure_choice: bool, budget: Budget | None) -> None:  # fmt: skip
+    """Refuse, before planning, options ``backend`` cannot run: data parallelism under a compiled
+    backend, calibration or a measured choice where they cannot run."""
+    if data_parallel is not None and backend != "eager":
+        raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
+    refusal = calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
+    refusal = refusal or choice_refusal(measure_choice, backend, pipeline, "measure_choice", budget)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 @dataclass
@@ -192,9 +275,10 @@ class MutwoStep:
     training without ``zero_grad``).
 
     A call that fails (``torch.OutOfMemoryError``...) raises its own exception once what it wrote
-    is put back (:mod:`mutwo.runtime.execution.failure`). When the parameters or optimizer state
-    may be part updated, which ``on_failure="restore"`` rules out, the exception gets a note and
-    every later call raises :class:`InconsistentStateError` (``refusal`` says why).
+    is put back (:mod:`mutwo.runtime.execution.failure`); a ``torch.OutOfMemoryError`` also gets a
+    note saying where in the step it ran out and what the process held. When the parameters or
+    optimizer state may be part updated, which ``on_failure="restore"`` rules out, the exception
+    gets a note and every later call raises :class:`InconsistentStateError` (``refusal`` says why).
     """
 
     model: torch.nn.Module
@@ -212,6 +296,16 @@ class MutwoStep:
     accumulated: dict[str, torch.Tensor] = field(default_factory=dict)
     on_failure: str = "refuse"  #: "restore": copy the written state to host memory before each call
     refusal: str | None = None  #: why calls are refused, once a failed one may have left the state part written
+
+    @property
+    def setup_seconds(self) -> dict[str, float]:
+        """Where setting up went, in seconds by stage, summed over every graph planned so far
+        (each graph's own: ``Optimized.setup_seconds``)."""
+        total: dict[str, float] = {}
+        for optimized, _ in (entry for candidates in self.steps.values() for entry in candidates):
+            for stage, seconds in optimized.setup_seconds.items():
+                total[stage] = round(total.get(stage, 0.0) + seconds, 3)
+        return total
 
     @property
     def micro(self) -> str:
@@ -285,7 +379,8 @@ class MutwoStep:
         self.last = first  # the graph the first call runs
 
     def _key(self, batch: Any) -> tuple[Any, ...]:
-        return capture_key(self.model, self.optimizer, batch) + ("micro", self.micro)
+        graphed = records_cuda_graphs(self.options["backend"])
+        return capture_key(self.model, self.optimizer, batch, graphed=graphed) + ("micro", self.micro)
 
     def _optimize(self, batch: Any, key: tuple[Any, ...], graph: str = "") -> GraphStep:
         """Capture and optimize the iteration for ``batch`` as the next call runs it (the graph of
@@ -293,13 +388,16 @@ class MutwoStep:
         the check's line where there are several."""
         optimized = optimize_graph(self.model, self.optimizer, batch, self.loss_fn, log=self.log, micro=self.micro,
                                    accumulated=self.accumulated, **self.options)  # fmt: skip
+        assert optimized.step is not None
+        if self.options["backend"] == AUTO:  # chosen once: every later graph of this step runs the same backend
+            self.options["backend"] = optimized.step.backend
+            key = self._key(batch)  # what the choice captured for (a CUDA graph's capturable form)
         report = optimized.report
         if report is not None:
             if not report.equivalent:
                 raise NotEquivalentError(report.summary())
             self.say(f"mutwo: check passed{f' for {graph}' if graph else ''}: the optimized step is "
                      f"{report.summary()}")  # fmt: skip
-        assert optimized.step is not None
         self.steps.setdefault(key, []).append((optimized, optimized.step))
         self.last = optimized
         return optimized.step
@@ -311,10 +409,16 @@ class MutwoStep:
             self.options["data_parallel"].require_sync()
         step, flat = self.prepare(batch)
         micro = self.micro
+        run = step.compiled.run if step.compiled is not None else None
+        records = isinstance(run, CudaGraphRunner) and run.graph is None
         try:
             output = step.run(flat, restore_all=self.on_failure == "restore")
         except BaseException as error:
             self._failed(step.failure_guard.failure, error)
+            if isinstance(error, torch.OutOfMemoryError):
+                where = "while recording it as a CUDA graph" if records else step.failure_guard.where_failed()
+                note_out_of_memory(error, training_step(where), MemorySettings(
+                    device_of(flat), self.options["budget"], self.options["memory_limit"]))  # fmt: skip
             raise
         gradients = output.gradients
         if micro == "first":
@@ -418,10 +522,12 @@ def _fresh_state_installed(binding: StepBinding) -> Iterator[None]:
 @contextlib.contextmanager
 def _optimizer_state_kept_on_failure(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Capture creates the optimizer's missing state as its first ``step()`` would
-    (:func:`mutwo.runtime.capture.optim.init_state`); when planning fails, that state is taken back."""
+    (:func:`mutwo.runtime.capture.optim.init_state`), and for a CUDA graph moves its step counts to
+    the device (:func:`mutwo.runtime.capture.device_state.state_for_cuda_graphs`); when planning fails,
+    that state is taken back and the moved tensors are put back."""
     state = optimizer.state
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    before = {p: set(state[p]) for p in params if p in state}
+    before = {p: dict(state[p]) for p in params if p in state}
     try:
         yield
     except BaseException:
@@ -429,28 +535,32 @@ def _optimizer_state_kept_on_failure(optimizer: torch.optim.Optimizer) -> Iterat
             if param not in before:
                 state.pop(param, None)
             elif param in state:
-                for key in set(state[param]) - before[param]:
-                    del state[param][key]
+                state[param].clear()
+                state[param].update(before[param])
         raise
 
 
-def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> tuple[Any, ...]:
+def capture_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                graphed: bool = False) -> tuple[Any, ...]:  # fmt: skip
     """What a captured graph is specific to: the batch's structure, shapes, dtypes and devices,
     every module's ``training`` flag (train and eval iterations differ: batch norm statistics,
     dropout), which parameters require grad (the graph computes and applies the gradients of
     those only: freezing or unfreezing a layer changes the step), and each param group's
-    hyperparameters except those the graph reads at every call (:func:`_hyperparameters`)."""
+    hyperparameters except those the graph reads at every call (:func:`_hyperparameters`;
+    ``graphed``: for a CUDA graph, whose capturable form of the step keeps momentum and betas as
+    constants of the graph)."""
     modes = tuple(module.training for module in model.modules())
     trainable = tuple((name, p.requires_grad) for name, p in model.named_parameters())
-    hyper = tuple(_hyperparameters(group) for group in optimizer.param_groups)
+    hyper = tuple(_hyperparameters(group, graphed) for group in optimizer.param_groups)
     return ("batch", _signature(batch), "modes", modes, "trainable", trainable, "hyperparameters", hyper)
 
 
-def _hyperparameters(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+def _hyperparameters(group: dict[str, Any], graphed: bool = False) -> tuple[tuple[str, Any], ...]:
     """What a graph is specific to in a param group: each hyperparameter's value, but only the
     type of those the graph takes as inputs (the learning rate, and momentum or betas, which
-    schedulers change at every step: :data:`mutwo.runtime.capture.optim.SCHEDULED`)."""
-    inputs = scheduled_kinds(group)
+    schedulers change at every step: :data:`mutwo.runtime.capture.optim.SCHEDULED`; not momentum
+    and betas in a capturable form, ``graphed``: a change captures again)."""
+    inputs = scheduled_kinds(group, graphed)
     return tuple(sorted((key, ("graph input", inputs[key]) if key in inputs else _frozen(value))
                         for key, value in group.items() if key != "params"))  # fmt: skip
 
@@ -523,11 +633,12 @@ def optimize(
     grad_scaler: torch.amp.GradScaler | None = None,
     data_parallel: bool | None = None,
     bucket_cap_mb: float | None = None,
-    backend: str = "eager",
+    backend: str = "auto",
     calibrate_peak: int | None = None,
     measure_choice: bool = False,
     memory_limit: int | str | None = None,
     on_failure: str = "refuse",
+    cache: bool | str | Path | None = None,
 ) -> MutwoStep:
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
@@ -560,7 +671,10 @@ def optimize(
 
     ``backend``: what runs the optimized graph: ``eager`` (one aten kernel per node), ``inductor``
     (fused by torch's Inductor, compiled now), ``cudagraphs`` or ``inductor-cudagraphs`` (replayed
-    as one CUDA graph); see docs/backends.md. ``calibrate_peak``: with ``inductor``, plan again up
+    as one CUDA graph); see docs/backends.md. ``auto`` (the default) chooses once, before compiling,
+    and logs why: on the CPU ``eager``; on CUDA ``inductor-cudagraphs`` when the step can be
+    recorded, else the fastest backend that runs it (:mod:`mutwo.runtime.execution.auto_backend`);
+    a backend it chose fails as it would named. ``calibrate_peak``: with ``inductor``, plan again up
     to that many times (compiling each time) until the compiled step's measured peak is within 3%
     of the budget, since Inductor's fusion frees buffers the plan counts. ``measure_choice``: with
     a compiled backend and ``passes`` planning swaps (``"profile,swap"``), keep select-swap's plan
@@ -580,6 +694,13 @@ def optimize(
     later call (:class:`InconsistentStateError`). ``"restore"``: every failed step is undone, for
     a copy of the parameters and optimizer state in host memory made before each step. The
     README says more ("A step that fails").
+
+    ``cache``: where the profile and the plan of each graph are kept, so that a second process
+    with the same model, batch, device and settings skips profiling, selection and calibration
+    (docs/plan-cache.md): None or True, ``$MUTWO_CACHE_DIR``, else ``$XDG_CACHE_HOME/mutwo``, else
+    ``~/.cache/mutwo`` (None: unless ``MUTWO_CACHE=0``); a folder; False: none. Each stage of
+    planning is said as it starts and ends, on stderr, when ``verbose`` or stderr is a terminal;
+    ``step.setup_seconds`` says where the time went.
     """
     if on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
@@ -599,7 +720,9 @@ def optimize(
     options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
                "training": training, "data_parallel": dp, "backend": backend, "calibrate_peak": calibrate_peak,
                "measure_choice": measure_choice, "memory_limit": limit,
-               "out_dir": Path(out_dir) if out_dir is not None and lead else None}  # fmt: skip
+               "out_dir": Path(out_dir) if out_dir is not None and lead else None,
+               # minutes on a large model: said where someone watches (verbose, or a terminal)
+               "cache": cache, "progress": say if verbose or sys.stderr.isatty() else log}  # fmt: skip
     step = MutwoStep(model, optimizer, loss_fn, options, keep_grads, log, say, on_failure=on_failure)
     step.plan_ahead(example_batch)
     return step

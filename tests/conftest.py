@@ -1,8 +1,9 @@
-"""Shared pytest configuration: CUDA tests are skipped on machines without a GPU; ``one_rank``;
-``evenly_timed``."""
+"""Shared pytest configuration: CUDA tests are skipped on machines without a GPU; the plan cache
+is off unless a test gives it a folder; ``one_rank``; ``evenly_timed``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -10,6 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # mutwo.optimize and mutwo-opt keep plans in ~/.cache/mutwo by default: a test must neither
+    # reuse a plan an earlier test or run kept (one made from a patched profile, say) nor write
+    # there, and subprocesses inherit this. The plan cache's own tests give it a folder.
+    os.environ["MUTWO_CACHE"] = "off"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

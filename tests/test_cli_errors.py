@@ -274,7 +274,7 @@ CONFIG_ERRORS = {
     ),
     "unknown-backend": (
         "model: {source: python, name: tiny.py:make}\nbackend: inductr\n",
-        ["unknown backend 'inductr'", "use one of eager, inductor, cudagraphs, inductor-cudagraphs"],
+        ["unknown backend 'inductr'", "use one of auto, eager, inductor, cudagraphs, inductor-cudagraphs"],
     ),
     "unknown-precision": (
         "model: {source: python, name: tiny.py:make}\nprecision: bf16\n",

@@ -142,7 +142,7 @@ def test_one_cycle_on_the_gpu_is_captured_once_and_trains_like_eager(optimizer: 
     my_opt, eager_opt = (models.OPTIMIZERS[optimizer](w.model.parameters()) for w in (mine, eager))
     schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=8) for o in (my_opt, eager_opt)]
     with deterministic_algorithms():
-        step = api.optimize(mine.model, my_opt, mine.batch, mine.loss_fn, budget="min")
+        step = api.optimize(mine.model, my_opt, mine.batch, mine.loss_fn, budget="min", backend="eager")
         for iteration in range(6):
             torch.manual_seed(iteration)
             loss = step(mine.batch)
@@ -173,7 +173,7 @@ def test_planning_on_the_gpu_leaves_the_random_stream_to_training() -> None:
 
     with deterministic_algorithms():
         torch.manual_seed(1)
-        step = optimize(mine, my_opt, (batches[0],), loss_of, check=True)
+        step = optimize(mine, my_opt, (batches[0],), loss_of, check=True, backend="eager")
         losses = [step((batch,)) for batch in batches]
         torch.manual_seed(1)
         expected = []

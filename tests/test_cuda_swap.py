@@ -111,7 +111,8 @@ def test_cuda_inductor_runs_a_swap_plan_within_the_tolerance_and_its_planned_pea
 def test_cuda_mutwo_opt_swaps_and_recomputes_with_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     # 0.9: with CUDA's multi-tensor Adam the tiny MLP's lowest peak is 82% (measured on the H100).
-    code = main(["-q", "--check", "--device", "cuda", "-o", str(out), "--budget", "0.9", "-p", "profile,swap",
+    code = main(["-q", "--check", "--device", "cuda", "--backend", "eager", "-o", str(out), "--budget", "0.9", "-p",
+                 "profile,swap",
                  str(REPO / "examples/tiny_mlp.yaml")])  # fmt: skip
     assert code == EXIT_OK, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
@@ -126,7 +127,8 @@ def test_cuda_mutwo_opt_swaps_and_recomputes_with_check(tmp_path: Path, capsys: 
 def test_cuda_a_pipeline_without_swaps_skips_the_contention_iterations(tmp_path: Path, profile: str, measured: bool,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    code = main(["-q", "--device", "cuda", "-o", str(out), "--budget", "0.9", "-p", f"{profile},select,rewrite",
+    code = main(["-q", "--device", "cuda", "--backend", "eager", "-o", str(out), "--budget", "0.9", "-p",
+                 f"{profile},select,rewrite",
                  str(REPO / "examples/tiny_mlp.yaml")])  # fmt: skip
     assert code == EXIT_OK, capsys.readouterr().err
     assert ("copy_contention" in json.loads((out / "profile.json").read_text())["meta"]) is measured

@@ -59,14 +59,14 @@ def _synopsis_options(text: str) -> set[str]:
 
 
 def test_the_synopses_name_every_option_of_the_parser() -> None:
-    """README's mutwo-opt synopsis and the module's docstring list exactly the parser's options."""
+    """docs/mutwo-opt.md's synopsis and the module's docstring list exactly the parser's options."""
     from mutwo.tools import mutwo_opt
 
     options = {o for action in mutwo_opt.build_parser()._actions for o in action.option_strings} - {"-h", "--help"}
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## mutwo-opt", 1)[1].split("```", 2)[1]
+    page = (DOCS / "mutwo-opt.md").read_text(encoding="utf-8")
+    block = page.split("## Synopsis", 1)[1].split("```", 2)[1]
     docstring = (mutwo_opt.__doc__ or "").split("\n\n")[1]
-    for where, text in (("README.md's synopsis", block), ("mutwo_opt's docstring", docstring)):
+    for where, text in (("docs/mutwo-opt.md's synopsis", block), ("mutwo_opt's docstring", docstring)):
         assert _synopsis_options(text) == options, f"{where}: missing {sorted(options - _synopsis_options(text))}, " \
                                                    f"unknown {sorted(_synopsis_options(text) - options)}"
 

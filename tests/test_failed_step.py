@@ -26,6 +26,7 @@ from mutwo.runtime.execution import failure
 from mutwo.runtime.execution import step as step_module
 from mutwo.runtime.execution.backends import CompiledStep
 from mutwo.runtime.execution.step import GraphStep
+from mutwo.runtime.measurement.out_of_memory import NOTE_PREFIX
 from tests import models
 from tests.test_optim import bitwise_equal
 
@@ -107,6 +108,19 @@ def _fail(step: MutwoStep, batch: Any) -> torch.OutOfMemoryError:
     return raised.value
 
 
+def _state_notes(error: BaseException) -> list[str]:
+    """The notes on ``error`` about the state it left, besides the one every out-of-memory error
+    gets (the stage it happened in, what was held: :mod:`mutwo.runtime.measurement.out_of_memory`)."""
+    notes = getattr(error, "__notes__", [])
+    assert sum(note.startswith(NOTE_PREFIX) for note in notes) == isinstance(error, torch.OutOfMemoryError), notes
+    return [note for note in notes if not note.startswith(NOTE_PREFIX)]
+
+
+#: Where the out-of-memory note of an eager step says it failed, by the phase of the node it failed after.
+PHASE_WORDS = {Phase.FORWARD: "in the forward", Phase.BACKWARD: "in the backward",
+               Phase.OPTIMIZER: "in the optimizer step"}  # fmt: skip
+
+
 def _refuses(step: MutwoStep, batch: Any, failed: str = "OutOfMemoryError: CUDA out of memory (injected)") -> str:
     """The one sentence every later call raises, naming what ``failed``."""
     for _ in range(2):
@@ -135,10 +149,11 @@ def test_a_failure_anywhere_is_undone_or_refused() -> None:
         _inject_after(_graph_step(step, batches[0]), nodes[round(fraction * (len(nodes) - 1))])
         before = _state(workload.model, optimizer)
         error = _fail(step, batches[0])
+        assert f"{NOTE_PREFIX} in a training step, {PHASE_WORDS[phase]}," in error.__notes__[-1], error.__notes__
         refused[phase, fraction] = step.refusal is not None
         if step.refusal is None:
             assert _same(_state(workload.model, optimizer), before), f"changed by a failure in {phase} at {fraction}"
-            assert not getattr(error, "__notes__", None), "an undone failure must reach the caller unchanged"
+            assert not _state_notes(error), "an undone failure says nothing of the state"
             assert step.micro_index == 0
             step(batches[1])  # training goes on
         else:
@@ -202,7 +217,7 @@ def test_restore_undoes_a_failure_after_updates_inside_the_backward() -> None:
     _inject_after(graph_step, _computed(graph_step.graph, Phase.BACKWARD)[-1])
     before = _state(mine.model, my_opt)
     error = _fail(my_step, batches[1])
-    assert my_step.refusal is None and not getattr(error, "__notes__", None)
+    assert my_step.refusal is None and not _state_notes(error)
     assert _same(_state(mine.model, my_opt), before)
     assert bitwise_equal(my_step(batches[2]), twin_step(batches[2]))
     assert _same(_state(mine.model, my_opt), _state(twin.model, twin_opt))
@@ -386,7 +401,7 @@ def test_a_real_out_of_memory_error_is_undone() -> None:
     workload.model.cuda()
     workload.batch = tuple(t.cuda() for t in workload.batch)
     optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-2, capturable=True)
-    step = optimize(workload.model, optimizer, workload.batch, workload.loss_fn, passes="stats")
+    step = optimize(workload.model, optimizer, workload.batch, workload.loss_fn, passes="stats", backend="eager")
     step(workload.batch)
     large = (torch.randn(256, 3, 128, 128, device="cuda"), torch.randint(0, 10, (256,), device="cuda"))
     first_activation = 256 * 8 * 128 * 128 * 4  # the first convolution's output, 128 MiB
@@ -399,7 +414,8 @@ def test_a_real_out_of_memory_error_is_undone() -> None:
             step(large)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert type(raised.value) is torch.OutOfMemoryError and not getattr(raised.value, "__notes__", None)
+    assert type(raised.value) is torch.OutOfMemoryError and not _state_notes(raised.value)
+    assert "reserved on cuda:0, capped at" in raised.value.__notes__[-1], raised.value.__notes__
     assert step.last is not None and step.last.step is not None
     assert step.last.step.failure_guard.failure is not None, "it ran out of memory before the step ran"
     assert step.refusal is None and _same(_state(workload.model, optimizer), before)

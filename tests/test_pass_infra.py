@@ -791,7 +791,7 @@ def test_cli_time_passes_times_the_whole_run(tmp_path: Path, monkeypatch: pytest
     assert rows["check"] > 0 and rows["capture"] > 0
     assert sum(v for k, v in rows.items() if k != "total") == pytest.approx(rows["total"], abs=1e-3)
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["phase_seconds"]) == {"capture", "passes", "compile", "check", "measure"}
+    assert set(summary["phase_seconds"]) == {"capture", "plan cache", "passes", "compile", "check", "measure"}
     assert summary["budget"] == "0.9"  # no plan made: the config's
 
 

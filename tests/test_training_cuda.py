@@ -31,7 +31,7 @@ def _train_side_by_side(make: Any, steps: int, options: dict[str, Any], k: int =
     eager_scaler = torch.amp.GradScaler("cuda", growth_interval=1) if scaler else None
     with deterministic_algorithms():
         step = optimize(mine.model, my_opt, mine.batch, mine.loss_fn, passes="stats", accumulation_steps=k,
-                        grad_scaler=my_scaler, **options)  # fmt: skip
+                        grad_scaler=my_scaler, **{"backend": "eager", **options})  # fmt: skip
         for index in range(steps * k):
             torch.manual_seed(index)
             loss = step(mine.batch)

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from mutwo.ir.budget import Budget, BudgetError, parse_budget
-from mutwo.runtime.execution.backends import BACKENDS
+from mutwo.runtime.execution.auto_backend import AUTO, BACKEND_CHOICES
 from mutwo.tools.cli import did_you_mean, unreadable
 
 #: The pipeline run when neither the config nor the command line names one.
@@ -47,7 +47,7 @@ TOP_KEYS = {
     "budget": Key((int, float, str), "a fraction like 0.5 or bytes like '6GiB'"),
     "passes": Key((str,), "a pipeline like 'stats,dce'"),
     "seed": Key((int,), "an integer"),
-    "backend": Key((str,), "one of " + ", ".join(BACKENDS)),
+    "backend": Key((str,), "one of " + ", ".join(BACKEND_CHOICES)),
     "precision": Key((str,), "one of " + ", ".join(PRECISIONS)),
     "memory_format": Key((str,), "one of " + ", ".join(MEMORY_FORMATS)),
     "max_grad_norm": Key(_NUMBER, "a positive number (clip_grad_norm_ before the optimizer step)"),
@@ -110,7 +110,7 @@ class Config:
     budget: Budget | None = None
     passes: str = DEFAULT_PIPELINE
     seed: int = 0
-    backend: str = "eager"
+    backend: str = AUTO  #: mutwo-opt chooses (mutwo.runtime.execution.auto_backend)
     precision: str = "fp32"
     memory_format: str = "contiguous"
     max_grad_norm: float | None = None
@@ -225,7 +225,7 @@ def apply_overrides(config: Config, *, batch_size: int | None = None, device: st
     if seed is not None:
         config.seed = seed
     if backend is not None:
-        config.backend = _one_of("backend", backend, BACKENDS)
+        config.backend = _one_of("backend", backend, BACKEND_CHOICES)
     if precision is not None:
         config.precision = _one_of("precision", precision, PRECISIONS)
     if memory_format is not None:

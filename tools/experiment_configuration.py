@@ -35,9 +35,9 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
     with that profile when there is one). ``optimizer_passes``: run optimizer-in-backward and
     foreach-buckets (the ``optimizer`` alias) after the profile, before select. ``swap``: plan
     with select-swap and insert-swap (keep, recompute or swap each activation) instead.
-    ``backend``: what runs the planned graph (compiled as part of planning; CUDA graphs get a
-    capturable optimizer with learning rates on the GPU,
-    :func:`mutwo.runtime.execution.cuda_graphs.graphable_optimizer`). ``trace``: after measuring, profile
+    ``backend``: what runs the planned graph (compiled as part of planning; for CUDA graphs the
+    config's optimizer is captured in its capturable form, its step counts and learning rates on
+    the GPU: :mod:`mutwo.runtime.capture.optim`). ``trace``: after measuring, profile
     3 more iterations on the GPU, write their Chrome trace there and add the per-stream summary
     (:mod:`mutwo.tools.stream_trace`) under ``streams``. ``isolate_profile``: profile with
     ``profile{isolate=true}`` (each node's GPU time without the host's launch time).

@@ -47,8 +47,7 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
     from mutwo.ir.memory import simulate
     from mutwo.ir.pass_manager import PassManager, PipelineFailure
     from mutwo.ir.registry import PassRegistry
-    from mutwo.runtime.execution.backends import BackendError, backend_services
-    from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
+    from mutwo.runtime.execution.backends import BackendError, backend_services, records_cuda_graphs
     from mutwo.runtime.execution.step import GraphStep
     from mutwo.runtime.measurement.profiler import Profile, fingerprint
     from mutwo.runtime.planning.captured import capture_graph, pass_context
@@ -59,15 +58,15 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
                            "the eager times the plans are priced at; the eager executor's select-swap choice is "
                            "already priced as it runs: drop it, or plan for inductor, inductor-cudagraphs or "
                            "cudagraphs")  # fmt: skip
-    if backend.endswith("cudagraphs"):
-        graphable_optimizer(training.optimizer, training.device)
     profiles = budget is None and not reuse_profile  # this run makes the profile.json the others reuse
     saved, saved_transfer = folder / "profile.json", folder / TRANSFER_FILE
     if profiles:  # an older profile must not outlive a run that fails before saving its own
         for old in (saved, saved_transfer, folder / "timing.json"):
             old.unlink(missing_ok=True)
     started = time.perf_counter()
-    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options)
+    # CUDA graphs: the stock optimizer's capturable form, captured for them (mutwo.runtime.capture.optim).
+    lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options,
+                            graphed=records_cuda_graphs(backend))  # fmt: skip
     row["capture_seconds"] = round(time.perf_counter() - started, 2)
     folder.mkdir(parents=True, exist_ok=True)
     context = pass_context(lowered, budget, out_dir=folder if profiles else None, log=log)

@@ -6,8 +6,8 @@
               [--no-verify] [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot]
               [--time-passes] [--fit MEMORY [--fit-margin SHARE] [--fit-max-slowdown FACTOR]]
               [--calibrate-peak ROUNDS] [--measure-choice] [--memory-limit MEMORY] [-q/--quiet]
-              [--bucket-cap-mb MB] [--debug]
-              [--backend eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
+              [--bucket-cap-mb MB] [--cache-dir DIR | --no-cache] [--debug]
+              [--backend auto|eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
 captures the data-parallel iteration on its shard of the batch, the gradients are averaged
@@ -38,19 +38,41 @@ import torch
 
 from mutwo.ir import to_fx
 from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import PassContext
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo.ir.registry import PassRegistry, RegistryError
 from mutwo.ir.verifier import VerificationError
 from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 from mutwo.runtime.capture.tracing import CaptureError, debug_enabled
-from mutwo.runtime.execution.backends import BackendError, CompiledStep, CompileError, backend_services, compile_graph
+from mutwo.runtime.execution.auto_backend import AUTO, early_choice
+from mutwo.runtime.execution.backends import (
+    BackendError,
+    CompiledStep,
+    CompileError,
+    backend_services,
+    compile_graph,
+    records_cuda_graphs,
+)
 from mutwo.runtime.execution.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.measurement.device_memory import MemoryLimitError, apply_memory_limit, lift_memory_limit
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs
 from mutwo.runtime.measurement.iterations import measure_iterations
+from mutwo.runtime.measurement.out_of_memory import (
+    CALIBRATION,
+    CAPTURE,
+    CHECK,
+    CHOICE,
+    COMPILE,
+    MEASURE,
+    MemorySettings,
+    one_line,
+    out_of_memory_in,
+    stage_noted,
+)
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
-from mutwo.runtime.planning.captured import CapturedGraph, capture_graph, pass_context
+from mutwo.runtime.planning.auto_capture import capture_for_backend
+from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 from mutwo.runtime.planning.fit import FitError
 from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
@@ -60,7 +82,9 @@ from mutwo.runtime.planning.peak_calibration import (
     calibration_rounds,
     release_recording,
 )
+from mutwo.runtime.planning.plan_cache import CachedPlanning
 from mutwo.runtime.planning.plan_choice import ChoiceFailed, measured_choice
+from mutwo.runtime.planning.plan_key import run_settings
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, OutputFolder, UsageError, print_debug_traceback
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
@@ -104,11 +128,14 @@ class MutwoOpt:
         self.wall_started = time.time() - 1  # file times have coarse resolution on some filesystems
         self.calibration: Calibration[Any] | None = None  #: with --calibrate-peak, its rounds
         self.choice: dict[str, Any] | None = None  #: with --measure-choice, both plans measured and the kept one
+        self.plan_cache = CachedPlanning()  #: the plan cache's hit or miss (off until the passes run)
         self.dp: DataParallel | None = None  #: under torchrun: the ranks averaging the gradients
         self.joined = False  #: whether this run joined the process group (and leaves it at the end)
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
         self.output: OutputFolder | None = None  #: the output folder, once this run has made it
         self.cap_lifted: Callable[[], None] | None = None  #: undoes --memory-limit's cap when the run ends
+        #: the device, budget and memory limit an out-of-memory error's note names (set once they are known)
+        self.memory = MemorySettings(torch.device("cpu"))
         self.phase_seconds: dict[str, float] = {}  #: capture, passes, compile, check, measure: seconds each
         self.inner_seconds = 0.0  #: what the phases timed inside the current one took
 
@@ -234,8 +261,11 @@ class MutwoOpt:
                 self.log(f"capturing the last micro-batch of gradient accumulation (accumulation_steps="
                          f"{config.accumulation_steps}): forward, backward added to the accumulated gradients, "
                          "optimizer step; the micro-batch with the highest peak")  # fmt: skip
-            lowered = capture_graph(model, optimizer, batch, workload.loss_fn, training_options(config, device),
-                                    data_parallel=self.dp)
+            lowered, chosen = capture_for_backend(config.backend, model, optimizer, batch, workload.loss_fn,
+                                                  training_options(config, device), data_parallel=self.dp)  # fmt: skip
+            if chosen is not None:
+                self.log(chosen.sentence())
+                config.backend = chosen.backend
         except (ConfigError, CaptureError, UnsupportedOptimizerError, distributed.DataParallelError) as error:
             raise UsageError(str(error)) from None
         except distributed.RanksDisagreeError as error:
@@ -258,7 +288,8 @@ class MutwoOpt:
         if config.backend != "eager":
             self.log(f"compiling the final graph with {config.backend}")
         try:
-            compiled = compile_graph(final, inputs, config.backend)
+            with stage_noted(COMPILE, self.memory):
+                compiled = compile_graph(final, inputs, config.backend)
         except CompileError as error:
             raise Failure(str(error)) from None
         except BackendError as error:
@@ -267,6 +298,23 @@ class MutwoOpt:
             self.log(f"compiled in {compiled.compile_seconds:.1f} s"
                      + (" (from Inductor's cache)" if compiled.cache_hit else ""))  # fmt: skip
         return compiled
+
+    def look_up_plan(self, config: Config, lowered: CapturedGraph, manager: PassManager, ctx: PassContext,
+                     limit: int | None, rounds: int) -> CachedPlanning:  # fmt: skip
+        """This run's entry of the plan cache (docs/plan-cache.md), whose hit skips profile, select,
+        calibration and the measured choice; not looked up with --no-cache, nor where --profile-from
+        or --plan-from give what an entry would."""
+        if self.args.no_cache:
+            return CachedPlanning()
+        if self.reused_files:
+            reused = self.reused_files[0][0]
+            self.log(f"plan cache not used: {reused.option} gives the {reused.artifact}")
+            return CachedPlanning()
+        settings = run_settings(budget=config.budget, memory_limit=limit, backend=config.backend, keep_grads=False,
+                                calibration_rounds=rounds, measure_choice=self.args.measure_choice,
+                                precision=config.precision)  # fmt: skip
+        return CachedPlanning.begin(self.args.cache_dir, lowered, manager.passes, settings,
+                                    ctx.services.get("device_memory"), self.log, self.dp is not None)  # fmt: skip
 
     def measure(self, original: Graph, final: CompiledStep, inputs: list[Any], device: torch.device,
                 original_fits: bool) -> dict[str, Any]:  # fmt: skip
@@ -338,26 +386,36 @@ class MutwoOpt:
                 return run_fit(self, config, device, out)
             except FitError as error:
                 raise Failure(str(error)) from None
-        refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp is not None)
+        chosen = early_choice(device, self.dp is not None) if config.backend == AUTO else None
+        if chosen is not None:  # said once the usage is checked
+            config.backend = chosen.backend
+        auto = config.backend == AUTO  # on CUDA: chosen once the step is captured
+        if not auto:
+            refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp is not None)
         limit = memory_limit(self.args)
+        self.memory = MemorySettings(device, config.budget, limit)
         if limit is not None:  # before capture: the model is moved to the device under the cap too
             try:
                 self.log(apply_memory_limit(device, limit))
             except MemoryLimitError as error:
                 raise UsageError(str(error)) from None
             self.cap_lifted = functools.partial(lift_memory_limit, device)
-        with self.timed("capture"):
+        if chosen is not None:
+            self.log(chosen.sentence())
+        with self.timed("capture"), stage_noted(CAPTURE, self.memory):
             lowered = self.capture(config, device)
-        if config.backend.endswith("cudagraphs"):  # before planning: nothing is written for a step it refuses
+        if auto:  # what the backend chosen cannot do is refused as if it were named
+            refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp is not None)
+        elif records_cuda_graphs(config.backend):  # before planning: nothing is written for a step it refuses
             try:
-                refuse_uncapturable(to_fx(lowered.graph), lowered.inputs, [p.label for p in lowered.graph.placeholders])
+                refuse_uncapturable(lowered.graph, lowered.inputs)
             except BackendError as error:
                 raise UsageError(str(error)) from None
         self.gradient_buckets = lowered.binding.gradient_buckets
         graph, inputs = lowered.graph, lowered.inputs
         reused_artifacts: dict[str, Any] = {}
         original = graph.copy()
-        captured_version = graph.version
+        captured_version: int | None = graph.version
         for reused, path, _ in self.reused_files:  # before anything is written: a refused file leaves nothing
             reused_artifacts[reused.artifact] = load_artifact(graph, reused, path)
         # Everything is written into a stage, moved into `out` when the run ends (tools/cli.OutputFolder).
@@ -370,12 +428,18 @@ class MutwoOpt:
         ctx.artifacts.update(reused_artifacts)
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
+        rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes, self.dp is not None)
+        with self.timed("plan cache"):
+            self.plan_cache = self.look_up_plan(config, lowered, manager, ctx, limit, rounds)
         try:
             with self.timed("passes"):
-                result = manager.run(graph, ctx)
+                planned, ctx, result = self.plan_cache.run(manager.passes, graph, ctx, manager.instrumentation)
+            if planned is not graph:  # a hit's passes ran on a copy of the captured graph: it is the final one
+                graph, captured_version = planned, None
         except PipelineFailure as caught:
             failure = caught
-        error = None if failure is None else str(failure)
+        out_of_memory = None if failure is None else out_of_memory_in(failure, self.memory)
+        error = None if failure is None else one_line(out_of_memory) if out_of_memory is not None else str(failure)
         final = graph if graph.version != captured_version else original
         if self.dp is not None and error is None:
             try:
@@ -386,10 +450,11 @@ class MutwoOpt:
         if error is None:
             with self.timed("compile"):
                 compiled = self.compile(config, final, inputs)
-        rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes, self.dp is not None)
+        if self.plan_cache.hit:  # the entry holds the plan calibration and the measured choice kept
+            rounds = 0
         if rounds and compiled is not None:
             first = Calibrated(final, compiled, ctx)
-            with self.timed("calibrate"):
+            with self.timed("calibrate"), stage_noted(CALIBRATION, self.memory):
                 try:
                     kept = calibrated_step(rounds, manager, lowered, original, first,
                                            lambda g: self.compile(config, g, inputs), staged, self.log)
@@ -397,8 +462,8 @@ class MutwoOpt:
                     raise UsageError(str(error)) from None
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
-        if self.args.measure_choice and compiled is not None:
-            with self.timed("choose"):
+        if self.args.measure_choice and compiled is not None and not self.plan_cache.hit:
+            with self.timed("choose"), stage_noted(CHOICE, self.memory):
                 try:
                     kept, self.choice = measured_choice(manager, lowered, original,
                                                         Calibrated(final, compiled, ctx, self.calibration),
@@ -420,15 +485,21 @@ class MutwoOpt:
                     raise UsageError("--check runs the original graph whole to compare with, and it was profiled "
                                      "out of core because it does not fit under the limit; check on a card (or "
                                      "--memory-limit) where it fits, or drop --check")  # fmt: skip
-                with self.timed("check"):
+                with self.timed("check"), stage_noted(CHECK, self.memory):
                     report = self.check(original, graph, inputs, compiled)
             if compiled:
-                with self.timed("measure"):
+                with self.timed("measure"), stage_noted(MEASURE, self.memory):
                     measured = self.measure(original, compiled, inputs, device, original_fits)
+        except torch.OutOfMemoryError:  # noted with its stage: main() says it in one line
+            raise
         except RuntimeError as crash:  # a graph that cannot run: say so in one line, never a traceback
             first = (str(crash).strip().splitlines() or [type(crash).__name__])[0]
             raise Failure(f"running the captured graph failed: {first} (if the model runs eagerly, fake tensors "
                           "predicted other strides than the kernels produce: please report it)") from None
+        if error is None and (report is None or report.equivalent) and self.plan_cache.keeps:
+            with self.timed("plan cache"):
+                self.plan_cache.keep(ctx, calibration=self.calibration.describe() if self.calibration else None,
+                                     choice=self.choice, setup_seconds=self.rounded_phases())  # fmt: skip
         if self.lead:
             assert staged is not None
             files = write_outputs(self, staged, config, device, original, final, result, report, error, ctx, measured,
@@ -438,7 +509,7 @@ class MutwoOpt:
                 print(self.phase_report())
         if failure is not None:
             # A pass that crashed (not a PassFailure) is a bug to find: say where its traceback is.
-            hint = f"; {DEBUG_HINT}" if failure.crashed and not debug_enabled() else ""
+            hint = f"; {DEBUG_HINT}" if failure.crashed and out_of_memory is None and not debug_enabled() else ""
             raise Failure(f"{error}{hint}") from failure
         if report is not None and not report.equivalent:
             raise Failure(report.summary())
@@ -463,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     except (Failure, VerificationError) as error:
         print_debug_traceback(error)
         print(f"mutwo-opt: failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return EXIT_FAILURE
+    except torch.OutOfMemoryError as error:  # the stage it happened in, what was held and the fix: one line
+        print_debug_traceback(error)
+        print(f"mutwo-opt: failed: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("mutwo-opt: interrupted; files already written are complete, the rest were not written",

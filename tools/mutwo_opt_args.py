@@ -16,7 +16,8 @@ import torch
 from mutwo.ir.budget import BudgetError, parse_bytes
 from mutwo.ir.pass_base import Pass
 from mutwo.ir.registry import PassRegistry
-from mutwo.runtime.execution.backends import BACKENDS, backend_services
+from mutwo.runtime.execution.auto_backend import AUTO, BACKEND_CHOICES
+from mutwo.runtime.execution.backends import backend_services
 from mutwo.runtime.planning.fit_search import FIT_PIPELINE
 from mutwo.runtime.planning.peak_calibration import calibration_refusal
 from mutwo.runtime.planning.plan_choice import choice_refusal
@@ -41,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'min' (the lowest peak recomputation reaches); default: the config's 'budget', else the "
                         "GPU's memory (on CPU nothing needs recomputing)")
     parser.add_argument("--seed", type=int, help="override the config's seed")
-    parser.add_argument("--backend", choices=BACKENDS,
-                        help="what runs the final graph (default: the config's, else eager); see docs/backends.md")
+    parser.add_argument("--backend", choices=BACKEND_CHOICES,
+                        help="what runs the final graph (default: the config's, else auto: on CUDA "
+                        "inductor-cudagraphs when the step can be recorded, else the fastest backend that runs it; "
+                        "eager on the CPU); see docs/backends.md")
     parser.add_argument("--precision", help="override the config's precision: fp32, bf16-autocast, fp16-autocast")
     parser.add_argument("--memory-format", help="override the config's memory_format: contiguous, or channels_last "
                         "(the model's and the batch's 4-D tensors NHWC, as cuDNN's fastest convolutions want)")
@@ -87,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
                         help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--cache-dir", metavar="DIR",
+                       help="the plan cache's folder (default: $MUTWO_CACHE_DIR, else $XDG_CACHE_HOME/mutwo, else "
+                       "~/.cache/mutwo): a run with the same graph, device and options reuses the profile and plan "
+                       "kept there, skipping profile, select and calibration (docs/plan-cache.md)")
+    cache.add_argument("--no-cache", action="store_true",
+                       help="neither reuse nor keep a plan in the plan cache (profile and plan this run afresh)")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback behind an error (like MUTWO_DEBUG=1)")
     return parser
@@ -123,7 +133,7 @@ def refuse_options_fit_leaves_unused(args: argparse.Namespace) -> None:
         return
     given = (("-p", args.passes), ("--plan-from", args.plan_from), ("--profile-from", args.profile_from),
              ("--calibrate-peak", args.calibrate_peak), ("--measure-choice", args.measure_choice),
-             ("--memory-limit", args.memory_limit))  # fmt: skip
+             ("--memory-limit", args.memory_limit), ("--cache-dir", args.cache_dir))  # fmt: skip
     unused = [option for option, value in given if value]
     if unused:
         raise UsageError(f"--fit profiles once and plans every batch size with its own pipeline "
@@ -138,7 +148,7 @@ def refuse_fit_misuse(args: argparse.Namespace, backend: str) -> None:
     for option, value in fit_only:
         if value is not None and args.fit is None:
             raise UsageError(f"{option} applies to --fit; add --fit MEMORY (like --fit 16GiB)")
-    if args.fit is not None and backend != "eager":  # the search measures eager runs: a compiled step's peak differs
+    if args.fit is not None and backend not in ("eager", AUTO):  # the search measures eager runs (auto: eager)
         raise UsageError(f"--fit searches with the eager backend, not {backend}; run --fit without "
                          "--backend, then the batch size it finds with --backend")  # fmt: skip
 

@@ -26,6 +26,7 @@ from mutwo.runtime.execution.backends import CompiledStep
 from mutwo.runtime.measurement.equivalence import EquivalenceReport
 from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.peak_calibration import Calibration
+from mutwo.runtime.planning.plan_cache import CachedPlanning
 from mutwo.tools.config import Config
 from mutwo.tools.reports import memory_timeline, swap_timeline, write_reports
 
@@ -41,6 +42,7 @@ class RunState(Protocol):
     wall_started: float  #: time.time() from which a file counts as this run's
     calibration: Calibration[Any] | None
     choice: dict[str, Any] | None
+    plan_cache: CachedPlanning  #: the plan cache's hit or miss
     dp: DataParallel | None
     gradient_buckets: list[list[str]]
 
@@ -114,6 +116,7 @@ def write_outputs(run: RunState, out: Path, config: Config, device: torch.device
         "simulated_backend": "eager",
         **({"calibration": run.calibration.describe()} if run.calibration is not None else {}),
         **({"measured_choice": run.choice} if run.choice is not None else {}),
+        "plan_cache": run.plan_cache.describe(),
         **(compiled.describe() if compiled is not None else {"backend": config.backend}),
     }
     # The folder is not emptied between runs: list what this run wrote.

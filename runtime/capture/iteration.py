@@ -3,7 +3,8 @@
 The iteration is traced with ``make_fx`` over fake tensors into a single fx graph of aten ops:
 
 * graph inputs (placeholders), in this order: parameters, buffers, per-parameter optimizer state,
-  one 0-dim float64 learning rate per parameter group, then the tensors of the batch; each has an
+  the scheduled hyperparameters of each param group (its learning rate...: 0-dim tensors,
+  :func:`mutwo.runtime.capture.optim.scheduled_inputs`), then the tensors of the batch; each has an
   :class:`InputSlot` naming what the runtime feeds it;
 * the forward runs through ``torch.func.functional_call``, the backward is ``torch.autograd.grad``
   traced into explicit aten ops, the optimizer update is :mod:`mutwo.runtime.capture.optim`;
@@ -32,6 +33,7 @@ from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime.capture import optim as functional_optim
 from mutwo.runtime.capture.batch_call import BatchCall, batch_call
 from mutwo.runtime.capture.collectives import GradientBuckets, broadcast_coalesced
+from mutwo.runtime.capture.device_state import state_for_cuda_graphs, state_on_device
 from mutwo.runtime.capture.guards import RecordedGuard, TraceDecider
 from mutwo.runtime.capture.input_aliasing import refuse_written_aliases, separate_aliases
 from mutwo.runtime.capture.rnn import run_rnn_layers_in_training_mode
@@ -110,14 +112,21 @@ class StepBinding:
     data_parallel: DataParallel | None = None  #: how gradients are averaged across ranks, if they are
     gradient_buckets: list[list[str]] = field(default_factory=list)  #: the all-reduce buckets, in issue order
     call: BatchCall = field(default_factory=lambda: BatchCall("whole"))  #: how the model and loss take the batch
+    #: the step is recorded as a CUDA graph: the optimizer's groups are traced in torch.optim's
+    #: capturable form where they have it (:mod:`mutwo.runtime.capture.optim`)
+    graphed: bool = False
+    #: the trainable parameters whose optimizer state is kept on their device (``graphed``)
+    device_state: frozenset[str] = frozenset()
 
     @classmethod
     def bind(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
              training: TrainingOptions | None = None, micro: str = "step",
              accumulated: dict[str, torch.Tensor] | None = None,
-             data_parallel: DataParallel | None = None) -> StepBinding:  # fmt: skip
-        functional_optim.check_supported(optimizer)
+             data_parallel: DataParallel | None = None, graphed: bool = False) -> StepBinding:  # fmt: skip
         params = dict(model.named_parameters())
+        # A step on the CPU is never recorded (the CUDA-graph backends refuse it in one line).
+        graphed = graphed and any(p.is_cuda for p in params.values())
+        functional_optim.check_supported(optimizer, graphed)
         name_of = {id(p): name for name, p in params.items()}
         group_names: list[list[str]] = []
         for group in optimizer.param_groups:
@@ -130,10 +139,15 @@ class StepBinding:
         if not trainable:
             raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
         functional_optim.init_state(optimizer, [params[n] for n in trainable])
+        device_state: set[torch.Tensor] = set()
+        if graphed:
+            device_state = state_for_cuda_graphs(optimizer, [params[n] for n in trainable])
         layout = {name: functional_optim.state_names(optimizer, params[name]) for name in trainable}
         return cls(model, optimizer, loss_fn, list(params), [n for n, _ in model.named_buffers()], trainable,
                    group_names, layout, training=training or TrainingOptions(), micro=micro,
-                   accumulated=accumulated if accumulated is not None else {}, data_parallel=data_parallel)  # fmt: skip
+                   accumulated=accumulated if accumulated is not None else {}, data_parallel=data_parallel,
+                   graphed=graphed,
+                   device_state=frozenset(n for n in trainable if params[n] in device_state))  # fmt: skip
 
     # -- the flat input list ---------------------------------------------------------------
     def state_names(self, name: str) -> tuple[str, ...]:
@@ -149,7 +163,7 @@ class StepBinding:
                       InputSlot(NodeKind.OPTIMIZER_STATE, "scaler:growth_tracker")]  # fmt: skip
         slots += [InputSlot(NodeKind.OTHER, functional_optim.scheduled_label(entry, i))
                   for i, group in enumerate(self.optimizer.param_groups)
-                  for entry in functional_optim.scheduled_entries(group)]  # fmt: skip
+                  for entry in functional_optim.scheduled_entries(group, self.graphed)]  # fmt: skip
         leaves, _ = pytree.tree_flatten_with_path(batch)
         slots += [InputSlot(NodeKind.INPUT, "batch" + pytree.keystr(path)) for path, leaf in leaves
                   if isinstance(leaf, torch.Tensor)]  # fmt: skip
@@ -163,11 +177,14 @@ class StepBinding:
         flat += [buffers[n] for n in self.buffer_names]
         for name in self.trainable:
             state = self.optimizer.state[params[name]]
+            if name in self.device_state:  # load_state_dict may have brought step counts back to the CPU
+                state_on_device(state, params[name].device)
             flat += [state[s] for s in self.state_layout[name]]
             flat += [tensor for (owner, _), tensor in self.fresh.items() if owner == name]
         flat += list(self.accumulated_inputs().values())
         flat += self.training.scaler_state(params[self.trainable[0]].device)
-        flat += [value for group in self.optimizer.param_groups for value in functional_optim.scheduled_inputs(group)]
+        flat += [value for group in self.optimizer.param_groups
+                 for value in functional_optim.scheduled_inputs(group, self.graphed)]  # fmt: skip
         flat += [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
         return flat
 
@@ -213,7 +230,7 @@ class StepBinding:
         n_state = sum(len(s) for _, s in state_layout) + len(accumulated_names) + n_scaler
         in_optimizer_order = [name for names in self.group_names for name in names]
         k = self.training.accumulation_steps
-        n_scheduled = sum(len(functional_optim.scheduled_entries(g)) for g in self.optimizer.param_groups)
+        n_scheduled = sum(len(functional_optim.scheduled_entries(g, self.graphed)) for g in self.optimizer.param_groups)
 
         def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
             forbid_value_dependent_shapes()
@@ -281,7 +298,7 @@ class StepBinding:
                            else contextlib.nullcontext())  # fmt: skip
                 with skipped:
                     functional_optim.traced_step(self.optimizer, self.group_names, params, grad_of, states, scheduled,
-                                                 decide, fresh)  # fmt: skip
+                                                 decide, fresh, self.graphed)  # fmt: skip
                 if scaler_state:
                     self.training.update_scale(scaler_state[0], scaler_state[1], found_inf)
                 outputs = (loss.detach(), *[grad_of[n] for n in gradient_labels])
@@ -361,7 +378,8 @@ def _training_mode_kept(model: torch.nn.Module) -> Iterator[None]:
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
             training: TrainingOptions | None = None, micro: str = "step",
             accumulated: dict[str, torch.Tensor] | None = None,
-            data_parallel: DataParallel | None = None) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
+            data_parallel: DataParallel | None = None,
+            graphed: bool = False) -> tuple[CapturedStep, StepBinding]:  # fmt: skip
     """Trace one training iteration of ``model`` on ``batch`` into a :class:`CapturedStep`.
 
     The model and ``loss_fn`` are called with the batch as :mod:`mutwo.runtime.capture.batch_call`
@@ -375,8 +393,12 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     :class:`CaptureError` with one sentence naming the cause (and the model's line, for
     data-dependent control flow) when the iteration cannot be traced. With ``data_parallel``, the
     graph also averages the gradients across ranks (:mod:`mutwo.runtime.capture.collectives`).
+    ``graphed``: the step will be recorded as a CUDA graph; on a GPU, the optimizer's step is then
+    traced in torch.optim's capturable form where it has one, its step counts moved to the device
+    in ``optimizer.state`` (:mod:`mutwo.runtime.capture.device_state`), and one whose state stays on
+    the host is refused (:class:`~mutwo.runtime.capture.optim.UnsupportedOptimizerError`).
     """
-    binding = StepBinding.bind(model, optimizer, loss_fn, training, micro, accumulated, data_parallel)
+    binding = StepBinding.bind(model, optimizer, loss_fn, training, micro, accumulated, data_parallel, graphed)
     binding.call = batch_call(binding.model, batch)
     try:
         graph_module, gradient_labels, guards, aliases = _trace(binding, batch)

@@ -142,6 +142,13 @@ class CompiledStep:
                 "compile_cache_hit": self.cache_hit}  # fmt: skip
 
 
+def records_cuda_graphs(backend: str) -> bool:
+    """Whether ``backend`` replays the step as a CUDA graph: the step is then captured for it
+    (``capture(..., graphed=True)``: a stock optimizer's capturable form, its step counts and
+    learning rate on the device; :mod:`mutwo.runtime.capture.optim`)."""
+    return backend.endswith("cudagraphs")
+
+
 def check_backend(name: str) -> str:
     """``name`` if it is a backend, else :class:`BackendError` naming the choices."""
     if name not in BACKENDS:
@@ -177,9 +184,9 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     started = time.perf_counter()
     run: Callable[..., Any] = module
     cache_hit = None
-    graphed = backend.endswith("cudagraphs")
+    graphed = records_cuda_graphs(backend)
     if graphed:
-        refuse_uncapturable(module, inputs, [label for _, label in slots])
+        refuse_uncapturable(graph, inputs)
     if backend.startswith("inductor"):
         draw_as_eager(module, graph, inputs, backend)
         functionalizable_host_calls(module)
@@ -190,7 +197,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
         mark_phases(module, graph)
         run, cache_hit = compile_inductor(module, inputs, swaps=swaps)
     if graphed:
-        run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots])
+        run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots], [label for _, label in slots])
     return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
 
 
@@ -246,6 +253,8 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
                 phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
                 quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER):
             compiled = compile_fx(module, fakes)
+    except torch.OutOfMemoryError:  # autotuning ran out: not the compiler's failure (the caller notes its stage)
+        raise
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "

@@ -74,13 +74,10 @@ def draw_as_eager(module: fx.GraphModule, graph: Graph, inputs: Sequence[torch.T
     """Make every random op of ``module`` (lowered from ``graph``; ``inputs`` in slot order, for their
     layouts) draw under Inductor what it draws eagerly, or raise :class:`BackendError` naming the
     first op that would not."""
+    refused = undrawable(module, graph, backend)
+    if refused is not None:
+        raise BackendError(refused)
     random = [node for node in module.graph.nodes if _is_random(node, graph)]
-    for node in random:
-        why = refusal(node)
-        if why is not None:
-            raise BackendError(f"the {backend} backend cannot draw the random numbers of {_describe(node, graph)} as "
-                               f"eager does: {why}; use --backend eager or cudagraphs, which run aten's kernels "
-                               "on eager's tensors")  # fmt: skip
     for node in random:
         if node.target.overloadpacket in LIKE:
             _like_from_empty(module.graph, node)
@@ -91,6 +88,19 @@ def draw_as_eager(module: fx.GraphModule, graph: Graph, inputs: Sequence[torch.T
             _bernoulli_in_eager_layout(module.graph, node, values[node.args[0]])
     module.graph.lint()
     module.recompile()
+
+
+def undrawable(module: fx.GraphModule, graph: Graph, backend: str) -> str | None:
+    """Why ``backend`` (an Inductor one) cannot run ``module`` (lowered from ``graph``) drawing the
+    random numbers eager draws, in one sentence naming the first op that would not; None when it can."""
+    for node in module.graph.nodes:
+        if _is_random(node, graph):
+            why = refusal(node)
+            if why is not None:
+                return (f"the {backend} backend cannot draw the random numbers of {_describe(node, graph)} as eager "
+                        f"does: {why}; use --backend eager or cudagraphs, which run aten's kernels on eager's "
+                        "tensors")  # fmt: skip
+    return None
 
 
 def refusal(node: fx.Node) -> str | None:

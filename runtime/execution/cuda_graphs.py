@@ -8,6 +8,16 @@ What makes that correct for a training step:
   (if one is replaced, e.g. by ``optimizer.load_state_dict``, the step is recorded again);
 * the batch and the learning rates live in static buffers the graph reads; every call copies
   the new ones in before the replay;
+* a stock optimizer (``capturable=False``, a float learning rate) works as it is: for a CUDA graph
+  mutwo traces torch.optim's capturable form of its step, feeds its learning rate as a tensor on
+  the device, written from ``param_groups`` at every call, and keeps its step counts on the device
+  in ``optimizer.state`` (:mod:`mutwo.runtime.capture.optim`); the user's param groups, state dict
+  and schedulers behave as in eager, and the update is bitwise the one of the same optimizer made
+  ``capturable`` with its learning rate on the device (:func:`graphable_optimizer`);
+* an optimizer without a capturable form but with nothing on the host besides its
+  hyperparameters (SGD) computes with its learning rate and momentum as host numbers, which a
+  recording freezes: the step is recorded again when one of them changes (a scheduler's step),
+  not captured or planned again;
 * recording does not run kernels; a warm-up iteration on copies of the state runs first, on a
   side stream, so that cuBLAS/cuDNN initialisation and Inductor's autotuning happen outside the
   capture and the real state is stepped only by replays;
@@ -18,70 +28,94 @@ What makes that correct for a training step:
   lives; an offloaded tensor is freed at its release point (:mod:`mutwo.runtime.execution.swap_graphs`).
 
 What cannot be recorded is refused before anything runs (:func:`refuse_uncapturable`): a step
-on the CPU, inputs that live on the CPU (a learning rate given as a Python number, the step
-count of a non-capturable Adam: kernels read them on the host at launch, so a graph would freeze
-their values), and ops that read device values on the host.
+on the CPU, inputs that live on the CPU other than the optimizer's scheduled hyperparameters
+(kernels read them on the host at launch, so a graph would freeze their values; an optimizer
+without a capturable form whose state stays on the host, Adagrad, is refused when captured), and
+ops that read device values on the host.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import fx
 
+from mutwo.ir.graph import Graph
+from mutwo.ir.node import Node
+from mutwo.runtime.capture.optim import SCHEDULED_LABEL
 from mutwo.runtime.execution.errors import BackendError
 from mutwo.runtime.execution.swap import RUNTIME as SWAP_RUNTIME
 from mutwo.runtime.measurement.iterations import values_kept_on_host
 
 #: Ops that read device values on the host: a CUDA graph would record the value read at capture.
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal")
-#: The ops of a traced torch.optim step that compute with host numbers at run time
-#: (``mutwo::host_call*``, ``mutwo::host_scalar``, ``mutwo::foreach_host_call*``).
-TRACED_HOST_OPS = ("mutwo.host_", "mutwo.foreach_host")
+#: The ops of a traced torch.optim step that compute with host numbers read from their last
+#: argument's tensors at run time (``mutwo::host_call*``, ``mutwo::host_scalar``). The multi-tensor
+#: ``mutwo::foreach_host_call*`` read theirs from ``host_scalar`` results only, on the CPU.
+TRACED_HOST_OPS = ("mutwo.host_call", "mutwo.host_scalar")
 
 
-def refuse_uncapturable(module: fx.GraphModule, inputs: Sequence[torch.Tensor], labels: Sequence[str]) -> None:
-    """Raise :class:`mutwo.runtime.execution.errors.BackendError` (one line) unless ``module`` can be
-    recorded as a CUDA graph; ``labels[i]`` names input ``i`` in the message."""
+def refuse_uncapturable(graph: Graph, inputs: Sequence[torch.Tensor]) -> None:
+    """Raise :class:`mutwo.runtime.execution.errors.BackendError` (one line) unless ``graph`` (a whole
+    iteration, its placeholders fed ``inputs``) can be recorded as a CUDA graph.
+
+    CPU inputs are the optimizer's scheduled hyperparameters only (``lr:group0``... of an optimizer
+    without a capturable form, SGD's; :data:`mutwo.runtime.capture.optim.SCHEDULED_LABEL`): the
+    runner records again when one changes (:class:`CudaGraphRunner`). Any other CPU input would be
+    frozen at recording, as would a host number read from a tensor on the device."""
     devices = {t.device for t in inputs if t.device.type != "cpu"}
     if not devices or any(d.type != "cuda" for d in devices):
         raise BackendError("CUDA graphs need the model, optimizer state and batch on a CUDA device; this step runs "
                            f"on {', '.join(sorted({str(t.device) for t in inputs}))}: use --backend eager or "
                            "inductor")  # fmt: skip
-    on_host = [label for label, t in zip(labels, inputs, strict=True) if t.device.type == "cpu"]
+    labels = [node.label for node in graph.placeholders]
+    on_host = [label for label, t in zip(labels, inputs, strict=True)
+               if t.device.type == "cpu" and not SCHEDULED_LABEL.fullmatch(label)]  # fmt: skip
     if on_host:
         raise BackendError(f"CUDA graphs cannot record a step that reads CPU tensors on the host ({len(on_host)}: "
                            f"{', '.join(on_host[:3])}{', ...' if len(on_host) > 3 else ''}): their values would be "
-                           "frozen at recording; give the optimizer capturable=True and a learning rate as a CUDA "
-                           "tensor, e.g. lr=torch.tensor(1e-3, device='cuda')")  # fmt: skip
-    for node in module.graph.nodes:
+                           "frozen at recording; put them on the GPU, or use --backend eager or inductor")  # fmt: skip
+    for node in graph:
         if node.op != "call_function":
             continue
-        name = _op_name(node.target)
-        if name.startswith(HOST_READS + TRACED_HOST_OPS):
+        name = node.op_name
+        if name.startswith(HOST_READS) or (name.startswith(TRACED_HOST_OPS) and _reads_the_device(node)):
             raise BackendError(f"CUDA graphs cannot record this step: node {node.name} ({name}) reads a tensor's "
                                "value on the host; use --backend eager or inductor")  # fmt: skip
 
 
-def _op_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}"
-    return getattr(target, "__name__", str(target))
+def _reads_the_device(node: Node) -> bool:
+    """Whether a traced host call reads a number from a tensor that is not on the CPU (a step count
+    of an optimizer traced outside its capturable form, kept on the GPU)."""
+    sources = node.args[-1] if node.args else []
+    return any(isinstance(source, Node) and source.tensor is not None and source.tensor.device != "cpu"
+               for source in (sources if isinstance(sources, (list, tuple)) else [sources]))  # fmt: skip
 
 
 class CudaGraphRunner:
     """``run`` (the step, called with its flat inputs) recorded as a CUDA graph on the first call
-    and replayed on every call after; ``kept[i]``: input ``i`` is state updated in place."""
+    and replayed on every call after; ``kept[i]``: input ``i`` is state updated in place;
+    ``labels[i]`` names it in messages.
 
-    def __init__(self, run: Callable[..., Any], kept: Sequence[bool]) -> None:
+    It records again when a kept input is another tensor (``load_state_dict`` replaced it) and when
+    an input on the CPU holds another value: kernels read a CPU input on the host at launch, so the
+    recording froze the value it had (an SGD learning rate that a scheduler has changed)."""
+
+    def __init__(self, run: Callable[..., Any], kept: Sequence[bool], labels: Sequence[str] | None = None) -> None:
         self.run = run
         self.kept = list(kept)
+        self.labels = list(labels) if labels is not None else [f"input {i}" for i in range(len(self.kept))]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: list[torch.Tensor] = []
+        #: the positions of the inputs read on the host (CPU tensors that are not state)
+        self.on_host: list[int] = []
         self.outputs: Any = None
         self.recordings = 0
+        #: recordings made again because an input read on the host changed, and whether the last call made one
+        self.host_value_recordings = 0
+        self._recorded_for_host_values = False
         #: the recorded iteration's peak above what was allocated before it (its transients, which
         #: live in the graph's pool), and the allocator's absolute peak while recording: replays
         #: allocate nothing, so measurements of replays alone miss it (recording resets the peak)
@@ -91,8 +125,14 @@ class CudaGraphRunner:
         self.host_buffers: list[torch.Tensor] = []
 
     def __call__(self, *flat: torch.Tensor) -> Any:
-        if self.graph is None or any(kept and t.data_ptr() != s.data_ptr()
-                                     for kept, t, s in zip(self.kept, flat, self.static, strict=True)):  # fmt: skip
+        changed = self.changed_host_values(flat)
+        if changed:
+            self._recorded_again_for(changed)
+        else:
+            self._recorded_for_host_values = False
+        replaced = self.graph is not None and any(kept and t.data_ptr() != s.data_ptr()
+                                                  for kept, t, s in zip(self.kept, flat, self.static, strict=True))
+        if self.graph is None or changed or replaced:
             self.record(flat)
         for kept, new, static in zip(self.kept, flat, self.static, strict=True):
             if not kept:
@@ -103,6 +143,24 @@ class CudaGraphRunner:
         # are returned as the graph's own buffers; docs/backends.md says so).
         loss, *rest = self.outputs
         return (loss.clone(), *rest)
+
+    def changed_host_values(self, flat: Sequence[torch.Tensor]) -> list[str]:
+        """The labels of the inputs read on the host whose values differ from the recording's."""
+        if self.graph is None:
+            return []
+        return [self.labels[i] for i in self.on_host if not torch.equal(flat[i], self.static[i])]
+
+    def _recorded_again_for(self, changed: list[str]) -> None:
+        """Count a recording made again for ``changed`` host values; warn (once per process, as
+        Python shows a warning) when the previous call made one too: a per-step schedule."""
+        self.host_value_recordings += 1
+        if self._recorded_for_host_values:
+            them = "them" if len(changed) > 1 else "it"
+            warnings.warn(f"mutwo: {', '.join(changed)} changed again; the CUDA graph reads {them} on the host (an "
+                          "optimizer without a capturable form, such as SGD), so every change records the step "
+                          f"again: a schedule that changes {them} at every step pays for a recording at every step",
+                          stacklevel=3)  # fmt: skip
+        self._recorded_for_host_values = True
 
     def release(self) -> None:
         """Drop the recording (its private pool goes back to the allocator, its host buffers to the
@@ -115,11 +173,17 @@ class CudaGraphRunner:
             SWAP_RUNTIME.buffers.restore(self.host_buffers)
             self.host_buffers = []
 
+    def take_inputs(self, flat: Sequence[torch.Tensor]) -> None:
+        """The recording's inputs: the state itself, copies of the rest (refilled before every replay)."""
+        self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
+        self.on_host = [i for i, (kept, t) in enumerate(zip(self.kept, flat, strict=True))
+                        if not kept and t.device.type == "cpu"]  # fmt: skip
+
     def record(self, flat: Sequence[torch.Tensor]) -> None:
         """Warm up on the live state (saved to host memory and put back after), then record one
         iteration on it."""
         self.release()  # free the previous recording's pool first
-        self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
+        self.take_inputs(flat)
         device = self.static[0].device
         # The warm-up runs a whole step, which writes the state in place. Its old values wait in
         # host memory rather than as device copies: a copy of the parameters and optimizer state
@@ -171,10 +235,12 @@ def warmup_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def graphable_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Make a fresh ``optimizer`` one whose step a CUDA graph can record: ``capturable`` (Adam's
-    step counts on the device) and every learning rate a tensor on ``device`` (a scheduler then
-    updates it in place: ``group["lr"].fill_(...)``). The numbers are the same; only where they
-    live changes. State made before this (a CPU step count) stays where it is, and is refused."""
+    """Make a fresh ``optimizer`` capturable, with every learning rate a float64 tensor on
+    ``device`` (a scheduler then updates it in place: ``group["lr"].fill_(...)``): the form whose
+    eager ``step()`` a stock optimizer's step under the CUDA-graph backends equals bit for bit.
+    mutwo does not need it (it traces a stock optimizer's capturable form itself, see the module
+    docstring); tests build their eager reference with it. The numbers are the same; only where
+    they live changes. State made before this (a CPU step count) stays where it is."""
     for group in optimizer.param_groups:
         if "capturable" in group:
             group["capturable"] = True

@@ -18,8 +18,11 @@ backward. :class:`FailureGuard` reads from the graph which state inputs a step w
   they are not copied: the guard knows instead whether a failed call could have written them.
   The eager backend runs the graph's nodes one by one in the graph's order, and a marker placed
   before the first node that writes each group records that it was reached: a failure before it
-  left the group as it was. A compiled step (Inductor's kernels, a CUDA graph's replay) does not
-  tell how far it ran, so a failure there counts as having written every group its graph writes.
+  left the group as it was. (Markers before the first node of the backward and of the optimizer
+  step tell an out-of-memory error's note which phase the step had reached:
+  :meth:`FailureGuard.where_failed`.) A compiled step (Inductor's kernels, a CUDA graph's replay)
+  does not tell how far it ran, so a failure there counts as having written every group its graph
+  writes.
 
 With ``restore_all`` (``optimize(..., on_failure="restore")``) the model and accumulated groups
 are copied too, into host memory (page-locked for a CUDA tensor), and every failure is undone,
@@ -105,15 +108,6 @@ class Failure:
         return None
 
 
-def add_note(error: BaseException, note: str) -> None:
-    """``error.add_note(note)``; before Python 3.11, which shows no notes, ``__notes__`` as PEP 678
-    defines it (the ``exceptiongroup`` backport and pytest show them)."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
-
-
 def _first_line(error: BaseException) -> str:
     first = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
@@ -142,24 +136,46 @@ class FailureGuard:
         self.slots: dict[Group, list[int]] = {group: list(slots) for group, slots in written.items()}
         first_update = self.first_writes.get(Group.MODEL)
         self._updates_begin = "" if first_update is None else _where(graph, first_update)
+        #: the first node of the backward and of the optimizer step, where a marker says that a
+        #: call got that far (:meth:`where_failed`)
+        self.phase_starts: dict[Phase, Node] = {}
+        for node in graph:
+            if node.op == "call_function" and node.phase is not Phase.FORWARD:
+                self.phase_starts.setdefault(node.phase, node)
+        first_optimizer = self.phase_starts.get(Phase.OPTIMIZER)
+        self._optimizer_in_backward = first_optimizer is not None and _before_backward_ends(graph, first_optimizer)
         self.marked = False  #: whether :meth:`mark` placed markers in the module that runs
         self._reached: set[str] = set()
         self._copies: dict[Group, _Copies] = {}
         self.failure: Failure | None = None  #: what the latest call left, when it failed
 
     def mark(self, module: fx.GraphModule) -> None:
-        """Place a marker before the first write of each group in ``module``: the graph lowered by
+        """Place a marker before the first write of each group in ``module``, and before the first
+        node of the backward and of the optimizer step: the graph lowered by
         :func:`mutwo.ir.to_fx.to_fx` and run node by node, in order, by the eager backend."""
         by_id = {node.meta.get(NODE_ID_META): node for node in module.graph.nodes}
-        for group, first in self.first_writes.items():
+        markers = [*((first, group.value) for group, first in self.first_writes.items()),
+                   *((first, phase.value) for phase, first in self.phase_starts.items())]  # fmt: skip
+        for first, reached in markers:
             with module.graph.inserting_before(by_id[first.id]):
-                module.graph.call_function(self.reach, (group.value,))
+                module.graph.call_function(self.reach, (reached,))
         module.recompile()
         self.marked = True
 
     def reach(self, group: str) -> None:
-        """What a marker calls: the step is about to write ``group`` for the first time this call."""
+        """What a marker calls: the step is about to write ``group`` for the first time this call,
+        or to begin the backward or the optimizer step (a :class:`Phase`'s value)."""
         self._reached.add(group)
+
+    def where_failed(self) -> str:
+        """Where in the step the latest call failed, in words: the phase it had reached where the
+        eager backend's markers tell, else ``during the step``."""
+        if not self.marked:
+            return "during the step"
+        if Phase.OPTIMIZER.value in self._reached:
+            return ("in the backward, once optimizer-in-backward's updates had begun" if self._optimizer_in_backward
+                    else "in the optimizer step")  # fmt: skip
+        return "in the backward" if Phase.BACKWARD.value in self._reached else "in the forward"
 
     def run(self, call: Callable[[], T], flat: Sequence[torch.Tensor], *, restore_all: bool = False) -> T:
         """``call()``, which runs the graph on ``flat``. When it raises, the saved state (all the
@@ -215,9 +231,14 @@ def _where(graph: Graph, node: Node) -> str:
     without changing their phase: a backward node after it says so."""
     if node.phase is Phase.FORWARD:
         return "in the forward"
-    if any(later.phase is Phase.BACKWARD for later in graph.nodes[graph.position(node):]):
+    if _before_backward_ends(graph, node):
         return "in the backward, where optimizer-in-backward scheduled them"
     return "in the optimizer step"
+
+
+def _before_backward_ends(graph: Graph, node: Node) -> bool:
+    """Whether a node of the backward runs after ``node`` (optimizer-in-backward moves updates there)."""
+    return any(later.phase is Phase.BACKWARD for later in graph.nodes[graph.position(node):])
 
 
 def _group(placeholder: Node) -> Group:

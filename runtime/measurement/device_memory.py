@@ -32,9 +32,20 @@ def device_capacity(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     device = _indexed(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-    return int(total * fraction)
+    return int(torch.cuda.get_device_properties(device).total_memory * _fraction(device))
+
+
+def process_cap(device: torch.device) -> int | None:
+    """The bytes the process is capped at on ``device`` when a per-process fraction under 1 is in
+    force (a memory limit, or the user's own ``set_per_process_memory_fraction``); None otherwise."""
+    if device.type != "cuda" or _fraction(_indexed(device)) >= 1:
+        return None
+    return device_capacity(device)
+
+
+def _fraction(device: torch.device) -> float:
+    """The per-process memory fraction in force on ``device`` (1 where torch cannot say)."""
+    return getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
 
 
 def apply_memory_limit(device: torch.device, limit: int) -> str:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from mutwo.ir import from_fx
-from mutwo.ir.budget import Budget, readable_bytes
+from mutwo.ir.budget import Budget, readable_bytes, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.memory import simulate
-from mutwo.ir.pass_base import PassContext
+from mutwo.ir.pass_base import PassContext, PassFailure
 from mutwo.ir.verifier import verify
 from mutwo.runtime.capture.iteration import CapturedStep, LossFn, StepBinding, capture
 from mutwo.runtime.capture.training import TrainingOptions
@@ -49,10 +49,11 @@ class CapturedGraph:
 def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
                   training: TrainingOptions | None = None, micro: str | None = None,
                   accumulated: dict[str, torch.Tensor] | None = None,
-                  data_parallel: DataParallel | None = None) -> CapturedGraph:  # fmt: skip
+                  data_parallel: DataParallel | None = None, graphed: bool = False) -> CapturedGraph:  # fmt: skip
     """Capture one iteration (model, optimizer and batch already on their device) into verified IR;
-    ``training``, ``micro`` and ``accumulated`` as for :func:`mutwo.runtime.capture.iteration.capture`; with
-    ``data_parallel``, gradients are averaged across its ranks, which must all capture it.
+    ``training``, ``micro``, ``accumulated`` and ``graphed`` (the step will be recorded as a CUDA
+    graph) as for :func:`mutwo.runtime.capture.iteration.capture`; with ``data_parallel``, gradients
+    are averaged across its ranks, which must all capture it.
 
     ``micro`` defaults to the whole step, or with gradient accumulation to the last micro-batch:
     it holds the accumulated gradients from its forward on and steps the optimizer, so its peak is
@@ -61,9 +62,10 @@ def capture_graph(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     k = training.accumulation_steps if training is not None else 1
     micro = micro or ("step" if k == 1 else "last")
     if micro in ("middle", "last") and accumulated is None:
-        first, _ = capture(model, optimizer, batch, loss_fn, training, "first", None, data_parallel)
+        first, _ = capture(model, optimizer, batch, loss_fn, training, "first", None, data_parallel, graphed)
         accumulated = accumulated_stand_ins(first)
-    captured, binding = capture(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel)
+    captured, binding = capture(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel,
+                                graphed)  # fmt: skip
     graph = from_fx(captured.graph_module, [(s.kind, s.label) for s in captured.slots], captured.gradient_labels)
     verify(graph)
     if data_parallel is not None:
@@ -102,7 +104,8 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
 
     def run_profile(g: Graph, runs: int, warmup: int, isolate: bool = False, contention: bool = True,
                     out_of_core: bool | None = None) -> Profile:  # fmt: skip
-        choice = profiling_choice(g, lowered.inputs, budget, memory_limit, out_of_core)
+        choice = profiling_choice(g, lowered.inputs, budget, memory_limit, out_of_core)  # a limit under them refused
+        refuse_budget_under_inputs(budget, lowered.inputs)
         if choice.device_limit is not None and lowered.binding.data_parallel is not None:
             # Its all-reduces run beside the backward until their waits: sending a bucket home while
             # one is in flight would copy a buffer the collective still writes.
@@ -138,6 +141,24 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
         if "device_memory" in context.services:
             context.services["device_memory"] = distributed.smallest(context.services["device_memory"], dp)
     return context
+
+
+def refuse_budget_under_inputs(budget: Budget | None, inputs: list[torch.Tensor]) -> None:
+    """Refuse, before anything is profiled, a budget in bytes that the step's inputs alone exceed:
+    the parameters, buffers, optimizer state and batch stay on the device through the whole step
+    and no plan frees them, so every plan peaks above it (select's own refusal, which names the
+    lowest peak a plan reaches, needs the profile, which runs the whole step)."""
+    if budget is None or budget.bytes is None:
+        return
+    device = device_of(inputs)
+    held = device_bytes(inputs, device)
+    if budget.bytes < held:
+        asked, floor = sizes(budget.bytes, held)
+        raise PassFailure(f"budget {budget} ({asked}) is unreachable: the parameters, buffers, optimizer state and "
+                          f"batch of the step hold {floor} on {device} before it runs, and no plan frees them "
+                          "(refused before profiling)",
+                          advice=f"give a budget above {floor}, or 'min' for the lowest peak recomputation "
+                          "reaches")  # fmt: skip
 
 
 def profiling_choice(graph: Graph, inputs: list[torch.Tensor], budget: Budget | None, memory_limit: int | None,

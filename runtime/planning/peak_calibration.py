@@ -38,6 +38,7 @@ lowest measured peak is kept and the result says so; when every round ran out of
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -63,8 +64,10 @@ DEFAULT_ROUNDS = 2
 OUT_OF_MEMORY_STEP = 0.1
 
 
-class CalibrationOutOfMemory(RuntimeError):
-    """Every plan calibration measured ran out of device memory (under a memory limit)."""
+class CalibrationOutOfMemory(torch.OutOfMemoryError):
+    """Every plan calibration measured ran out of device memory (under a memory limit): a
+    ``torch.OutOfMemoryError``, which ``except torch.OutOfMemoryError`` catches as it would the
+    error of each round."""
 
 Step = TypeVar("Step")
 
@@ -186,6 +189,10 @@ def calibrate(target_bytes: int, rounds: int,
     steps: list[Step] = []
     budget = target_bytes
     for index in range(rounds + 1):
+        # Each round compiles and measures (minutes on a large model): said as it starts.
+        log(f"peak calibration round {index + 1} of at most {rounds + 1}: planning for {budget / 2**20:,.1f} MiB"
+            + (", then compiling and measuring it" if index else ", measuring the step compiled for it"))
+        began = time.perf_counter()
         outcome = plan_and_measure(budget)
         if outcome is None:
             if not results:
@@ -198,7 +205,8 @@ def calibrate(target_bytes: int, rounds: int,
         measured = ("ran out of memory" if result.out_of_memory
                     else f"measured {result.measured_peak_bytes / 2**20:,.1f} MiB")  # fmt: skip
         log(f"peak calibration round {index + 1}: planned for {budget / 2**20:,.1f} MiB, simulated "
-            f"{result.planned_peak_bytes / 2**20:,.1f} MiB, {measured} (budget {target_bytes / 2**20:,.1f} MiB)")
+            f"{result.planned_peak_bytes / 2**20:,.1f} MiB, {measured} (budget {target_bytes / 2**20:,.1f} MiB), "
+            f"in {time.perf_counter() - began:.1f} s")
         if _within(result, target_bytes, tolerance):
             break
         following = next_budget(target_bytes, result, tolerance)

@@ -1,0 +1,50 @@
+"""Capturing a step for its backend, and choosing the backend when it is ``auto``.
+
+A step that a CUDA graph will record is captured for it (``capture_graph(..., graphed=True)``: a
+stock optimizer's capturable form, its step counts on the device), so ``auto`` must know whether it
+will record before it captures. On CUDA it captures for a recording, which refuses an optimizer a
+recording cannot run (its state on the host, Adagrad's); then reads the captured step's facts
+(:func:`~mutwo.runtime.execution.auto_backend.step_facts`) and chooses
+(:func:`~mutwo.runtime.execution.auto_backend.choose_backend`). A step the chosen backend does not
+record is captured again as that backend captures it, so that every graph of the training step is
+captured alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mutwo.runtime.capture.iteration import LossFn
+from mutwo.runtime.capture.optim import UnsupportedOptimizerError
+from mutwo.runtime.capture.training import TrainingOptions
+from mutwo.runtime.execution.auto_backend import AUTO, Choice, choose_backend, step_facts
+from mutwo.runtime.execution.backends import records_cuda_graphs
+from mutwo.runtime.parallel.distributed import DataParallel
+from mutwo.runtime.planning.captured import CapturedGraph, capture_graph
+
+
+def capture_for_backend(backend: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                        loss_fn: LossFn, training: TrainingOptions | None = None, micro: str | None = None,
+                        accumulated: dict[str, torch.Tensor] | None = None,
+                        data_parallel: DataParallel | None = None) -> tuple[CapturedGraph, Choice | None]:  # fmt: skip
+    """The step captured as :func:`capture_graph` does (its arguments) for ``backend``; for ``auto``,
+    also the backend chosen (None for any other). Call it with ``auto`` on CUDA only without data
+    parallelism: elsewhere :func:`~mutwo.runtime.execution.auto_backend.early_choice` decides before
+    capturing."""
+
+    def captured(graphed: bool) -> CapturedGraph:
+        return capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel, graphed)
+
+    if backend != AUTO:
+        return captured(records_cuda_graphs(backend)), None
+    unrecordable = None
+    try:
+        lowered = captured(graphed=True)
+    except UnsupportedOptimizerError as refusal:  # an optimizer unsupported any way is refused again below
+        unrecordable, lowered = str(refusal), captured(graphed=False)
+    choice = choose_backend(step_facts(lowered.graph, lowered.inputs, data_parallel is not None, unrecordable))
+    if records_cuda_graphs(choice.backend) != lowered.binding.graphed:
+        lowered = captured(records_cuda_graphs(choice.backend))
+    return lowered, choice

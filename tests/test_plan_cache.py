@@ -1,0 +1,253 @@
+"""The plan cache (runtime/planning/plan_cache.py): a second process with the same model, batch and
+settings reuses the first's profile and plan (profile and select do not run) and trains bitwise like
+it; whatever the plan depends on changing misses; a corrupt entry, or one that does not fit the
+graph, is ignored in one line and replaced; the cache can be switched off and moved, and honours
+XDG_CACHE_HOME; mutwo-opt reuses it with --cache-dir and leaves it with --no-cache.
+
+Every case plans a tiny CNN on the CPU (well under a second); the two-process case pays two
+interpreter starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mutwo.ir.registry import PassRegistry
+from mutwo.runtime.api import MutwoStep, optimize
+from mutwo.runtime.planning.plan_cache import Entry, cache_folder, uncacheable
+from mutwo.tools.mutwo_opt import main
+from tests import models
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 3
+
+#: One process: plan the tiny CNN at budget "min" with the cache in MUTWO_CACHE_DIR, train a few
+#: steps, and save the parameters, the plan, the final graph's text, whether it was a hit and the
+#: setup seconds.
+TRAIN = textwrap.dedent("""
+    import json, sys
+    import torch
+    from mutwo.ir.printer import print_graph
+    from mutwo.runtime.api import optimize
+    from tests import models
+
+    work = models.cnn(batch_size=16)
+    optimizer = torch.optim.AdamW(work.model.parameters(), lr=1e-2)
+    step = optimize(work.model, optimizer, work.batch, work.loss_fn, budget="min", verbose=True)
+    for i in range(STEPS):
+        torch.manual_seed(i)
+        step(work.batch)
+    torch.save({"state": work.model.state_dict(), "plan": step.last.plan.to_json(), "hit": step.last.cache_hit,
+                "setup": step.setup_seconds, "graph": print_graph(step.last.graph)}, sys.argv[1])
+""").replace("STEPS", str(STEPS))
+
+
+def _train_in_a_process(out: Path, cache: Path) -> str:
+    """Run :data:`TRAIN` in a fresh interpreter with the cache in ``cache``; its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "MUTWO_CACHE"} | {"MUTWO_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", TRAIN, str(out)], cwd=REPO, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_a_second_process_reuses_the_plan_and_trains_bitwise_like_the_first(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first_log = _train_in_a_process(tmp_path / "first.pt", cache)
+    second_log = _train_in_a_process(tmp_path / "second.pt", cache)
+    first, second = torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt")
+
+    [miss] = [line for line in first_log.splitlines() if line.startswith("mutwo: plan cache")]
+    [hit] = [line for line in second_log.splitlines() if line.startswith("mutwo: plan cache")]
+    short = miss.split("plan cache miss ")[1].split(":")[0]
+    assert hit.startswith(f"mutwo: plan cache hit {short}: skipping profile, select"), hit
+    assert [p.name for p in (cache / "plans").iterdir()] == [next((cache / "plans").iterdir()).name]
+    # The first process profiled and selected; the second ran neither.
+    assert "] profile" in first_log and "select: recompute" in first_log
+    assert "] profile" not in second_log and "] select" not in second_log and "profile run" not in second_log
+    assert (first["hit"], second["hit"]) == (False, True)
+    assert {"capture", "profile", "select", "compile", "total"} <= set(first["setup"])
+    assert "profile" not in second["setup"] and "select" not in second["setup"]
+    # The same plan (one that recomputes), and the same numbers, bit for bit.
+    assert second["plan"] == first["plan"] and first["plan"]["entries"]
+    assert second["graph"] == first["graph"] and "clone-of(%" in first["graph"]
+    assert first["state"].keys() == second["state"].keys()
+    assert all(torch.equal(first["state"][k], second["state"][k]) for k in first["state"])
+    # Each stage is named as it starts and timed as it ends.
+    assert "mutwo: capturing the training step" in first_log and "mutwo: capture took " in first_log
+
+
+def _cnn(width: int = 8) -> models.Workload:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(width, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(16, 10))  # fmt: skip
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,)))
+    return models.Workload(models.Classifier(net), batch, models.cross_entropy)
+
+
+def _plan(cache: Path | bool | None, width: int = 8, **options: object) -> MutwoStep:
+    work = _cnn(width)
+    optimizer = torch.optim.AdamW(work.model.parameters(), lr=1e-2)
+    options.setdefault("budget", "min")
+    return optimize(work.model, optimizer, work.batch, work.loss_fn, cache=cache, verbose=True, **options)
+
+
+def _cache_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("mutwo: plan cache")]
+
+
+def test_whatever_the_plan_depends_on_misses(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    assert _plan(tmp_path).last.cache_hit is False
+    assert _plan(tmp_path).last.cache_hit is True
+    capsys.readouterr()
+    changes = {
+        "budget": lambda: _plan(tmp_path, budget=0.9),
+        "pipeline": lambda: _plan(tmp_path, passes="profile,select,rewrite"),
+        "model": lambda: _plan(tmp_path, width=12),
+        "keep_grads": lambda: _plan(tmp_path, keep_grads=True),
+    }
+    for change, plan in changes.items():
+        assert plan().last.cache_hit is False, change
+        [line] = _cache_lines(capsys)
+        assert line.startswith("mutwo: plan cache miss "), (change, line)
+    monkeypatch.setattr(torch, "__version__", "2.99.0+patched")
+    assert _plan(tmp_path).last.cache_hit is False, "another torch"
+    assert len(list((tmp_path / "plans").iterdir())) == 1 + len(changes) + 1
+
+
+def test_each_graph_of_gradient_accumulation_is_kept(tmp_path: Path) -> None:
+    first = _plan(tmp_path, accumulation_steps=3)
+    again = _plan(tmp_path, accumulation_steps=3)
+    graphs = [optimized for candidates in again.steps.values() for optimized, _ in candidates]
+    assert len(graphs) == 3 and all(g.cache_hit for g in graphs)
+    assert not any(g.cache_hit for candidates in first.steps.values() for g, _ in candidates)
+
+
+def test_a_corrupt_entry_is_ignored_in_one_line_and_replaced(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    _plan(tmp_path)
+    [entry] = (tmp_path / "plans").iterdir()
+    for corrupt in ('{"format": 1, "key": {"half": ', '{"format": 1, "key": [], "artifacts": 3}', "[1, 2]"):
+        entry.write_text(corrupt)
+        capsys.readouterr()
+        assert _plan(tmp_path).last.cache_hit is False
+        err = capsys.readouterr().err
+        [line] = [line for line in err.splitlines() if line.startswith("mutwo: plan cache")]
+        assert f"plan cache: ignoring entry {entry.stem[:12]} (" in line and "Traceback" not in err
+        assert json.loads(entry.read_text())["format"] == 1  # replaced by a whole entry
+    assert _plan(tmp_path).last.cache_hit is True
+
+
+def test_an_entry_that_does_not_fit_the_graph_is_planned_again(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    made = _plan(tmp_path)
+    [entry] = (tmp_path / "plans").iterdir()
+    data = json.loads(entry.read_text())
+    data["artifacts"]["plan"]["fingerprint"] = "0" * 16  # a plan made for another graph under this key
+    entry.write_text(json.dumps(data))
+    capsys.readouterr()
+    again = _plan(tmp_path)
+    hit, line = _cache_lines(capsys)  # a hit, until the plan meets the graph
+    assert hit.startswith("mutwo: plan cache hit ")
+    assert "does not apply (pass 'extract' failed" in line and "planning again" in line
+    assert again.last.cache_hit is False and again.last.plan.keys() == made.last.plan.keys()  # planned again
+    assert json.loads(entry.read_text())["artifacts"]["plan"]["fingerprint"] != "0" * 16
+
+
+def test_the_cache_switched_off_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MUTWO_CACHE_DIR", str(tmp_path / "env"))
+    monkeypatch.delenv("MUTWO_CACHE", raising=False)
+    assert _plan(False).last.cache_hit is None
+    monkeypatch.setenv("MUTWO_CACHE", "0")
+    assert _plan(None).last.cache_hit is None
+    assert not (tmp_path / "env").exists()
+    monkeypatch.delenv("MUTWO_CACHE")
+    assert _plan(None).last.cache_hit is False and len(list((tmp_path / "env" / "plans").iterdir())) == 1
+
+
+def test_where_the_cache_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MUTWO_CACHE", "MUTWO_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_folder() == tmp_path / "home" / ".cache" / "mutwo"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/is/ignored")
+    assert cache_folder() == tmp_path / "home" / ".cache" / "mutwo"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_folder() == cache_folder(True) == tmp_path / "xdg" / "mutwo"
+    assert _plan(None).last.cache_hit is False and len(list((tmp_path / "xdg" / "mutwo" / "plans").iterdir())) == 1
+    monkeypatch.setenv("MUTWO_CACHE_DIR", str(tmp_path / "moved"))
+    assert cache_folder() == tmp_path / "moved" and cache_folder(tmp_path / "given") == tmp_path / "given"
+    monkeypatch.setenv("MUTWO_CACHE", "off")
+    assert cache_folder() is None and cache_folder(False) is None and cache_folder(True) == tmp_path / "moved"
+
+
+def _mutwo_opt(tmp_path: Path, out: str, *options: str) -> dict:
+    argv = ["-o", str(tmp_path / out), "--budget", "min", "--check", *options, str(REPO / "examples/tiny_mlp.yaml")]
+    assert main(argv) == 0
+    return json.loads((tmp_path / out / "summary.json").read_text())
+
+
+def test_mutwo_opt_reuses_the_plan_with_cache_dir_and_not_with_no_cache(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    cache = tmp_path / "cache"
+    first = _mutwo_opt(tmp_path, "first", "--cache-dir", str(cache))
+    capsys.readouterr()
+    second = _mutwo_opt(tmp_path, "second", "--cache-dir", str(cache))
+    err = capsys.readouterr().err
+    assert first["plan_cache"]["hit"] is False and second["plan_cache"]["hit"] is True
+    assert second["plan_cache"]["key"] == first["plan_cache"]["key"]
+    assert "mutwo-opt: plan cache hit" in err and "profile run" not in err
+    assert [p.split("{")[0] for p in second["pipeline"]] == ["extract", "insert-recompute"]
+    assert second["equivalent"] is True and second["recomputed"] == first["recomputed"]
+    for name in ("plan.json", "profile.json"):  # what the skipped passes write, from the entry
+        assert json.loads((tmp_path / "second" / name).read_text()) == \
+            json.loads((tmp_path / "first" / name).read_text())  # fmt: skip
+    kept = sorted((cache / "plans").iterdir())
+    monkeypatch.delenv("MUTWO_CACHE", raising=False)
+    monkeypatch.setenv("MUTWO_CACHE_DIR", str(cache))
+    third = _mutwo_opt(tmp_path, "third", "--no-cache", "--batch-size", "256")
+    assert third["plan_cache"] is None and sorted((cache / "plans").iterdir()) == kept
+    assert main(["--cache-dir", str(cache), "--no-cache", str(REPO / "examples/tiny_mlp.yaml")]) == 2
+
+
+def test_a_swap_plan_is_reused(tmp_path: Path) -> None:
+    made, again = (_plan(tmp_path, budget=0.8, passes="profile,swap") for _ in range(2))
+    assert (made.last.cache_hit, again.last.cache_hit) == (False, True)
+    assert again.last.plan.to_json() == made.last.plan.to_json() and made.last.plan.of("swap")
+    assert [r.name for r in again.last.result.records] == ["insert-swap"]
+
+
+def test_which_pipelines_are_kept_and_what_a_hit_runs() -> None:
+    registry = PassRegistry()
+    assert uncacheable(registry.build_pipeline("profile,optimizer,select,rewrite")) is None
+    assert uncacheable(registry.build_pipeline("profile,swap")) is None
+    for nothing_to_skip in ("stats,dce", "profile", "profile,select,rewrite,profile"):
+        reason = uncacheable(registry.build_pipeline(nothing_to_skip))
+        assert reason is not None and "does not run one profile followed by one select" in reason
+    swap = registry.build_pipeline("profile,select-swap,insert-swap")
+    assert [p.name for p in Entry({}).passes(swap)] == ["insert-swap"]
+    # The measured choice kept recompute only: its plan is select's, applied by the rewrite.
+    assert [p.name for p in Entry({}, recompute_only=True).passes(swap)] == ["extract", "insert-recompute"]
+    assert Entry({"profile": None}, recompute_only=True).missing(swap) == "it holds no plan"
+
+
+def test_a_folder_that_cannot_be_written_is_said_in_one_line(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    step = _plan(blocked)
+    lines = _cache_lines(capsys)
+    assert lines[0].startswith("mutwo: plan cache miss ")
+    assert lines[1].startswith(f"mutwo: plan cache: could not keep the plan in {blocked} (")
+    torch.manual_seed(0)
+    assert torch.isfinite(step(_cnn().batch))  # training goes on
