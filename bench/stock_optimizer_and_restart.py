@@ -109,7 +109,8 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     training = build_training(args.config, args.batch_size, device="cuda")
     built = time.perf_counter()
     step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
-                          budget=args.budget, backend=args.backend, cache=args.cache_dir, verbose=True)  # fmt: skip
+                          budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
+                          cache=args.cache_dir, verbose=True)  # fmt: skip
     optimized = time.perf_counter()
     step(training.batch)
     torch.cuda.synchronize()
@@ -117,10 +118,8 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     row.update(import_and_build_seconds=built - PROCESS_START, optimize_seconds=optimized - built,
                first_step_seconds=done - optimized, start_to_first_step_seconds=done - PROCESS_START)  # fmt: skip
     last = step.last
-    for name in ("setup_seconds", "cache_hit"):
-        value = getattr(last, name, None) if last is not None else None
-        if value is not None:
-            row[name] = value
+    row["setup_seconds"] = step.setup_seconds
+    row["cache_hit"] = last.cache_hit if last is not None else None
     return row
 
 
@@ -135,6 +134,7 @@ def main() -> int:
     parser.add_argument("--rtol", type=float, default=1e-3, help="stock: relative tolerance of the comparison")
     parser.add_argument("--atol", type=float, default=1e-5, help="stock: absolute tolerance of the comparison")
     parser.add_argument("--cache-dir", default=None, help="start: mutwo's plan cache folder")
+    parser.add_argument("--memory-limit", default=None, help="start: the process's cap, as mutwo.optimize takes it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:
