@@ -49,7 +49,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i40-stock, i40-restart, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -134,6 +134,10 @@ case "$section" in
       2> "$OUT/opt_bert_b64.log"
     status=$?; echo "mutwo-opt exit $status in $(( $(date +%s) - start )) s" | tee -a "$OUT/opt_bert_b64.log"
     cp "$BG/opt_bert/summary.json" "$OUT/opt_bert_b64_summary.json"; exit $status ;;
+  i38-fix-tests)
+    # The cuda-marked tests of the files whose CUDA tests failed in the fourteenth session's i38-tests.
+    timeout 400 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests/test_backends.py \
+      tests/test_cuda.py tests/test_replay.py ;;
   i40-stock)
     # Issue 40 item 4: BERT-base b8 with the config's stock AdamW(lr=1e-4) and a LambdaLR under
     # inductor-cudagraphs against the eager loop of the same optimizer, 5 steps.

@@ -331,3 +331,23 @@ def test_mutwo_opt_says_in_one_line_when_every_round_ran_out_of_memory(
     assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "ran out of device memory" in err and "higher memory limit" in err
     assert not out.exists()
+
+
+def test_a_plan_without_a_budget_in_bytes_is_not_calibrated() -> None:
+    """``budget="min"`` or no budget: nothing in bytes to hold the step to; the step is kept as
+    planned, not measured (which would record a CUDA graph once more) nor re-planned."""
+    from types import SimpleNamespace
+
+    from mutwo.ir.pass_manager import PassManager
+    from mutwo.runtime.planning.peak_calibration import Calibrated, calibrated_step
+
+    lines: list[str] = []
+    context = SimpleNamespace(artifacts={"plan": SimpleNamespace(budget_bytes=0)}, services={})
+    first = Calibrated(graph=None, compiled=None, ctx=context)  # type: ignore[arg-type]
+
+    def never(*_: object) -> None:
+        raise AssertionError("nothing is compiled or measured")
+
+    kept = calibrated_step(2, PassManager([]), None, None, first, never, None, lines.append)  # type: ignore[arg-type]
+    assert kept is first and kept.calibration is None
+    assert lines == ["peak calibration: the plan has no budget in bytes to hold the step to; not calibrated"]

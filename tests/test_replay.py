@@ -107,7 +107,8 @@ def train_both(workload: models.Workload, budget: str, steps: int = 3,
     eager_model = copy.deepcopy(workload.model)
     eager_optimizer = make_optimizer(eager_model.parameters())
     optimizer = make_optimizer(workload.model.parameters())
-    step = mutwo.optimize(workload.model, optimizer, workload.batch, workload.loss_fn, budget=budget, check=True)
+    step = mutwo.optimize(workload.model, optimizer, workload.batch, workload.loss_fn, budget=budget, check=True,
+                          backend="eager")  # bitwise against eager: the default (auto) compiles on CUDA
     device = next(workload.model.parameters()).device
     torch.manual_seed(1)
     losses = [step(workload.batch) for _ in range(steps)]

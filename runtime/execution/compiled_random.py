@@ -52,6 +52,13 @@ CUDA_ATTENTION = frozenset({aten._scaled_dot_product_flash_attention, aten._scal
                             aten._scaled_dot_product_cudnn_attention, aten._flash_attention_forward,
                             aten._efficient_attention_forward})  # fmt: skip
 
+#: Their backward kernels: they draw nothing, but make the forward's dropout mask again from the
+#: philox seed and offset the forward returned, by each element's logical position.
+CUDA_ATTENTION_BACKWARD = frozenset({
+    aten._scaled_dot_product_flash_attention_backward, aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward, aten._flash_attention_backward,
+    aten._efficient_attention_backward})  # fmt: skip
+
 #: Random ops whose compiled draws equal eager's, and why (the rest are refused).
 EXACT_RANDOM_OPS: dict[OpOverloadPacket, str] = {
     aten.bernoulli_: "rewritten here to draw into a contiguous buffer in memory order",
@@ -64,6 +71,8 @@ EXACT_RANDOM_OPS: dict[OpOverloadPacket, str] = {
     **dict.fromkeys(FILLING, "fills a new buffer, which Inductor makes at eager's strides"),
     **dict.fromkeys(CUDA_ATTENTION, "an Inductor fallback at eager's strides (sdpa_constraint); BERT's compiled "
                                     "step passes --check on the H100"),
+    **dict.fromkeys(CUDA_ATTENTION_BACKWARD, "it draws nothing: it makes the forward's mask again from the seed and "
+                                             "offset the forward returned, by position, in any layout"),
 }  # fmt: skip
 
 #: Ops that make a new, uninitialized buffer, at eager's strides in the compiled step too.

@@ -297,6 +297,12 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     pipeline's passes after the profile, at budgets moved by the measured gap, up to ``rounds``
     times. When a later round is kept, its passes run once more with ``out_dir`` so that
     plan.json and the other files describe the kept plan."""
+    target = pipeline_plan(first.ctx.artifacts)
+    if target is None or target.budget_bytes <= 0:
+        # No budget in bytes (a step planned without one, which recomputes nothing): nothing to
+        # hold the step to, and measuring it would only record its CUDA graph once more.
+        log("peak calibration: the plan has no budget in bytes to hold the step to; not calibrated")
+        return first
     profile = first.ctx.artifacts["profile"]
     planning = PassManager([p for p in manager.passes if "profile" not in type(p).provides], manager.instrumentation)
     #: each plan measured, by its graph's text: a budget moved by less than the plan's granularity
@@ -340,7 +346,7 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
                                           allocated, out_of_memory), made  # fmt: skip
         return measured[text]
 
-    calibration = calibrate(pipeline_plan(first.ctx.artifacts).budget_bytes, rounds, plan_and_measure, log)
+    calibration = calibrate(target.budget_bytes, rounds, plan_and_measure, log)
     log(calibration.summary())
     kept = calibration.step
     if kept is not first:  # its passes again, writing their files; the same graph, Inductor's cache compiles it
