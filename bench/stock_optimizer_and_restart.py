@@ -66,8 +66,12 @@ def stock(args: argparse.Namespace) -> dict[str, Any]:
                           budget=args.budget, verbose=True)  # fmt: skip
     eager_step = eager.eager_step()
     row["losses_mutwo"] = []
-    for _ in range(args.steps):
+    for index in range(args.steps):
+        # Each step of both from the same seed: dropout draws from the global generator, and
+        # interleaved steps would otherwise draw each other's masks.
+        torch.manual_seed(1000 + index)
         eager_step()
+        torch.manual_seed(1000 + index)
         row["losses_mutwo"].append(float(step(mine.batch)))
         for scheduler in schedulers:
             scheduler.step()

@@ -183,7 +183,8 @@ def optimize_graph(
         context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads,
                                memory_limit=memory_limit)
         context.services.update(backend_services(backend), measure_choice=measure_choice)
-        planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline, data_parallel is not None)
+        planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline, data_parallel is not None,
+                                            budgeted=budget is not None or memory_limit is not None)  # fmt: skip
         settings = run_settings(budget=budget, memory_limit=memory_limit, backend=backend, keep_grads=keep_grads,
                                 calibration_rounds=planned_rounds, measure_choice=measure_choice,
                                 precision=training.precision if training is not None else "fp32")  # fmt: skip

@@ -351,3 +351,14 @@ def test_a_plan_without_a_budget_in_bytes_is_not_calibrated() -> None:
     kept = calibrated_step(2, PassManager([]), None, None, first, never, None, lines.append)  # type: ignore[arg-type]
     assert kept is first and kept.calibration is None
     assert lines == ["peak calibration: the plan has no budget in bytes to hold the step to; not calibrated"]
+
+
+def test_no_calibration_by_default_without_a_budget() -> None:
+    """Without a budget the step is planned for the whole device: calibrating it would only
+    measure it, recording its CUDA graph once more; asked for, the rounds still run."""
+    from mutwo.ir.registry import PassRegistry
+
+    pipeline = PassRegistry().build_pipeline("profile,select,rewrite")
+    cuda = torch.device("cuda")
+    assert peak_calibration.calibration_rounds(None, cuda, pipeline, False, budgeted=False) == 0
+    assert peak_calibration.calibration_rounds(2, cuda, pipeline, False, budgeted=False) == 2

@@ -261,15 +261,18 @@ def calibration_refusal(rounds: int | None, backend: str, passes: Sequence[Pass]
     return None
 
 
-def calibration_rounds(rounds: int | None, device: torch.device, passes: Sequence[Pass], data_parallel: bool) -> int:
+def calibration_rounds(rounds: int | None, device: torch.device, passes: Sequence[Pass], data_parallel: bool,
+                       budgeted: bool = True) -> int:  # fmt: skip
     """The re-plans calibration makes: ``rounds`` when given (0: none). By default
     :data:`DEFAULT_ROUNDS` on CUDA, where what the process holds differs from the plan's simulated
-    peak, when the pipeline plans the run's budget (select or select-swap without a budget of its
-    own) and the step is not data-parallel (each rank would measure its own peak, and the ranks
-    must keep one plan); none on the CPU, which holds what it allocates."""
+    peak, when the run has a budget or a memory limit (``budgeted``: without either the step is
+    planned for the whole device, and measuring it would only record its CUDA graph once more),
+    the pipeline plans the run's budget (select or select-swap without a budget of its own) and
+    the step is not data-parallel (each rank would measure its own peak, and the ranks must keep
+    one plan); none on the CPU, which holds what it allocates."""
     if rounds is not None:
         return rounds
-    if device.type != "cuda" or data_parallel:
+    if device.type != "cuda" or data_parallel or not budgeted:
         return 0
     select = next((p for p in passes if p.name in ("select", "select-swap")), None)
     return DEFAULT_ROUNDS if select is not None and getattr(select, "budget", None) is None else 0
