@@ -187,11 +187,14 @@ class Graph:
         after: Node | None = None,
         phase: Phase | None = None,
         kind: NodeKind | None = None,
+        clone: bool = True,
     ) -> Node:
         """Insert a copy of ``node`` whose operands are replaced through ``remap``.
 
-        The copy gets a new id and records ``origin``; storages the original allocated become new
-        storages of the copy, and storages it aliased follow the remapped operands.
+        The copy gets a new id and records ``origin`` (with ``clone=False``, for a copy that moves
+        a computation rather than replays it for recomputation, it records none); storages the
+        original allocated become new storages of the copy, and storages it aliased follow the
+        remapped operands.
         """
         args, kwargs = pytree.tree_map(
             lambda leaf: remap.get(leaf, leaf) if isinstance(leaf, Node) else leaf, (node.args, node.kwargs)
@@ -205,7 +208,7 @@ class Graph:
         return self.create_node(
             node.op, node.target, args, kwargs, name=node.name, kind=kind or node.kind,
             phase=phase or node.phase, tensors=tensors, is_tuple=node.is_tuple, label=node.label,
-            origin=node.id if node.origin is None else node.origin, before=before, after=after,
+            origin=(node.id if node.origin is None else node.origin) if clone else None, before=before, after=after,
         )  # fmt: skip
 
     def replace_uses_after(self, old: Node, new: Node, point: Node) -> int:

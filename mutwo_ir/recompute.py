@@ -439,13 +439,13 @@ def insert_blocks(graph: Graph, blocks: list[Block], live: dict[int, Node] | Non
             holder, clone = graph.node(holder_id), remap[graph.node(holder_id)]
             readers = [u for u in holder.users if graph.position(u) > graph.position(last)]
             graph.replace_uses_after(holder, clone, last)
-            _follow_storage(holder, clone, readers)
+            follow_storage(holder, clone, readers)
             live[holder_id] = clone
     classify(graph)
     return clones_of
 
 
-def _follow_storage(holder: Node, clone: Node, readers: list[Node]) -> None:
+def follow_storage(holder: Node, clone: Node, readers: list[Node]) -> None:
     """Backward views of a redirected holder now view the clone's storage: update their metadata,
     following chains of views."""
     mapping = {old.storage: (new.storage, new.storage_bytes) for old, new in zip(holder.tensors, clone.tensors,

@@ -29,6 +29,7 @@ BUILTIN_PASSES: dict[str, str] = {
     "liveness": "mutwo.passes.liveness:LivenessPass",
     "memory": "mutwo.passes.memory:MemoryPass",
     "profile": "mutwo.passes.profile:ProfilePass",
+    "chunk": "mutwo.passes.chunk:ChunkPass",
     "select": "mutwo.passes.select:SelectPass",
     "extract": "mutwo.passes.extract:ExtractPass",
     "insert-recompute": "mutwo.passes.insert_recompute:InsertRecomputePass",

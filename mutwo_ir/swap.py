@@ -30,7 +30,7 @@ from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
 from mutwo.ir.liveness import Liveness
 from mutwo.ir.node import HOST, Node, NodeKind, Phase, StorageKey, TensorMeta
-from mutwo.ir.recompute import Recompute, _follow_storage, _mutation_positions, insert_blocks
+from mutwo.ir.recompute import Recompute, _mutation_positions, follow_storage, insert_blocks
 
 _LIBRARY = torch.library.Library("mutwo", "FRAGMENT")
 _LIBRARY.define("offload(Tensor x, int tag) -> Tensor")
@@ -273,7 +273,7 @@ def _swap_in(graph: Graph, site: SwapSite, prefetch: Node, extra: set[int]) -> d
         if holder_id in site.targets:
             readers = [u for u in holder.users if graph.position(u) > graph.position(last)]
             graph.replace_uses_after(holder, replacement, last)
-            _follow_storage(holder, replacement, readers)
+            follow_storage(holder, replacement, readers)
         result[holder_id] = replacement
     return result
 

@@ -161,7 +161,8 @@ class Realized:
 @dataclass
 class Start:
     """What selection starts from: the profile, the unoptimized graph's liveness and simulation
-    (with the profiled workspaces), and the budget."""
+    (with the profiled workspaces), and the budget. ``unoptimized`` is the peak a budget given as
+    a fraction is a fraction of: the simulated one, or the graph's before ``chunk`` sliced it."""
 
     profile: Any
     liveness: Liveness
@@ -169,6 +170,7 @@ class Start:
     base: MemorySimulation
     budget: Budget
     budget_bytes: int
+    unoptimized: int
 
 
 #: The ``fused`` option of the planning passes: why it is off by default.
@@ -197,15 +199,17 @@ def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: s
     liveness = liveness_of(graph, ctx)
     workspace = profile.workspace()
     base = simulate(graph, liveness, workspace)
-    budget = resolve_budget(option_value, ctx, base.peak_bytes, unlimited)
+    # A graph the chunk pass sliced peaks lower than the step the user asked a fraction of.
+    unoptimized = max(base.peak_bytes, getattr(ctx.artifacts.get("chunk"), "unsliced_peak", 0))
+    budget = resolve_budget(option_value, ctx, unoptimized, unlimited)
     limit = ctx.services.get("memory_limit")
-    if limit is not None and not budget.minimum and budget.resolve(base.peak_bytes) > limit:
+    if limit is not None and not budget.minimum and budget.resolve(unoptimized) > limit:
         # A fraction of the unoptimized peak can be more than the process may hold: the limit wins.
         who = unlimited.split(":", 1)[0]
-        ctx.log(f"{who}: the budget {budget} ({readable_bytes(budget.resolve(base.peak_bytes))}) is over the memory "
+        ctx.log(f"{who}: the budget {budget} ({readable_bytes(budget.resolve(unoptimized))}) is over the memory "
                 f"limit: planning for the limit, {readable_bytes(limit)}")  # fmt: skip
         budget = Budget(bytes=int(limit))
-    return Start(profile, liveness, workspace, base, budget, budget.resolve(base.peak_bytes))
+    return Start(profile, liveness, workspace, base, budget, budget.resolve(unoptimized), unoptimized)
 
 
 def resolve_budget(option_value: str | None, ctx: PassContext, peak: int, unlimited: str) -> Budget:
@@ -359,11 +363,11 @@ class SelectPass(Pass):
         if refused:
             ctx.log(f"select: {len(refused)} random ops cannot be replayed, their outputs stay live: "
                     + "; ".join(refused))  # fmt: skip
-        unoptimized_text, budget_size = sizes(base.peak_bytes, budget_bytes)
+        unoptimized_text, budget_size = sizes(begin.unoptimized, budget_bytes)
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {unoptimized_text}, budget "
                 f"{budget_text(str(budget), budget_size)}")  # fmt: skip
         if not self.lowest:
-            self._fail_fast(base, budget, budget_bytes, candidates)
+            self._fail_fast(base, budget, budget_bytes, candidates, begin.unoptimized)
         # The greedy cannot undo a choice: when its first choice made every exact plan worse than
         # none (a block's transients, which the estimate ignores, sat at the peak), plan again
         # without that candidate, a few times at most.
@@ -377,11 +381,11 @@ class SelectPass(Pass):
             banned.add(first)
         if best.unshared is not None:
             ctx.log(self._sharing(time_model, best))
-        plan = self._plan(graph, budget, budget_bytes, base, best, time_model)
+        plan = self._plan(graph, budget, budget_bytes, base, best, time_model, begin.unoptimized)
         plan.refused = refused
         plan.publish(ctx, "plan", "plan", "select")
         if not plan.met:
-            raise self._unreachable(graph, plan, base, budget, "optimizer-in-backward" in ctx.artifacts)
+            raise self._unreachable(graph, plan, budget, "optimizer-in-backward" in ctx.artifacts)
         return plan
 
     def _greedy_plan(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], base: MemorySimulation,
@@ -433,7 +437,7 @@ class SelectPass(Pass):
                 f"{exact.peak_bytes / MIB:.1f} MiB (unshared {plain.peak_bytes / MIB:.1f} MiB)")
 
     def _fail_fast(self, base: MemorySimulation, budget: Budget, budget_bytes: int,
-                   candidates: list[Candidate]) -> None:  # fmt: skip
+                   candidates: list[Candidate], unoptimized_peak: int) -> None:  # fmt: skip
         """Fail before any exact simulation when the greedy's estimate cannot reach the budget:
         it ignores the transients of recompute blocks, so no exact plan gets lower (what makes
         a batch far out of reach cheap to refuse for --fit, whose search tries many)."""
@@ -443,12 +447,12 @@ class SelectPass(Pass):
         state = GreedyResult()
         greedy(remaining, budget_bytes, peak_after, (int(curve[rank]), rank), state)
         if state.peak > budget_bytes:
-            budget_size, estimate, unoptimized = sizes(budget_bytes, state.peak, base.peak_bytes)
-            share = f"{100 * state.peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
+            budget_size, estimate, unoptimized = sizes(budget_bytes, state.peak, unoptimized_peak)
+            share = f"{100 * state.peak / unoptimized_peak:.0f}% of the unoptimized {unoptimized}"
             raise UnreachableBudget(f"budget {budget} ({budget_size}) is out of reach: recomputing every activation "
                                     f"idle at the peak, the estimate stays at {estimate} ({share}), and recompute "
                                     "blocks only add to it (lowest=false: the lowest reachable peak was not searched)",
-                                    state.peak, base.peak_bytes, estimate)  # fmt: skip
+                                    state.peak, unoptimized_peak, estimate)  # fmt: skip
 
     def _candidates(self, graph: Graph, liveness: Liveness, recompute: Recompute, time_model: TimeModel,
                     device: str, replay_random: bool = True) -> list[Candidate]:  # fmt: skip
@@ -487,7 +491,7 @@ class SelectPass(Pass):
         return candidates
 
     def _plan(self, graph: Graph, budget: Budget, budget_bytes: int, base: MemorySimulation, realized: Realized,
-              time_model: TimeModel) -> Plan:  # fmt: skip
+              time_model: TimeModel, unoptimized: int) -> Plan:  # fmt: skip
         exact, chosen, blocks, shared = realized.simulation, realized.chosen, realized.blocks, realized.shared
         entries = []
         for candidate in chosen:
@@ -504,24 +508,23 @@ class SelectPass(Pass):
             })  # fmt: skip
         added = sum(time_model.block_seconds(block) for block in blocks)
         iteration = time_model.iteration_seconds()
-        return Plan(fingerprint(graph), str(budget), budget_bytes, base.peak_bytes, exact.peak_bytes, exact.peak_node,
+        return Plan(fingerprint(graph), str(budget), budget_bytes, unoptimized, exact.peak_bytes, exact.peak_node,
                     exact.peak_phase, iteration, exact.peak_bytes <= budget_bytes or budget.minimum, added, entries,
                     predicted_breakdown=dict(exact.breakdown), clones=sum(len(b.nodes) for b in blocks))
 
-    def _unreachable(self, graph: Graph, plan: Plan, base: MemorySimulation, budget: Budget,
-                     optimizer_passes_ran: bool) -> UnreachableBudget:  # fmt: skip
+    def _unreachable(self, graph: Graph, plan: Plan, budget: Budget, optimizer_passes_ran: bool) -> UnreachableBudget:
         """The failure of a plan that misses its budget: where it peaks, why no plan gets lower, and
         (as advice) the budget it meets."""
         node = graph.node(plan.predicted_peak_node) if graph.has_node(plan.predicted_peak_node) else None
         where = f"at %{plan.predicted_peak_node} ({node.op_name if node else 'a recompute clone'}, " \
                 f"{plan.predicted_peak_phase})"
-        unit = size_unit(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)  # its breakdown's too
-        budget_size, lowest, unoptimized = sizes(plan.budget_bytes, plan.predicted_peak, base.peak_bytes)
-        share = f"{100 * plan.predicted_peak / base.peak_bytes:.0f}% of the unoptimized {unoptimized}"
+        unit = size_unit(plan.budget_bytes, plan.predicted_peak, plan.unoptimized_peak)  # its breakdown's too
+        budget_size, lowest, unoptimized = sizes(plan.budget_bytes, plan.predicted_peak, plan.unoptimized_peak)
+        share = f"{100 * plan.predicted_peak / plan.unoptimized_peak:.0f}% of the unoptimized {unoptimized}"
         if not self.lowest:
             return UnreachableBudget(f"budget {budget} ({budget_size}) is out of reach: the best plan peaks at "
                                      f"{lowest} ({share}) {where} (lowest=false: the lowest reachable peak was not "
-                                     "searched)", plan.predicted_peak, base.peak_bytes, lowest,
+                                     "searched)", plan.predicted_peak, plan.unoptimized_peak, lowest,
                                      bound=False)  # fmt: skip
         if plan.predicted_peak_phase == "optimizer":
             why = "the peak is in the optimizer step, where recomputing activations cannot help"
@@ -536,4 +539,4 @@ class SelectPass(Pass):
         return UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak recomputation "
                                  f"reaches is {lowest} ({share}) {where}, holding "
                                  f"{describe_breakdown(plan.predicted_breakdown, unit)}; {why}",
-                                 plan.predicted_peak, base.peak_bytes, lowest)  # fmt: skip
+                                 plan.predicted_peak, plan.unoptimized_peak, lowest)  # fmt: skip

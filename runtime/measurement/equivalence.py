@@ -22,6 +22,7 @@ import torch
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import batch_norm_from_stats, exact_on
+from mutwo.ir.row_region import SLICED_META
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.measurement import fp64_reference
 from mutwo.runtime.measurement.iterations import device_of
@@ -33,6 +34,18 @@ CUDA_ATOL = 1e-5
 #: A graph computing in reduced precision (autocast, bf16/fp16 parameters) is compared, when not
 #: bitwise, with torch.testing.assert_close's tolerances for its lowest-precision dtype.
 REDUCED_PRECISION_TOLERANCES = {torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
+
+#: A rewrite that runs a region in slices of rows (the ``chunk`` pass, :mod:`mutwo.ir.row_slicing`)
+#: adds up the loss and the weight gradient slice by slice, in another order than the whole ops:
+#: those values, and the parameters and optimizer state updated from them, are compared within
+#: SLICED_RTOL of each element plus SLICED_SCALE of the tensor's largest magnitude (fp32 rounding
+#: of a reordered sum is a few ulps of the partial sums: 1e-5 is about 80 ulps, and an element
+#: that nearly cancels is judged against the tensor's scale), or pass by the fp64 rule.
+SLICED_RTOL = 1e-5
+SLICED_SCALE = 1e-6
+#: Adam-updated parameters of those values may differ by this many times the learning rate more
+#: (a near-zero gradient's sign can flip, and Adam moves it by about the learning rate either way).
+SLICED_LR_FACTOR = 2.0
 
 #: When the reference varies between two runs from the same state (a kernel that is not
 #: deterministic even in deterministic mode), a tensor may differ from it by up to this many times
@@ -111,6 +124,9 @@ class EquivalenceReport:
     fp64_failure: str | None = None
     #: the random ops the candidate runs, by op, in graph order (:func:`random_ops`)
     random_ops: dict[str, int] = field(default_factory=dict)
+    #: what the candidate sums over slices of rows ("loss", parameter labels): compared within the
+    #: sliced tolerance (:data:`SLICED_RTOL`), the rest as ``bitwise`` says
+    sliced: list[str] = field(default_factory=list)
 
     @property
     def equivalent(self) -> bool:
@@ -127,6 +143,8 @@ class EquivalenceReport:
             mode = f"compiled-step tolerance: {self.tolerance}{self._fp64_outcome()}"
         else:
             mode = f"rtol={self.rtol:g}, atol={self.atol:g}"
+        if self.sliced:
+            mode += f"; {sliced_rule(self.sliced)}"
         if self.equivalent:
             dropped = (f"; {self.gradients_not_returned} gradients are not returned and were compared through the "
                        "parameters and state their updates wrote") if self.gradients_not_returned else ""
@@ -198,6 +216,36 @@ def random_stream_kept(model: torch.nn.Module) -> Iterator[None]:
             for t in (*model.parameters(), *model.buffers()) if t.is_cuda}  # fmt: skip
     with torch.random.fork_rng(devices=sorted(gpus)):
         yield
+
+
+def sliced_values(graph: Graph) -> list[str]:
+    """What ``graph`` sums over slices of rows: "loss" and the labels of parameters whose gradients
+    are such sums (what :mod:`mutwo.ir.row_slicing` recorded)."""
+    labels = {label for record in graph.meta.get(SLICED_META, ()) for label in record["summed"]}
+    return sorted(labels, key=lambda label: (label != "loss", label))
+
+
+def sliced_rule(sliced: list[str]) -> str:
+    """How the values summed over slices are compared, in words."""
+    named = ", ".join(f"{label} (gradient, parameter, optimizer state)" if label != "loss" else "the loss"
+                      for label in sliced)  # fmt: skip
+    return (f"{named} summed over slices of rows are compared within rtol={SLICED_RTOL:g} + {SLICED_SCALE:g} x "
+            f"the tensor's largest magnitude (Adam-updated parameters: + {SLICED_LR_FACTOR:g} x lr), or the fp64 "
+            "rule; each iteration from the same state")  # fmt: skip
+
+
+def _summed_slice_by_slice(what: str, label: str, sliced: list[str]) -> bool:
+    """Whether the compared tensor is computed from sums over slices (its label is the
+    parameter's, or the parameter's with ``:state`` for optimizer state)."""
+    return ("loss" if what == "loss" else label.split(":", 1)[0]) in sliced and what != "random generator"
+
+
+def _close_to_sliced(a: torch.Tensor, b: torch.Tensor, slack: float) -> bool:
+    """Within the sliced tolerance (:data:`SLICED_RTOL`, :data:`SLICED_SCALE`), plus ``slack``."""
+    if a.shape != b.shape or a.dtype != b.dtype or not a.is_floating_point():
+        return _same(a, b, None)
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return torch.allclose(a, b, rtol=SLICED_RTOL, atol=SLICED_SCALE * scale + slack, equal_nan=True)
 
 
 def random_ops(graph: Graph) -> dict[str, int]:
@@ -303,11 +351,21 @@ def compare_graphs(
     ``tolerance`` everything is compared within it, each iteration from the reference's state,
     and (``tolerance.fp64``) a tensor outside it is judged against an fp64 run of ``reference``
     (:mod:`mutwo.runtime.measurement.fp64_reference`).
+
+    A candidate that sums a region over slices of rows (:func:`sliced_values`) is compared from
+    the reference's state each iteration too: the values made of those sums (the loss, a weight
+    gradient, that weight and its optimizer state) within the sliced tolerance or the fp64 rule,
+    everything else as above (bitwise on CPU: the same ops on the same rows). Elsewhere than on
+    the CPU, where a matmul's kernel depends on its shape (cuBLAS), every value may round
+    differently: it is compared as a compiled step is (:class:`Tolerance`).
     """
     ref_slots = [(p.kind, p.label) for p in reference.placeholders]
     if ref_slots != [(p.kind, p.label) for p in candidate.placeholders]:
         raise ValueError("the two graphs do not take the same inputs; they are not versions of one iteration")
     device = device_of(inputs)
+    sliced = sliced_values(candidate)
+    if sliced and device.type != "cpu" and tolerance is None:
+        tolerance = Tolerance()
     if bitwise is None:
         bitwise = device.type == "cpu" or (torch.are_deterministic_algorithms_enabled()
                                            and replays_exact(candidate, str(device)))  # fmt: skip
@@ -329,11 +387,12 @@ def compare_graphs(
         # spreads one gradient's noise to all): compare the way a compiled step is compared.
         tolerance = Tolerance(*tolerances(reference), fp64=False)
     report = EquivalenceReport(iterations, bitwise, tolerance, reference_varies=varies,
-                               random_ops=random_ops(candidate))  # fmt: skip
+                               random_ops=random_ops(candidate), sliced=sliced)  # fmt: skip
     report.rtol, report.atol = (tolerance.rtol, tolerance.atol) if tolerance is not None else tolerances(reference)
     if varies is not None:  # a second run of the reference measures how much it varies by itself
         modules.append(modules[0])
-    fp64 = fp64_reference.Fp64Run(modules[0], inputs, device) if tolerance is not None and tolerance.fp64 else None
+    wants_fp64 = (tolerance is not None and tolerance.fp64) or bool(sliced)
+    fp64 = fp64_reference.Fp64Run(modules[0], inputs, device) if wants_fp64 else None
     states = [[t.clone() for t in inputs] for _ in modules]
     lr_slots = [i for i, (kind, label) in enumerate(ref_slots) if kind is NodeKind.OTHER and label.startswith("lr:")]
     adaptive = {label.rsplit(":", 1)[0] for kind, label in ref_slots
@@ -349,7 +408,7 @@ def compare_graphs(
         for state in states:
             for i in lr_slots:
                 state[i] = base_lrs[i] * LR_SCHEDULE[iteration % len(LR_SCHEDULE)]
-        if tolerance is not None:  # rounding differences must not compound: restart from the reference's state
+        if tolerance is not None or sliced:  # rounding must not compound: restart from the reference's state
             for state in states[1:]:
                 for mine, theirs in zip(state, states[0], strict=True):
                     mine.copy_(theirs)
@@ -376,19 +435,25 @@ def compare_graphs(
             exact[("loss", "loss")] = fp64_outputs[0]
             exact.update((("gradient", label), t) for label, t in zip(grad_labels[0], fp64_outputs[1:], strict=True))
             exact.update(((kind.value, label), fp64.state[i]) for i, (kind, label) in enumerate(ref_slots))
-        slack = tolerance.lr_factor * max((float(states[0][i].max()) for i in lr_slots), default=0.0) \
-            if tolerance is not None else 0.0  # fmt: skip
+        largest_lr = max((float(states[0][i].max()) for i in lr_slots), default=0.0)
+        slack = tolerance.lr_factor * largest_lr if tolerance is not None else 0.0
         for what, label, runs in compared:
             report.compared += 1
             a, b = runs[0], runs[1]
             if _same(a, b, _within(what, bitwise, report.rtol, report.atol, slack if label in adaptive else 0.0)):
                 continue
+            summed = _summed_slice_by_slice(what, label, sliced)
+            if summed and _close_to_sliced(a, b, SLICED_LR_FACTOR * largest_lr if label in adaptive else 0.0):
+                continue
             # The rewrite may differ from the original as much as the original differs from itself.
             if len(runs) == 3 and _max_diff(a, b) <= REFERENCE_SPREAD * _max_diff(a, runs[2]):
                 continue
-            counterpart = exact.get((what, label))
-            judged = fp64_reference.verdict(a, b, counterpart, report.rtol, report.atol) \
-                if counterpart is not None else None  # fmt: skip
+            # Without a tolerance, only values summed over slices may pass by the fp64 rule, its
+            # floor then a share of the tensor's scale, as in their direct rule.
+            counterpart = exact.get((what, label)) if tolerance is not None or summed else None
+            rtol, atol = (report.rtol, report.atol) if tolerance is not None else \
+                (SLICED_RTOL, SLICED_SCALE * (float(a.abs().max()) if a.is_floating_point() and a.numel() else 0.0))
+            judged = fp64_reference.verdict(a, b, counterpart, rtol, atol) if counterpart is not None else None
             if judged is not None and judged.passed:
                 report.passed_by_fp64 += 1
                 continue

@@ -1,0 +1,255 @@
+"""The ``chunk`` transform: run a language-model head and its loss in slices of tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from mutwo.ir.budget import Budget, parse_budget, readable_bytes, sizes
+from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.memory import allocation_size, simulate
+from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
+from mutwo.ir.row_region import find_regions
+from mutwo.ir.row_slicing import SlicedRegion, slice_regions
+from mutwo.passes.select import resolve_budget
+
+WHEN = ("budget", "always")
+#: The slice counts tried when ``k`` is not given, fewest first.
+SLICE_COUNTS = (2, 4, 8, 16, 32, 64)
+#: Doubling the slices stops paying once it lowers the region's floor by less than this share:
+#: what is left is what no slicing removes (the weight gradient, the hidden state and its gradient).
+MIN_GAIN = 0.01
+#: At budget min, slicing trades bitwise sums for memory: it is applied only where it lowers the
+#: floor recomputation could reach by at least this share.
+MIN_FLOOR_GAIN = 0.05
+
+
+@dataclass
+class Floors:
+    """Lower bounds of the peak recomputation could reach, over the region and elsewhere: at each
+    node, what is live there minus every activation idle there (select can drop at most those),
+    the most over the nodes from the region's first to its last (the nodes between them run
+    while its values are live) and over the others."""
+
+    region: int
+    rest: int
+    peak: int  #: the simulated peak, nothing recomputed
+
+    @property
+    def set_by_region(self) -> bool:
+        return self.region > self.rest
+
+
+@dataclass
+class ChunkReport:
+    """What ``chunk`` did (chunk.json); ``unsliced_peak`` is the simulated peak of the graph it
+    was given, which a budget given as a fraction of the unoptimized peak stays a fraction of."""
+
+    applied: bool
+    reason: str
+    unsliced_peak: int
+    peak_after: int | None = None
+    floors_before: dict[str, int] = field(default_factory=dict)
+    floors_after: dict[str, int] = field(default_factory=dict)
+    slices: int | None = None
+    regions: list[dict[str, Any]] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def floors(graph: Graph, region_nodes: set[int]) -> Floors:
+    """:class:`Floors` of ``graph`` for the region of the nodes ``region_nodes``."""
+    liveness = compute_liveness(graph)
+    simulation = simulate(graph, liveness)
+    curve = torch.tensor(simulation.curve, dtype=torch.int64)
+    for record in liveness.activations():
+        if record.device == simulation.device:  # the simulation counts only the main device's
+            start, end = record.inactive_interval
+            curve[start + 1:end] -= allocation_size(record.bytes, simulation.device)
+    inside = torch.zeros(len(curve), dtype=torch.bool)
+    ranks = [liveness.rank[node_id] for node_id in region_nodes if node_id in liveness.rank]
+    if ranks:
+        inside[min(ranks):max(ranks) + 1] = True
+    region = int(curve[inside].max()) if bool(inside.any()) else 0
+    rest = int(curve[~inside].max()) if bool((~inside).any()) else 0
+    return Floors(region, rest, simulation.peak_bytes)
+
+
+@dataclass(frozen=True)
+class ChunkPass(Pass):
+    """Run each language-model head and its loss in k slices of tokens, forward and backward slice by slice.
+
+    Recomputation cannot lower a peak made of one region's own working set: a language model's
+    logits [tokens x vocabulary], their log-softmax and, in the backward, two more tensors of that
+    size. This pass finds each matmul whose output, wider than its input, feeds a log-softmax, and
+    the nodes reading its wide values forward and backward (views, casts, elementwise ops, the
+    nll loss with ignore_index and mean or sum reduction, label smoothing's sums, the matmuls of
+    the hidden state's and the weight's gradients, the bias gradient's sum). It replaces them, at
+    the end of the forward pass, by k slices of the tokens, each computing its logits, its part of
+    the loss and its gradients before the next; the loss and the weight and bias gradients are
+    added up slice by slice, the hidden state's gradient is concatenated. The loss's gradient
+    seed (``ones_like(loss)``, possibly scaled) must be computable before the slices run; a head
+    that cannot be sliced is refused in one sentence naming the node. The sums add floats in
+    another order: ``--check`` compares the loss, those gradients and what they update within a
+    stated tolerance, everything else bitwise on CPU (docs/chunk.md).
+    when=budget (the default) slices only where the budget needs it: a budget in bytes or a
+    fraction below what recomputation could reach with the head whole (the most that is live at a
+    node of the head, less every activation idle there); at budget min, where the head sets that
+    floor and slicing lowers it by at least 5%. k, unless given, is the fewest of 2, 4, ..., 64
+    slices after which the head no longer sets the floor nor holds more than the budget. Place it
+    after profile and the optimizer passes and before select (profile,optimizer,chunk,select,
+    rewrite): the slices are priced from the profiled whole ops (each its share of the rows), and
+    select plans on the sliced graph, a fraction budget staying a fraction of the peak before
+    slicing. Writes chunk.json.
+    """
+
+    name = "chunk"
+    is_transform = True
+    provides = ("chunk",)
+    k: int | None = option(None, "slices per head (default: the fewest of 2, 4, ..., 64 after which the head no "
+                                 "longer sets the floor recomputation could reach)")
+    when: str = option("budget", "'budget': only where the budget needs it (below what recomputation could reach "
+                                 "with the head whole); 'always' (and a head that cannot be sliced is a failure)")
+    budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
+
+    def __post_init__(self) -> None:
+        if self.when not in WHEN:
+            raise ValueError(f"when must be one of {', '.join(WHEN)}, got {self.when!r}")
+        if self.k is not None and self.k < 1:
+            raise ValueError("k must be at least 1")
+        if self.budget is not None:
+            parse_budget(self.budget)
+
+    def run(self, graph: Graph, ctx: PassContext) -> ChunkReport:
+        regions, refusals = find_regions(graph)
+        for refusal in refusals:
+            if self.when == "always":
+                raise PassFailure(f"chunk: {refusal}", node=refusal.node)
+            ctx.log(f"chunk: not sliced: {refusal}")
+        before = floors(graph, {n.id for region in regions for n in region.rules})
+        report = ChunkReport(False, "", before.peak, refused=[str(r) for r in refusals],
+                             floors_before={"region": before.region, "rest": before.rest})  # fmt: skip
+        ctx.artifacts["chunk"] = report
+        if not regions:
+            return self._finish(ctx, report, "no language-model head whose logits are wider than its input")
+        budget = self._budget(ctx, before.peak)
+        if budget is None:
+            return self._finish(ctx, report, "no budget and no device limit (CPU): the head stays whole")
+        budget_bytes = budget.resolve(before.peak)
+        skip = self._not_needed(budget, budget_bytes, before)
+        if skip:
+            return self._finish(ctx, report, skip)
+        slices, trial = (self.k, None) if self.k is not None else self._slice_count(graph, budget, budget_bytes)
+        if self.when == "budget" and budget.minimum:
+            skip = self._too_little(before, trial or _sliced_floors(graph.copy(), slices))
+            if skip:
+                return self._finish(ctx, report, skip)
+        records = slice_regions(graph, slices)
+        _price_from_profile(ctx, records)
+        after = floors(graph, {node_id for record in records for node_id in record.nodes})
+        report.applied, report.slices, report.peak_after = True, slices, after.peak
+        report.regions = [record.to_json() for record in records]
+        report.floors_after = {"region": after.region, "rest": after.rest}
+        return self._finish(ctx, report, self._applied(records, before, after))
+
+    # -- the decision -----------------------------------------------------------------------
+    def _budget(self, ctx: PassContext, peak: int) -> Budget | None:
+        """The budget, as select resolves it; None on a CPU with none (nothing needs saving),
+        unless the pass must slice anyway (when=always)."""
+        if self.budget is None and ctx.services.get("budget") is None and ctx.services.get("device_memory") is None:
+            return Budget(minimum=True) if self.when == "always" else None
+        budget = resolve_budget(self.budget, ctx, peak, "")
+        limit = ctx.services.get("memory_limit")
+        if limit is not None and not budget.minimum and budget.resolve(peak) > limit:
+            budget = Budget(bytes=int(limit))
+        return budget
+
+    def _not_needed(self, budget: Budget, budget_bytes: int, before: Floors) -> str:
+        """Why the head can stay whole (empty when it cannot): at budget min, the head does not
+        set the floor; for a budget in bytes, no node of the head holds more than it, so
+        recomputation alone may reach it."""
+        if self.when == "always":
+            return ""
+        region, rest = sizes(before.region, before.rest)
+        if budget.minimum and not before.set_by_region:
+            return (f"the head does not set the lowest peak recomputation could reach ({region} at the head, {rest} "
+                    "elsewhere)")  # fmt: skip
+        if not budget.minimum and budget_bytes >= before.region:
+            return (f"the budget ({readable_bytes(budget_bytes)}) is not below what recomputation could reach with "
+                    f"the head whole ({region})")  # fmt: skip
+        return ""
+
+    @staticmethod
+    def _too_little(before: Floors, after: Floors) -> str:
+        """Why slicing is not worth its rounding at budget min (empty when it is): it lowers the
+        floor recomputation could reach by less than :data:`MIN_FLOOR_GAIN`."""
+        lowest, sliced = max(before.region, before.rest), max(after.region, after.rest)
+        if sliced <= (1 - MIN_FLOOR_GAIN) * lowest:
+            return ""
+        lowest_text, sliced_text = sizes(lowest, sliced)
+        return (f"slicing would lower the lowest peak recomputation could reach only from {lowest_text} to "
+                f"{sliced_text}, less than {MIN_FLOOR_GAIN:.0%}: not worth summing the loss in another order")
+
+    def _slice_count(self, graph: Graph, budget: Budget, budget_bytes: int) -> tuple[int, Floors]:
+        """The fewest slices after which the head's floor is at most the rest's (and, for a
+        budget in bytes above that, at most the budget); where no count gets there, the count
+        after which doubling lowers it by less than :data:`MIN_GAIN`. Returns it with the
+        floors of the graph sliced so."""
+        best: tuple[int, Floors] | None = None
+        rows = min(region.rows for region in find_regions(graph)[0])
+        for slices in (count for count in SLICE_COUNTS if count <= rows):
+            sliced = _sliced_floors(graph.copy(), slices)
+            target = sliced.rest if budget.minimum else max(budget_bytes, sliced.rest)
+            if sliced.region <= target:
+                return slices, sliced
+            if best is not None and sliced.region > (1 - MIN_GAIN) * best[1].region:
+                break
+            if best is None or sliced.region < best[1].region:
+                best = (slices, sliced)
+        return best if best is not None else (1, floors(graph, set()))
+
+    # -- reporting --------------------------------------------------------------------------
+    @staticmethod
+    def _applied(records: list[SlicedRegion], before: Floors, after: Floors) -> str:
+        heads = "; ".join(f"logits %{r.logits} [{r.rows} x {r.width}] in {r.slices} slices of "
+                          f"{-(-r.rows // r.slices)} rows, summing {', '.join(r.summed) or 'nothing'}"
+                          for r in records)  # fmt: skip
+        peak, peak_after, head, head_after, rest = sizes(before.peak, after.peak, before.region, after.region,
+                                                         after.rest)  # fmt: skip
+        return (f"{heads}: simulated peak {peak} -> {peak_after}; the lowest peak recomputation could reach at the "
+                f"head {head} -> {head_after} ({rest} elsewhere)")  # fmt: skip
+
+    @staticmethod
+    def _finish(ctx: PassContext, report: ChunkReport, reason: str) -> ChunkReport:
+        report.reason = reason
+        ctx.log(f"chunk: {'sliced ' if report.applied else 'not applied: '}{reason}")
+        ctx.save_json("chunk.json", report.to_json())
+        return report
+
+
+def _price_from_profile(ctx: PassContext, records: list[SlicedRegion]) -> None:
+    """Give the added nodes times in the profile, when one was made before the pass: a slice's
+    op takes its share of the rows of the whole op's measured time (a moved node, the whole time;
+    the sums and concatenations after the slices, none measured), so that select prices the
+    iteration and any recomputation through the slices."""
+    profile = ctx.artifacts.get("profile")
+    if profile is None:
+        return
+    for record in records:
+        for node_id, (source, share) in record.derived.items():
+            measured = profile.nodes.get(source)
+            if measured is not None:
+                profile.nodes[node_id] = replace(measured, seconds=measured.seconds * share,
+                                                 replay_seconds=None, allocated_before=None, allocated_after=None,
+                                                 peak=None)  # fmt: skip
+
+
+def _sliced_floors(graph: Graph, slices: int) -> Floors:
+    """Slice ``graph`` (a copy, for a trial) into ``slices``; the floors of the result."""
+    records = slice_regions(graph, slices)
+    return floors(graph, {node_id for record in records for node_id in record.nodes})
