@@ -35,10 +35,11 @@
 #   fit-resnet, fit-alloc
 #                "The largest batch in 16 GiB: --fit" (H100, 2026-11-23; issue16_h100/)   ~7, 2 min
 #   opt          "Other measurements", the optimizer passes on GPT-2 small and BERT-base (issue16_h100/) ~14 min
-# Owed: i38-opt-bert, BERT-base b64 through mutwo-opt --memory-limit 16GiB --budget 16GiB under
-#   inductor-cudagraphs (the hard-cap section's "Not run yet"); i40-stock, a stock AdamW with a
-#   scheduler under inductor-cudagraphs against eager; i40-restart, a second process's start with
-#   the plan cache.
+#   i38-opt-bert "Under a hard cap": BERT-base b64 through mutwo-opt --memory-limit 16GiB --budget
+#                16GiB under inductor-cudagraphs (H100, 2026-11-26; session14_h100/)        ~9 min
+# Owed: i40-stock, a stock AdamW with a scheduler under inductor-cudagraphs against eager (its first
+#   run compared interleaved steps that drew each other's dropout masks: fixed, not run again);
+#   i40-restart, a second process's start with the plan cache; the cuda-marked tests once more.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -145,8 +146,9 @@ case "$section" in
       --steps 5 --out "$OUT/stock_adamw_bert_b8.json" ;;
   i40-restart)
     # Issue 40 item 5: two fresh processes in a row, BERT-base b64 at budget 16GiB under a 16 GiB
-    # limit, inductor-cudagraphs, in the plan cache i38-opt-bert filled (else the first plans): the
-    # first compiles afresh (Inductor's cache is empty), the second is a restart with both caches warm.
+    # limit, inductor-cudagraphs, one plan cache folder: the first plans (i38-opt-bert's entry is
+    # for the YAML's pipeline, not the API's default one, so it does not apply) and compiles, the
+    # second is a restart with both caches warm (~10 min in all on an H100).
     for run in first second; do
       timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml --batch-size 64 \
         --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" --out "$OUT/restart_bert_b64_$run.json" \
