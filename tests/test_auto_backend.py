@@ -91,7 +91,8 @@ def test_auto_on_cuda_captures_for_a_recording_then_as_its_choice_runs(
         return StepFacts("cuda", data_parallel, known or unrecordable)
 
     monkeypatch.setattr(auto_capture, "step_facts", facts)
-    lowered, choice = auto_capture.capture_for_backend("auto", *([None] * 4))
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])
+    lowered, choice = auto_capture.capture_for_backend("auto", None, optimizer, None, None)
     assert choice is not None and choice.backend == backend
     assert captures.graphed == graphed and lowered.binding.graphed == graphed[-1]
     if refused is not None:
@@ -164,3 +165,20 @@ def test_cuda_auto_records_a_stock_optimizer_under_inductor(capsys: pytest.Captu
     assert "backend auto: inductor-cudagraphs (CUDA, the step can be recorded)" in capsys.readouterr().err
     assert step.options["backend"] == "inductor-cudagraphs"
     assert torch.isfinite(step(workload.batch))
+
+
+def test_the_state_a_capture_for_a_recording_changed_is_put_back() -> None:
+    """auto captures for a CUDA graph first (step counts moved to the device, fresh state made);
+    when it then chooses a backend that does not record, the optimizer's state is as it was."""
+    from mutwo.runtime.planning.auto_capture import restore_state_entries, state_entries
+
+    kept, fresh = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([kept, fresh])
+    step = torch.tensor(3.0)
+    optimizer.state[kept].update(step=step, exp_avg=torch.zeros(2))
+    before = state_entries(optimizer)
+    optimizer.state[kept]["step"] = step.clone()  # as a move to the device replaces it
+    optimizer.state[fresh]["step"] = torch.tensor(0.0)  # as a capture's init_state creates it
+    restore_state_entries(optimizer, before)
+    assert optimizer.state[kept]["step"] is step and set(optimizer.state[kept]) == {"step", "exp_avg"}
+    assert fresh not in optimizer.state

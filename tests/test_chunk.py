@@ -220,3 +220,24 @@ def test_the_llama_32k_example_reaches_half_its_peak_and_passes_the_check(tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["equivalent"] is True
     assert summary["peak_bytes_after"] <= 0.5 * summary["peak_bytes_before"]
+
+
+def test_a_sliced_gradient_slightly_off_fails_the_check() -> None:
+    """The tolerance of sliced values is a few ulps of a reordered sum: a head gradient 0.1% off
+    (a wrong total weight, say) must fail, though it is well within the 2 x lr an Adam-updated
+    parameter may differ by, and Adam's first update hides it in the parameter."""
+    from mutwo.ir.to_fx import to_fx
+
+    original, inputs = _head("mean")
+    graph = original.copy()
+    slice_regions(graph, 3)
+    module = to_fx(graph)
+
+    def doubled(*args: Any) -> Any:
+        loss, *gradients = module(*args)
+        return (loss, *(g * 1.001 if isinstance(g, torch.Tensor) and g.is_floating_point() else g for g in gradients))
+
+    report = check_graphs(original, graph, inputs, candidate_run=doubled)
+    assert not report.equivalent
+    assert any(m.what == "gradient" and m.label.startswith("head.weight") for m in report.mismatches), \
+        [(m.what, m.label) for m in report.mismatches]

@@ -202,3 +202,25 @@ def test_mutwo_opt_refuses_a_budget_under_the_inputs(tmp_path: Path, capsys: pyt
     assert code == EXIT_FAILURE and len(err.splitlines()) == 1, err
     assert "budget 4096B (4.0 KiB) is unreachable" in err and "(refused before profiling)" in err
     assert not (out / "profile.json").exists()
+
+
+def test_an_out_of_memory_error_wrapped_by_inductor_is_found() -> None:
+    """torch wraps errors raised inside Inductor (InductorError, with ``inner_exception``): an
+    out-of-memory error while compiling must stay one, to get its note, not become a CompileError."""
+    from mutwo.runtime.execution.backends import _out_of_memory_within
+
+    class Wrapped(RuntimeError):
+        def __init__(self, inner: BaseException) -> None:
+            super().__init__("wrapped")
+            self.inner_exception = inner
+
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    assert _out_of_memory_within(Wrapped(oom)) is oom
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError:
+            raise ValueError("while autotuning") from None
+    except ValueError as chained:
+        assert _out_of_memory_within(chained) is oom  # its context
+    assert _out_of_memory_within(Wrapped(ValueError("no"))) is None

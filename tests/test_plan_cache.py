@@ -251,3 +251,17 @@ def test_a_folder_that_cannot_be_written_is_said_in_one_line(tmp_path: Path,
     assert lines[1].startswith(f"mutwo: plan cache: could not keep the plan in {blocked} (")
     torch.manual_seed(0)
     assert torch.isfinite(step(_cnn().batch))  # training goes on
+
+
+def test_a_pass_without_a_source_file_is_not_cached() -> None:
+    """A pass class defined in a notebook or at the prompt has no file whose digest the key could
+    hold: a change to it would reuse a stale plan, so its pipeline is not cached (no traceback)."""
+    from mutwo.ir.pass_base import Pass
+    from mutwo.ir.registry import PassRegistry
+    from mutwo.runtime.planning.plan_cache import uncacheable
+
+    namespace: dict[str, object] = {"Pass": Pass, "__name__": "__notebook__"}
+    exec("class Notebook(Pass):\n    name = 'notebook'\n\n    def run(self, graph, ctx):\n        return None\n",
+         namespace)  # fmt: skip
+    pipeline = [*PassRegistry().build_pipeline("profile,select,rewrite"), namespace["Notebook"]()]
+    assert uncacheable(pipeline) == "pass notebook has no source file to read (defined in a notebook or at the prompt)"

@@ -428,7 +428,8 @@ class MutwoOpt:
         ctx.artifacts.update(reused_artifacts)
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
-        rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes, self.dp is not None)
+        rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes, self.dp is not None,
+                                    budgeted=config.budget is not None or limit is not None)  # fmt: skip
         with self.timed("plan cache"):
             self.plan_cache = self.look_up_plan(config, lowered, manager, ctx, limit, rounds)
         try:

@@ -256,7 +256,23 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
     except torch.OutOfMemoryError:  # autotuning ran out: not the compiler's failure (the caller notes its stage)
         raise
     except Exception as error:  # Inductor raises many types; the user gets one line, not its traceback
+        inner = _out_of_memory_within(error)
+        if inner is not None:  # wrapped by Inductor (InductorError): the out-of-memory error it is
+            raise inner from None
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
                            "run it with --backend eager") from None  # fmt: skip
     return compiled, cache_hits() > hits
+
+
+def _out_of_memory_within(error: BaseException) -> torch.OutOfMemoryError | None:
+    """The ``torch.OutOfMemoryError`` an exception wraps (Inductor's ``InductorError`` keeps it as
+    ``inner_exception``; others as their cause or context), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, torch.OutOfMemoryError):
+            return current
+        seen.add(id(current))
+        current = getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+    return None

@@ -44,7 +44,7 @@ from mutwo.runtime.measurement.profiler import Profile
 from mutwo.runtime.planning.captured import CapturedGraph
 from mutwo.runtime.planning.peak_calibration import pipeline_plan
 from mutwo.runtime.planning.plan_choice import RECOMPUTE_ONLY, recompute_only_passes
-from mutwo.runtime.planning.plan_key import FORMAT, key_digest, plan_key
+from mutwo.runtime.planning.plan_key import FORMAT, key_digest, pass_source_digest, plan_key
 
 #: ``cache=`` of :func:`mutwo.optimize`: None (the default folder, unless ``MUTWO_CACHE`` is off),
 #: True (the default folder), False (off), or a folder.
@@ -84,6 +84,9 @@ def uncacheable(passes: Sequence[Pass]) -> str | None:
         return f"the pipeline's plan is made by {own[0]}, not by select or select-swap"
     if len(profiles) != 1 or len(policies) != 1 or profiles[0] > policies[0]:
         return "the pipeline does not run one profile followed by one select or select-swap"
+    unread = [p.name for p in passes if not type(p).__module__.startswith("mutwo.") and pass_source_digest(p) is None]
+    if unread:  # a change to its code would not change the key
+        return f"pass {unread[0]} has no source file to read (defined in a notebook or at the prompt)"
     return None
 
 
@@ -231,6 +234,8 @@ class CachedPlanning:
             try:
                 return copy, replayed, PassManager(self.passes(pipeline), instrumentation).run(copy, replayed)
             except PipelineFailure as failure:
+                if failure.crashed:  # a bug or the device out of memory, not an entry that does not fit
+                    raise
                 self.log(f"plan cache: entry {self.short} does not apply "
                          f"({str(failure).splitlines()[0]}); planning again and replacing it")  # fmt: skip
                 self.entry = None

@@ -118,8 +118,17 @@ def pass_description(pass_: Pass) -> dict[str, Any]:
         "options": {f.name: repr(getattr(pass_, f.name)) for f in dataclasses.fields(pass_)},
     }  # fmt: skip
     if not cls.__module__.startswith("mutwo."):
-        described["source"] = _file_digest(inspect.getsourcefile(cls))
+        described["source"] = pass_source_digest(pass_)
     return described
+
+
+def pass_source_digest(pass_: Pass) -> str | None:
+    """The digest of the file defining a pass that is not mutwo's, or None when it has none to read
+    (a class defined in a notebook or at the prompt): the key then cannot cover its code."""
+    try:
+        return _file_digest(inspect.getsourcefile(type(pass_)))
+    except (OSError, TypeError):
+        return None
 
 
 def _file_digest(path: str | None) -> str | None:
