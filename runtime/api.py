@@ -31,6 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mutwo.ir.budget import Budget, parse_budget, parse_bytes
+from mutwo.runtime.capture.device_state import put_state_back, state_entries
 from mutwo.runtime.capture.iteration import LossFn, StaleCaptureError, StepBinding
 from mutwo.runtime.capture.optim import scheduled_kinds
 from mutwo.runtime.capture.training import TrainingOptions
@@ -320,18 +321,11 @@ def _optimizer_state_kept_on_failure(optimizer: torch.optim.Optimizer) -> Iterat
     (:func:`mutwo.runtime.capture.optim.init_state`), and for a CUDA graph moves its step counts to
     the device (:func:`mutwo.runtime.capture.device_state.state_for_cuda_graphs`); when planning fails,
     that state is taken back and the moved tensors are put back."""
-    state = optimizer.state
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    before = {p: dict(state[p]) for p in params if p in state}
+    before = state_entries(optimizer)
     try:
         yield
     except BaseException:
-        for param in params:
-            if param not in before:
-                state.pop(param, None)
-            elif param in state:
-                state[param].clear()
-                state[param].update(before[param])
+        put_state_back(optimizer, before)
         raise
 
 

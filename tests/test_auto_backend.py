@@ -170,7 +170,7 @@ def test_cuda_auto_records_a_stock_optimizer_under_inductor(capsys: pytest.Captu
 def test_the_state_a_capture_for_a_recording_changed_is_put_back() -> None:
     """auto captures for a CUDA graph first (step counts moved to the device, fresh state made);
     when it then chooses a backend that does not record, the optimizer's state is as it was."""
-    from mutwo.runtime.planning.auto_capture import restore_state_entries, state_entries
+    from mutwo.runtime.capture.device_state import put_state_back, state_entries
 
     kept, fresh = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.Adam([kept, fresh])
@@ -179,6 +179,6 @@ def test_the_state_a_capture_for_a_recording_changed_is_put_back() -> None:
     before = state_entries(optimizer)
     optimizer.state[kept]["step"] = step.clone()  # as a move to the device replaces it
     optimizer.state[fresh]["step"] = torch.tensor(0.0)  # as a capture's init_state creates it
-    restore_state_entries(optimizer, before)
+    put_state_back(optimizer, before)
     assert optimizer.state[kept]["step"] is step and set(optimizer.state[kept]) == {"step", "exp_avg"}
     assert fresh not in optimizer.state

@@ -69,6 +69,30 @@ def state_on_device(state: dict[str, Any], device: torch.device) -> None:
             state[key] = value.to(device)
 
 
+#: An optimizer's state by parameter, each entry's tensors themselves (:func:`state_entries`).
+StateEntries = dict[torch.Tensor, dict[str, Any]]
+
+
+def state_entries(optimizer: torch.optim.Optimizer) -> StateEntries:
+    """The state of ``optimizer``'s parameters as it is now: each parameter's entries, the tensors
+    themselves (not copies): what a capture may replace (a step count moved to the device) or
+    create (:func:`~mutwo.runtime.capture.optim.init_state`), for :func:`put_state_back`."""
+    state = optimizer.state
+    return {p: dict(state[p]) for group in optimizer.param_groups for p in group["params"] if p in state}
+
+
+def put_state_back(optimizer: torch.optim.Optimizer, entries: StateEntries) -> None:
+    """Make ``optimizer``'s state what :func:`state_entries` saw: entries replaced since get their
+    tensors back, and state created since is dropped, as if the capture had not run."""
+    state = optimizer.state
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        if param not in entries:
+            state.pop(param, None)
+        elif param in state:
+            state[param].clear()
+            state[param].update(entries[param])
+
+
 def _qualified_name(optimizer: torch.optim.Optimizer) -> str:
     cls = type(optimizer)
     return f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__name__

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mutwo.runtime.capture.device_state import put_state_back, state_entries
 from mutwo.runtime.capture.iteration import LossFn
 from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 from mutwo.runtime.capture.training import TrainingOptions
@@ -44,29 +45,13 @@ def capture_for_backend(backend: str, model: torch.nn.Module, optimizer: torch.o
     try:
         lowered = captured(graphed=True)
     except UnsupportedOptimizerError as refusal:  # an optimizer unsupported any way is refused again below
-        restore_state_entries(optimizer, before)
+        put_state_back(optimizer, before)
         unrecordable, lowered = str(refusal), captured(graphed=False)
     choice = choose_backend(step_facts(lowered.graph, lowered.inputs, data_parallel is not None, unrecordable))
     if records_cuda_graphs(choice.backend) != lowered.binding.graphed:
         # The capture for a recording put the step counts on the device; the backend chosen runs
         # the optimizer as eager does, with them where the user had them (else one sync each).
-        restore_state_entries(optimizer, before)
+        put_state_back(optimizer, before)
         lowered = captured(records_cuda_graphs(choice.backend))
     return lowered, choice
 
-
-def state_entries(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
-    """The optimizer's state as it is: each parameter's entries (the tensors themselves, not copies)."""
-    return {param: dict(state) for param, state in optimizer.state.items()}
-
-
-def restore_state_entries(optimizer: torch.optim.Optimizer, entries: dict[torch.Tensor, dict[str, Any]]) -> None:
-    """Put back the state :func:`state_entries` saw: entries a capture replaced (a step count moved
-    to the device) get their tensors back, and state a capture created is dropped, as if it had
-    not run (the next capture creates it as its backend needs)."""
-    for param in list(optimizer.state):
-        if param not in entries:
-            del optimizer.state[param]
-        else:
-            optimizer.state[param].clear()
-            optimizer.state[param].update(entries[param])
