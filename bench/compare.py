@@ -1,16 +1,24 @@
 """Side-by-side benchmark on one GPU: eager, per-block checkpointing, torch.compile with an
 activation-memory budget, mutwo without recompute and mutwo at budgets (the benchmark issue).
 
-Every variant runs in a fresh process and is measured by
-``tools.experiment_measure.measure_step``: 3 warm-up iterations, then 10 measured ones; peak =
-``torch.cuda.max_memory_allocated`` over the measured iterations, time = their median CUDA-event
-time. mutwo's budgets may name another variant's measured peak, so that iteration times are
-compared at equal memory:
+Every variant runs in a fresh process and is measured as a plain training loop measures itself
+(``tools.experiment_measure.measure_step``): 3 warm-up iterations, then 10 measured ones; time =
+their median CUDA-event time; ``held_bytes`` = ``torch.cuda.max_memory_reserved`` over the
+measured iterations (what the process holds: the allocator's cache and CUDA-graph pools
+included, what a card runs out at) and ``peak_bytes`` = ``torch.cuda.max_memory_allocated``
+beside it. Setup is ``first_step_seconds`` (eager, checkpointing, ``torch.compile``: its compile)
+or ``planning_seconds`` (mutwo: capture, passes, compile, calibration). mutwo's budgets may name
+the memory another variant held, so that iteration times are compared at equal held memory:
 
-- ``mutwo-0.5``: half of mutwo's own peak without recompute (any ``mutwo-opt --budget``);
-- ``mutwo-eager0.5``: half of eager's measured peak;
-- ``mutwo-checkpoint``: the peak per-block checkpointing measured;
-- ``mutwo-compile0.5``: the peak ``compile-0.5`` (torch.compile, activation budget 0.5) measured.
+- ``mutwo-0.5``: half of mutwo's own simulated peak without recompute (any ``mutwo-opt --budget``);
+- ``mutwo-eager0.5``: half of what eager held;
+- ``mutwo-checkpoint``: what per-block checkpointing held;
+- ``mutwo-compile0.5``: what ``compile-0.5`` (torch.compile, activation budget 0.5) held.
+
+Use ``--calibrate-peak`` with a compiled backend for such rows: calibration re-plans until the
+step holds at most its budget (a plan counts allocated bytes; the process holds more).
+``--memory-limit 16GiB`` caps every variant's process (``set_per_process_memory_fraction``, as a
+card of that size would) before anything is built: planning, compile and the measured steps.
 
 ``compile@<mode>-<budget>`` is ``torch.compile(mode=<mode>)`` with that activation budget, for
 example ``compile@reduce-overhead-0.5`` (CUDA graphs, the row beside ``mutwo@inductor-cudagraphs``).
@@ -110,8 +118,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mutwo.ir.budget import Budget  # noqa: E402
-from mutwo.runtime.measurement.device_memory import free_planning_leftovers  # noqa: E402
+from mutwo.ir.budget import Budget, parse_bytes  # noqa: E402
+from mutwo.runtime.measurement.device_memory import apply_memory_limit, free_planning_leftovers  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment_configuration import run_configuration  # noqa: E402
 from mutwo.tools.experiment_measure import build_training, measure_after_planning  # noqa: E402
@@ -178,8 +186,11 @@ def checkpoint_blocks(model: nn.Module) -> int:
 
 
 def mutwo_budget(spec: str, done: list[dict[str, Any]], stand_in: str | None = None) -> Any:
-    """The budget a ``mutwo-<spec>`` variant plans for, resolving references to measured peaks;
-    where none was measured (a CPU dry run), ``stand_in`` if given (a budget such as ``0.5``)."""
+    """The budget a ``mutwo-<spec>`` variant plans for, resolving references to the memory another
+    variant held (``held_bytes``, max reserved: a budget is held memory, and "at X's memory" is at
+    what X's process held); where none was measured (a CPU dry run), ``stand_in`` if given (a
+    budget such as ``0.5``). A reference row measured before held memory was recorded (an old
+    ``--reference`` file, allocated bytes only) is refused, not read as held memory."""
     reference = {"checkpoint": ("checkpoint", 1.0)}
     if spec.startswith("eager"):
         reference[spec] = ("eager", float(spec.removeprefix("eager")))
@@ -188,12 +199,15 @@ def mutwo_budget(spec: str, done: list[dict[str, Any]], stand_in: str | None = N
     if spec not in reference:
         return spec
     variant, factor = reference[spec]
-    peaks = [r["peak_bytes"] for r in done if r["variant"] == variant and r.get("peak_bytes")]
-    if not peaks and stand_in is not None and any(r["variant"] == variant and "error" not in r for r in done):
+    held = [r["held_bytes"] for r in done if r["variant"] == variant and r.get("held_bytes")]
+    if not held and any(r["variant"] == variant and r.get("peak_bytes") for r in done):
+        raise ValueError(f"mutwo-{spec}: the {variant} row has an allocated peak but no held memory (held_bytes); "
+                         "measure it again with this harness")
+    if not held and stand_in is not None and any(r["variant"] == variant and "error" not in r for r in done):
         return stand_in
-    if not peaks:
+    if not held:
         raise ValueError(f"mutwo-{spec} needs the {variant} variant measured first")
-    return Budget(bytes=int(peaks[-1] * factor))
+    return Budget(bytes=int(held[-1] * factor))
 
 
 class MutwoVariant(NamedTuple):
@@ -275,8 +289,10 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
            precision: str | None = None, trace: Path | None = None, isolate_profile: bool = False,
            warmup: int = WARMUP, iterations: int = MEASURED, calibrate_peak: int = 0,
            gate: Path | None = None, measure_choice: bool = False,
-           reuse_profile: bool = False) -> dict[str, Any]:  # fmt: skip
+           reuse_profile: bool = False, memory_limit: int | None = None) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
+    if memory_limit is not None and torch.cuda.is_available():  # capped before anything is built, as a card
+        apply_memory_limit(torch.device("cuda"), memory_limit)
     own = mutwo_variant(variant)
     if own is not None:
         spec: Any = json.loads(budget) if budget else own.spec
@@ -289,7 +305,7 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile,
                                 calibrate_peak=calibrate_peak if own.backend != "eager" else 0,
                                 measure_choice=measure_choice and own.swap and own.backend != "eager",
-                                before_measuring=turn, reuse_profile=reuse_profile,
+                                before_measuring=turn, reuse_profile=reuse_profile, memory_limit=memory_limit,
                                 device_lock=None if gate is None else gate.parent / "device.lock")  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
@@ -314,7 +330,8 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         # hold the step's memory from then on; the measured iterations only replay and allocate
         # nothing, so their peak is taken over every step since the process began.
         step = PeakSinceStart(step, training.device)
-    row.update(measure_after_planning(step, training.device, None, warmup=warmup, iterations=iterations, trace=trace))
+    row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations,
+                                      trace=trace))  # fmt: skip
     return row
 
 
@@ -338,6 +355,7 @@ def worker_argv(args: argparse.Namespace, name: str, batch: str, variant: str, e
             *(["--precision", args.precision] if args.precision else []),
             *(["--trace"] if args.trace else []),
             *(["--isolate-profile"] if args.isolate_profile else []),
+            *(["--memory-limit", args.memory_limit] if getattr(args, "memory_limit", None) else []),
             "--calibrate-peak", str(args.calibrate_peak), *(["--measure-choice"] if args.measure_choice else []),
             "--warmup", str(args.warmup), "--iterations", str(args.iterations)]  # fmt: skip
 
@@ -503,6 +521,9 @@ def main() -> None:
                         help="mutwo-swap variants of a compiled backend: when select-swap's plan swaps, also compile "
                         "the recompute-only plan at its budget and keep whichever is measured faster (the row's "
                         "measured_choice)")
+    parser.add_argument("--memory-limit", metavar="BYTES",
+                        help="cap every variant's process at this much device memory (16GiB, 12000MiB), as a card of "
+                        "that size would, before anything is built (a row that runs out of memory says so)")
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"warm-up iterations per variant (default {WARMUP})")
     parser.add_argument("--iterations", type=int, default=MEASURED,
                         help=f"measured iterations per variant (default {MEASURED}; 1 makes a CPU dry run short)")
@@ -520,6 +541,11 @@ def main() -> None:
         parser.error("--warmup must be at least 0 and --iterations at least 1")
     if args.calibrate_peak < 0:
         parser.error("--calibrate-peak must be 0 (off) or a number of rounds")
+    if args.memory_limit:
+        try:
+            parse_bytes(args.memory_limit)
+        except ValueError as error:
+            parser.error(f"--memory-limit: {error}")
     if args.parallel_planning < 1:
         parser.error("--parallel-planning must be at least 1 (1: one variant after the other)")
     if args.trace and not torch.cuda.is_available():
@@ -529,7 +555,8 @@ def main() -> None:
         trace = scratch / f"{Path(name).stem}_b{batch}_{variant}.trace.json.gz" if args.trace else None
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
                      trace, args.isolate_profile, args.warmup, args.iterations, args.calibrate_peak,
-                     args.gate, args.measure_choice, args.reuse_profile)  # fmt: skip
+                     args.gate, args.measure_choice, args.reuse_profile,
+                     parse_bytes(args.memory_limit) if args.memory_limit else None)  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []

@@ -37,6 +37,9 @@
 #   opt          "Other measurements", the optimizer passes on GPT-2 small and BERT-base (issue16_h100/) ~14 min
 #   i38-opt-bert "Under a hard cap": BERT-base b64 through mutwo-opt --memory-limit 16GiB --budget
 #                16GiB under inductor-cudagraphs (H100, 2026-11-26; session14_h100/)        ~9 min
+#   headline-gpt2, headline-bert, headline-resnet
+#                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
+#                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
 # Owed: i40-stock, a stock AdamW with a scheduler under inductor-cudagraphs against eager (its first
 #   run compared interleaved steps that drew each other's dropout masks: fixed, not run again);
 #   i40-restart, a second process's start with the plan cache; the cuda-marked tests once more.
@@ -50,7 +53,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -126,6 +129,28 @@ case "$section" in
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 1500 python3 bench/out_of_core_profile.py capped --config $config --batch-size $batch \
       --memory-limit 79GiB --budget $cap --backend inductor-cudagraphs --steps 50 \
       --passes "profile{out_of_core=false},optimizer,select,rewrite" --out "$OUT/held_uncapped_$stem.json" ;;
+  headline-gpt2|headline-bert|headline-resnet)
+    # Issue 41's headline table: eager, per-block checkpointing, torch.compile at activation budget
+    # 0.5, mutwo's captured step without recompute (cudagraphs, its profile), then mutwo
+    # inductor-cudagraphs at what checkpointing held and at what torch.compile held (planned side by
+    # side, calibrated to what the process holds); held = max reserved over 10 steady steps, each
+    # variant a fresh process. Then the plain loop (bench/plain_loop.py) of eager and
+    # checkpointing, the yardstick the harness's rows must agree with.
+    case $section in
+      *gpt2) model=gpt2:8; config=examples/gpt2.yaml; batch=8; stem=gpt2_b8 ;;
+      *bert) model=bert:64; config=examples/bert.yaml; batch=64; stem=bert_b64 ;;
+      *resnet) model=resnet152-cl:128; config=examples/resnet152_channels_last.yaml; batch=128; stem=resnet152_cl_b128 ;;
+    esac
+    g=inductor-cudagraphs
+    timeout 2700 python3 bench/compare.py --out "$OUT/headline_$stem.json" --models "$model" --timeout 1500 \
+      --parallel-planning 2 --calibrate-peak 1 \
+      --variants eager,checkpoint,compile-0.5,mutwo@cudagraphs-none,mutwo@$g-checkpoint,mutwo@$g-compile0.5
+    status=$?
+    for variant in eager checkpoint; do
+      timeout 300 python3 bench/plain_loop.py --config $config --batch-size $batch --variant $variant \
+        --out "$OUT/plain_${stem}_$variant.json" > /dev/null
+    done
+    exit $status ;;
   i38-opt-bert)
     # Issue 38 through the command line: mutwo-opt under --memory-limit at the same budget,
     # inductor-cudagraphs, calibrated by default; summary.json has the measured held bytes.

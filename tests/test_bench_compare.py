@@ -21,8 +21,10 @@ compare = importlib.util.module_from_spec(_SPEC)
 sys.modules["bench_compare"] = compare
 _SPEC.loader.exec_module(compare)
 
-ROWS = [{"variant": "eager", "peak_bytes": 1000}, {"variant": "checkpoint", "peak_bytes": 400},
-        {"variant": "compile-0.5", "peak_bytes": 700}]
+# held_bytes (max reserved) is what budgets name; peak_bytes (max allocated) is only reported beside it
+ROWS = [{"variant": "eager", "peak_bytes": 900, "held_bytes": 1000},
+        {"variant": "checkpoint", "peak_bytes": 300, "held_bytes": 400},
+        {"variant": "compile-0.5", "peak_bytes": 650, "held_bytes": 700}]
 
 
 def test_budgets_name_measured_peaks_or_pass_through() -> None:
@@ -56,8 +58,15 @@ def test_a_budget_naming_an_unmeasured_variant_is_refused() -> None:
         compare.mutwo_budget("checkpoint", ROWS[:1])
 
 
+def test_a_reference_row_without_held_memory_is_refused_not_read_as_held() -> None:
+    old = [{"variant": "checkpoint", "peak_bytes": 400}]  # a row measured before held memory was recorded
+    with pytest.raises(ValueError, match="allocated peak but no held memory"):
+        compare.mutwo_budget("checkpoint", old)
+
+
 def test_a_cpu_dry_run_plans_for_the_stand_in_budget_only_where_asked() -> None:
-    cpu = [{"variant": "eager", "peak_bytes": None}, {"variant": "checkpoint", "peak_bytes": None}]
+    cpu = [{"variant": "eager", "peak_bytes": None, "held_bytes": None},
+           {"variant": "checkpoint", "peak_bytes": None, "held_bytes": None}]
     assert compare.mutwo_budget("checkpoint", cpu, "0.5") == "0.5"
     assert compare.mutwo_budget("checkpoint", ROWS, "0.5") == Budget(bytes=400), "a measured peak wins"
     with pytest.raises(ValueError, match="needs the checkpoint variant measured first"):
@@ -108,6 +117,37 @@ def test_bad_iteration_counts_are_usage_errors(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(SystemExit) as exited:
         compare.main()
     assert exited.value.code == 2 and "--iterations at least 1" in capsys.readouterr().err
+
+
+def test_a_memory_limit_that_is_not_a_size_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:4", "--variants", "eager", "--memory-limit",
+                                      "sixteen"])  # fmt: skip
+    with pytest.raises(SystemExit) as exited:
+        compare.main()
+    assert exited.value.code == 2 and "--memory-limit: 'sixteen' is not a memory size" in capsys.readouterr().err
+
+
+def test_the_memory_limit_reaches_every_worker() -> None:
+    args = argparse.Namespace(out=None, precision=None, trace=False, isolate_profile=False, calibrate_peak=0,
+                              measure_choice=False, warmup=3, iterations=10, memory_limit="12GiB")  # fmt: skip
+    for variant in ("eager", "compile-0.5", "mutwo@inductor-cudagraphs-checkpoint"):
+        argv = compare.worker_argv(args, "tiny", "4", variant, "")
+        assert argv[argv.index("--memory-limit") + 1] == "12GiB", argv
+    assert "--memory-limit" not in compare.worker_argv(argparse.Namespace(**{**vars(args), "memory_limit": None}),
+                                                       "tiny", "4", "eager", "")  # fmt: skip
+
+
+def test_the_plain_loop_yardstick_trains_the_config_as_a_user_writes_it() -> None:
+    """bench/plain_loop.py on the CPU: its row (memory is measured on CUDA only)."""
+    sys.path.insert(0, str(compare.ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_plain_loop", compare.ROOT / "bench" / "plain_loop.py")
+    assert spec is not None and spec.loader is not None
+    plain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plain)
+    row = plain.plain_loop(str(compare.ROOT / "examples" / "tiny_mlp.yaml"), 8, "eager", warmup=1, steps=3)
+    assert len(row["iteration_ms_all"]) == 3 and row["iteration_ms"] > 0
+    assert row["peak_bytes"] is None and row["held_bytes"] is None and row["gpu"] == "cpu"
 
 
 def test_a_cpu_dry_run_of_the_swap_study_plans_and_runs_every_variant_once(

@@ -3,9 +3,10 @@
 :func:`build_training` builds a config's model, optimizer and batch on its device
 (:class:`Training`, whose :meth:`Training.eager_step` is the eager loop); :func:`measure_step`
 runs a step for warm-up iterations, then takes the median time of the measured ones and, on CUDA,
-their peak memory. Running out of memory is a result, not a crash. :func:`device_turn` lets
-processes planning side by side measure one at a time. ``bench/compare.py``,
-``bench/data_parallel.py`` and ``bench/plan_stability.py`` measure their variants with these.
+their max allocated and max reserved (held) memory, as a plain training loop would read them.
+Running out of memory is a result, not a crash. :func:`device_turn` lets processes planning side
+by side measure one at a time. ``bench/compare.py``, ``bench/data_parallel.py`` and
+``bench/plan_stability.py`` measure their variants with these.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def device_turn(lock: Path | None) -> Iterator[None]:
 
 
 def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, iterations: int) -> dict[str, Any]:
-    """Median time of ``iterations`` whole steps after ``warmup`` and, on CUDA, their peak memory.
+    """Median time of ``iterations`` whole steps after ``warmup`` and, on CUDA, their memory:
+    ``peak_bytes`` (max allocated) and ``held_bytes`` (max reserved: what the process holds).
 
     Running out of memory is a result, not a crash: it comes back as ``{"error": "out of memory"}``.
     """
@@ -81,6 +83,9 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
         "iteration_ms_all": [round(t, 3) for t in times],
         "peak_bytes": max(torch.cuda.max_memory_allocated(device), getattr(step, "recorded_peak_bytes", 0))
         if cuda else None,
+        # What the process held: the allocator's cache and CUDA-graph pools included (the reset
+        # above starts it at what warm-up left reserved), what a card runs out at.
+        "held_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
     }
 
 
