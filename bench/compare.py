@@ -331,7 +331,7 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         # nothing, so their peak is taken over every step since the process began.
         step = PeakSinceStart(step, training.device)
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations,
-                                      trace=trace))  # fmt: skip
+                                      trace=trace, planned=False))  # fmt: skip
     return row
 
 

@@ -211,6 +211,20 @@ def test_measure_step_lets_other_errors_through() -> None:
         measure_step(step, torch.device("cpu"), warmup=3, iterations=10)
 
 
+@pytest.mark.parametrize("planned", [True, False])
+def test_only_a_planned_step_has_the_cache_emptied_before_it_is_measured(planned: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's eager loop empties no cache: what its first steps left cached counts in what it holds."""
+    import mutwo.tools.experiment_measure as experiment_measure
+
+    freed: list[torch.device] = []
+    monkeypatch.setattr(experiment_measure, "free_planning_leftovers", freed.append)
+    row = experiment_measure.measure_after_planning(lambda: None, torch.device("cpu"), None, warmup=1, iterations=2,
+                                                    planned=planned)  # fmt: skip
+    assert len(row["iteration_ms_all"]) == 2
+    assert freed == ([torch.device("cpu")] if planned else [])
+
+
 # -- the plots, from synthetic results -------------------------------------------------------------
 def synthetic_results() -> dict[str, Any]:
     mib = 2**20

@@ -85,5 +85,5 @@ def run_configuration(config_path: str | Path, batch_size: int, variant: Any, ou
         step = resolved
     log(f"measuring batch {batch_size}, {variant}")
     row.update(measure_after_planning(step, training.device, memory_limit, warmup=warmup, iterations=iterations,
-                                      trace=trace))  # fmt: skip
+                                      trace=trace, planned=variant != "eager"))  # fmt: skip
     return row
