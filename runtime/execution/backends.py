@@ -38,6 +38,7 @@ from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.capture.tracing import quiet_loggers, quiet_torch_errors
 from mutwo.runtime.execution.compiled_random import draw_as_eager
 from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, refuse_uncapturable
+from mutwo.runtime.execution.empty_concatenations import single_tensor_concatenations
 from mutwo.runtime.execution.errors import BackendError, CompileError
 from mutwo.runtime.execution.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
 from mutwo.runtime.execution.swap_graphs import insert_release_points
@@ -190,6 +191,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     if backend.startswith("inductor"):
         draw_as_eager(module, graph, inputs, backend)
         functionalizable_host_calls(module)
+        single_tensor_concatenations(module, graph)
         compiled_swap_ops(module)
     if graphed and swaps:
         insert_release_points(module, graph)
