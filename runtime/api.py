@@ -456,7 +456,10 @@ def optimize(
     ``False`` turns it off), after rank 0's parameters and buffers are broadcast to every rank as
     DDP's constructor does. ``bucket_cap_mb`` is DDP's (default: a 1 MiB first bucket, then 25
     MiB). Every rank must call this, and every step, together, with batches (its shard) of the
-    same shape; rank 0 alone writes to ``out_dir`` and logs.
+    same shape; rank 0 alone writes to ``out_dir`` and logs. ``eager`` and ``inductor`` run such a
+    step, and on CUDA with NCCL the CUDA-graph backends, which record its collectives; ``auto``
+    picks ``eager`` for it (docs/data-parallel.md). ``calibrate_peak`` and ``measure_choice`` are
+    refused for it: each rank would plan from its own measurements.
 
     ``backend``: what runs the optimized graph: ``eager`` (one aten kernel per node), ``inductor``
     (fused by torch's Inductor, compiled now), ``cudagraphs`` or ``inductor-cudagraphs`` (replayed

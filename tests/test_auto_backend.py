@@ -46,7 +46,7 @@ UNDRAWABLE = ("the inductor backend cannot draw the random numbers of %12 (aten.
      "backend cannot draw the random numbers of %12 (aten.normal_.default) as eager does: it fills a tensor the step "
      "computes, which Inductor may lay out otherwise)"),
     (StepFacts("cuda", data_parallel=True),
-     "backend auto: eager (a data-parallel step, which the compiled backends do not run yet)"),
+     "backend auto: eager (a data-parallel step; name a compiled backend to compile it)"),
 ])  # fmt: skip
 def test_the_choice_is_the_fastest_backend_the_step_allows(facts: StepFacts, sentence: str) -> None:
     assert choose_backend(facts).sentence() == sentence

@@ -391,7 +391,7 @@ class MutwoOpt:
             config.backend = chosen.backend
         auto = config.backend == AUTO  # on CUDA: chosen once the step is captured
         if not auto:
-            refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp is not None)
+            refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp)
         limit = memory_limit(self.args)
         self.memory = MemorySettings(device, config.budget, limit)
         if limit is not None:  # before capture: the model is moved to the device under the cap too
@@ -405,7 +405,7 @@ class MutwoOpt:
         with self.timed("capture"), stage_noted(CAPTURE, self.memory):
             lowered = self.capture(config, device)
         if auto:  # what the backend chosen cannot do is refused as if it were named
-            refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp is not None)
+            refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp)
         elif records_cuda_graphs(config.backend):  # before planning: nothing is written for a step it refuses
             try:
                 refuse_uncapturable(lowered.graph, lowered.inputs)

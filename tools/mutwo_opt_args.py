@@ -18,6 +18,8 @@ from mutwo.ir.pass_base import Pass
 from mutwo.ir.registry import PassRegistry
 from mutwo.runtime.execution.auto_backend import AUTO, BACKEND_CHOICES
 from mutwo.runtime.execution.backends import backend_services
+from mutwo.runtime.parallel import distributed
+from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.fit_search import FIT_PIPELINE
 from mutwo.runtime.planning.peak_calibration import calibration_refusal
 from mutwo.runtime.planning.plan_choice import choice_refusal
@@ -154,9 +156,10 @@ def refuse_fit_misuse(args: argparse.Namespace, backend: str) -> None:
 
 
 def refuse_backend_choices(args: argparse.Namespace, config: Config, device: torch.device, passes: list[Pass],
-                           data_parallel: bool) -> None:  # fmt: skip
-    """Backend choices that cannot work here, and ``--calibrate-peak`` or ``--measure-choice`` where
-    they cannot run, refused before anything is captured."""
+                           data_parallel: DataParallel | None) -> None:  # fmt: skip
+    """Backend choices that cannot work here (``data_parallel``: the ranks of a torchrun launch),
+    and ``--calibrate-peak`` or ``--measure-choice`` where they cannot run, refused before anything
+    is captured."""
     fused = next((p.name for p in passes if getattr(p, "fused", False)), None)
     if fused is not None and not backend_services(config.backend)["fused_recompute"]:
         raise UsageError(f"{fused}{{fused=true}} prices recomputes as Inductor fuses them, but --backend is "
@@ -164,9 +167,15 @@ def refuse_backend_choices(args: argparse.Namespace, config: Config, device: tor
     if config.backend.endswith("cudagraphs") and device.type != "cuda":
         raise UsageError(f"--backend {config.backend} needs a CUDA device, this run is on {device}; use --backend "
                          "eager or inductor")  # fmt: skip
-    if data_parallel and config.backend != "eager":
-        raise UsageError(f"--backend {config.backend} does not run data-parallel steps yet; use --backend eager")
-    refusal = calibration_refusal(args.calibrate_peak, config.backend, passes, "--calibrate-peak", "--budget")
+    refusal = None
+    if data_parallel is not None:
+        refusal = distributed.backend_refusal(config.backend, data_parallel, "--backend inductor")
+        if refusal is not None:
+            raise UsageError(refusal)
+        refusal = distributed.planning_refusal(args.calibrate_peak, args.measure_choice,
+                                               ("--calibrate-peak", "--measure-choice"))  # fmt: skip
+    refusal = refusal or calibration_refusal(args.calibrate_peak, config.backend, passes, "--calibrate-peak",
+                                             "--budget")  # fmt: skip
     refusal = refusal or choice_refusal(args.measure_choice, config.backend, passes, "--measure-choice",
                                         config.budget)  # fmt: skip
     if refusal is not None:

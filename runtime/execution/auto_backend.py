@@ -4,8 +4,10 @@ The default of ``mutwo.optimize`` and ``mutwo-opt``. On the CPU it is ``eager``:
 the captured step, with no compile to wait for. On CUDA, fastest first (docs/backends.md):
 ``inductor-cudagraphs`` when a CUDA graph can record the step; ``inductor`` when it cannot;
 ``cudagraphs`` when the step can be recorded but Inductor cannot draw its random numbers as eager
-does; else ``eager``. A data-parallel step runs ``eager``, the one backend that runs it. A plan that
-swaps runs under every backend (docs/swap.md), so swapping changes nothing here.
+does; else ``eager``. A data-parallel step runs ``eager``: the compiled backends run it when named
+(docs/data-parallel.md), but ``auto`` picks one for it only once its steps are checked against
+DDP on GPUs. A plan that swaps runs under every backend (docs/swap.md), so swapping changes nothing
+here.
 
 The choice is made from what the backends themselves check before compiling
 (:func:`~mutwo.runtime.execution.cuda_graphs.refuse_uncapturable`,
@@ -70,7 +72,7 @@ def choose_backend(facts: StepFacts) -> Choice:
     if facts.device != "cuda":
         return Choice("eager", facts.device.upper())
     if facts.data_parallel:
-        return Choice("eager", "a data-parallel step, which the compiled backends do not run yet")
+        return Choice("eager", "a data-parallel step; name a compiled backend to compile it")
     recorded = "CUDA, the step can be recorded" if facts.unrecordable is None \
         else f"CUDA; {_first_clause(facts.unrecordable)}"  # fmt: skip
     if facts.undrawable is None:

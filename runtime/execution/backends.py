@@ -13,9 +13,11 @@
 
 The plan's order survives compilation: the passes that would reorder the graph are off
 (:data:`INDUCTOR_OPTIONS`), fusion stays within the plan's phases and the C++ backend generates one
-kernel per fused node (:mod:`mutwo.runtime.execution.fusion`); docs/backends.md has the evidence. Fusion
-changes rounding, so an Inductor step is checked within a stated tolerance; a CUDA graph of the
-eager graph runs the same kernels and is checked bitwise.
+kernel per fused node (:mod:`mutwo.runtime.execution.fusion`); docs/backends.md has the evidence. A
+data-parallel step's collectives compile in their out-of-place form and keep the graph's order
+(:mod:`mutwo.runtime.execution.compiled_collectives`). Fusion changes rounding, so an Inductor step
+is checked within a stated tolerance; a CUDA graph of the eager graph runs the same kernels and is
+checked bitwise.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.capture.tracing import quiet_loggers, quiet_torch_errors
+from mutwo.runtime.execution.compiled_collectives import functional_collectives, has_collectives, order_kept_options
 from mutwo.runtime.execution.compiled_random import draw_as_eager
 from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, refuse_uncapturable
 from mutwo.runtime.execution.empty_concatenations import single_tensor_concatenations
@@ -182,6 +185,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
                            f"state ({len(replays)}, e.g. {replays[0]}): plan for it (optimize(..., backend=...) and "
                            "mutwo-opt --backend tell select so) or use --backend eager")  # fmt: skip
     swaps = any(node.target in SWAP_OPS for node in module.graph.nodes)
+    communicates = has_collectives(graph)
     started = time.perf_counter()
     run: Callable[..., Any] = module
     cache_hit = None
@@ -193,11 +197,13 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
         functionalizable_host_calls(module)
         single_tensor_concatenations(module, graph)
         compiled_swap_ops(module)
+        if communicates:
+            functional_collectives(module, graph)
     if graphed and swaps:
         insert_release_points(module, graph)
     if backend.startswith("inductor"):
         mark_phases(module, graph)
-        run, cache_hit = compile_inductor(module, inputs, swaps=swaps)
+        run, cache_hit = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots], [label for _, label in slots])
     return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
@@ -224,15 +230,17 @@ def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) ->
     return compile_step(to_fx(graph), inputs, backend, graph)
 
 
-def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
-                     swaps: bool = False) -> tuple[Callable[..., Any], bool]:  # fmt: skip
+def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, swaps: bool = False,
+                     communicates: bool = False) -> tuple[Callable[..., Any], bool]:  # fmt: skip
     """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS` and :func:`batch_norm_elemt_decomposed`;
     and whether torch's compile caches (AOTAutograd's and Inductor's FX graph cache, on disk under
     ``TORCHINDUCTOR_CACHE_DIR``) supplied the compiled code: a second compile of the same graph, in
     any process, hits them.
 
     In a graph that ``swaps``, Inductor does not reuse the buffers offloads read
-    (:func:`~mutwo.runtime.execution.swap_inductor.offloaded_buffers_kept_from_reuse`)."""
+    (:func:`~mutwo.runtime.execution.swap_inductor.offloaded_buffers_kept_from_reuse`); in one that
+    ``communicates`` (a data-parallel step), its collectives keep the plan's order
+    (:func:`~mutwo.runtime.execution.compiled_collectives.order_kept_options`)."""
     from torch._dynamo.utils import counters
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
@@ -248,10 +256,11 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *,
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
     on_gpu = CUDA_INDUCTOR_OPTIONS if any(t.is_cuda for t in inputs) else {}
+    in_order = order_kept_options() if communicates else {}
     swapping = offloaded_buffers_kept_from_reuse() if swaps else nullcontext()
     try:
         rules = phases_arrived(SWAP_RULE_VERSION if swaps else "")
-        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, "post_grad_custom_post_pass": rules}), swapping, \
+        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, **in_order, "post_grad_custom_post_pass": rules}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
                 quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER):
             compiled = compile_fx(module, fakes)

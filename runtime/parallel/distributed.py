@@ -173,6 +173,55 @@ def refuse_other_parallelism(model: nn.Module) -> None:
         )
 
 
+#: The first NCCL whose collectives a CUDA graph may record (torch's ProcessGroupNCCL refuses a
+#: capture with an older one: "Capturing NCCL collectives is only allowed with NCCL >= 2.9.6").
+NCCL_CAPTURABLE = (2, 9, 6)
+#: What makes a collective's wait block the host until the collective ends, which a CUDA graph's
+#: recording cannot do (ProcessGroupNCCL's ``WorkNCCL::wait`` polls the collective's end event).
+BLOCKING_WAIT_VARIABLES = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+
+
+def backend_refusal(backend: str, dp: DataParallel, inductor: str = "backend='inductor'") -> str | None:
+    """Why ``backend`` cannot run a data-parallel step over ``dp``, in one sentence that names the
+    fastest backend that can (as ``inductor`` says it); None when it can.
+
+    ``eager`` and ``inductor`` run every data-parallel step: Inductor compiles the collectives in
+    the graph (:mod:`mutwo.runtime.execution.compiled_collectives`). ``cudagraphs`` and
+    ``inductor-cudagraphs`` record them in the CUDA graph with the rest of the step, which torch
+    allows for NCCL's collectives from NCCL 2.9.6 on while a wait does not block the host; gloo's
+    collectives run on the host, where a recording cannot go."""
+    if not backend.endswith("cudagraphs"):
+        return None
+    fastest = f"use {inductor}, the fastest backend that runs it"
+    name = dist.get_backend(dp.group)
+    if name != "nccl":
+        return (f"the {backend} backend cannot record this data-parallel step: its process group runs on {name}, "
+                f"whose collectives run on the host, and a CUDA graph records NCCL's only; {fastest}")  # fmt: skip
+    version = torch.cuda.nccl.version()
+    if version < NCCL_CAPTURABLE:
+        return (f"the {backend} backend cannot record this data-parallel step: torch records NCCL collectives in a "
+                f"CUDA graph from NCCL {'.'.join(map(str, NCCL_CAPTURABLE))} on, and this is NCCL "
+                f"{'.'.join(map(str, version))}; {fastest}")  # fmt: skip
+    blocking = next((v for v in BLOCKING_WAIT_VARIABLES if os.environ.get(v, "0") == "1"), None)
+    if blocking is not None:
+        return (f"the {backend} backend cannot record this data-parallel step: {blocking}=1 makes every collective's "
+                f"wait block the host until the collective ends, which a CUDA graph's recording cannot do; unset "
+                f"it, or {fastest}")  # fmt: skip
+    return None
+
+
+def planning_refusal(calibrate_peak: int | None, measure_choice: bool, options: tuple[str, str]) -> str | None:
+    """Why a data-parallel step cannot run peak calibration (``calibrate_peak`` re-plans) or a
+    measured choice (``options``: how the caller names the two); None when neither is asked for.
+    Both measure each rank's own step and plan from what it measured: ranks could keep different
+    plans, whose collectives would not match."""
+    asked = [option for option, on in zip(options, (bool(calibrate_peak), measure_choice), strict=True) if on]
+    if not asked:
+        return None
+    return (f"{asked[0]} plans from what each rank measures on its own, so the ranks of a data-parallel step "
+            "could keep different plans and their collectives would not match; drop it")
+
+
 def broadcast_model(model: nn.Module, dp: DataParallel) -> None:
     """Give every rank rank 0's parameters and buffers, as DDP does when it wraps a model."""
     tensors = [p.detach() for name, p in model.named_parameters() if name not in dp.ignored]

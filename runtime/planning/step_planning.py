@@ -220,11 +220,16 @@ def optimize_graph(
 
 def _refuse_options(backend: str, pipeline: list[Pass], data_parallel: DataParallel | None, calibrate_peak: int | None,
                     measure_choice: bool, budget: Budget | None) -> None:  # fmt: skip
-    """Refuse, before planning, options ``backend`` cannot run: data parallelism under a compiled
-    backend, calibration or a measured choice where they cannot run."""
-    if data_parallel is not None and backend != "eager":
-        raise BackendError(f"the {backend} backend does not run data-parallel steps yet; use backend='eager'")
-    refusal = calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
+    """Refuse, before planning, options ``backend`` cannot run: a data-parallel step under a backend
+    that cannot run it, calibration or a measured choice where they cannot run (or the step is
+    data-parallel: :func:`~mutwo.runtime.parallel.distributed.planning_refusal`)."""
+    refusal = None
+    if data_parallel is not None:
+        refusal = distributed.backend_refusal(backend, data_parallel)
+        if refusal is not None:
+            raise BackendError(refusal)
+        refusal = distributed.planning_refusal(calibrate_peak, measure_choice, ("calibrate_peak", "measure_choice"))
+    refusal = refusal or calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
     refusal = refusal or choice_refusal(measure_choice, backend, pipeline, "measure_choice", budget)
     if refusal is not None:
         raise ValueError(refusal)
