@@ -266,7 +266,7 @@ class Recompute:
                     finish(node)
                     continue
                 if step == "walk":
-                    self._check_unchanged(node, reader_rank)
+                    self._check_unchanged(node, reader_rank, at)
                     if not needs_clone(node):
                         continue
                 stack.append(("finish", node, 0))
@@ -321,11 +321,18 @@ class Recompute:
     def _overwritten_between(self, storages: Iterable[StorageKey], start: int, end: int) -> bool:
         return any(start < w < end for key in storages for w in self.mutations.get(key, ()))
 
-    def _check_unchanged(self, operand: Node, reader_rank: int) -> None:
-        """The reader saw the operand's storage as it was when the operand was defined."""
-        if operand.op == "placeholder":
-            return
+    def _check_unchanged(self, operand: Node, reader_rank: int, at: int) -> None:
+        """The reader saw the operand's storage as it was when the operand was defined; a
+        placeholder's (a parameter, a buffer), as it still is where the clone reads it (before
+        rank ``at``). A parameter can be updated in place before the backward ends: the optimizer
+        passes update the head's weight where its gradient is final, which ``chunk`` moves to the
+        end of the forward pass with the head's backward, so a replay of that backward would read
+        the updated weight."""
         storages = [t.storage for t in operand.tensors if t is not None]
+        if operand.op == "placeholder":
+            if self._overwritten_between(storages, reader_rank, at):
+                raise NotRecomputable(f"{operand!r} is overwritten in place between its reader and the recompute")
+            return
         if self._overwritten_between(storages, self.rank[operand.id], reader_rank):
             raise NotRecomputable(f"{operand!r} is overwritten in place before a node of the lineage reads it")
 

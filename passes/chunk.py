@@ -9,11 +9,12 @@ import torch
 
 from mutwo.ir.budget import Budget, parse_budget, readable_bytes, sizes
 from mutwo.ir.graph import Graph
-from mutwo.ir.liveness import compute_liveness
+from mutwo.ir.liveness import Liveness, compute_liveness
 from mutwo.ir.memory import allocation_size, simulate
 from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
 from mutwo.ir.row_region import find_regions
 from mutwo.ir.row_slicing import SlicedRegion, slice_regions
+from mutwo.passes.liveness import liveness_of
 from mutwo.passes.select import resolve_budget
 
 WHEN = ("budget", "always")
@@ -22,8 +23,9 @@ SLICE_COUNTS = (2, 4, 8, 16, 32, 64)
 #: Doubling the slices stops paying once it lowers the region's floor by less than this share:
 #: what is left is what no slicing removes (the weight gradient, the hidden state and its gradient).
 MIN_GAIN = 0.01
-#: At budget min, slicing trades bitwise sums for memory: it is applied only where it lowers the
-#: floor recomputation could reach by at least this share.
+#: Where slicing can only lower the floor recomputation could reach (at budget min, or under a
+#: budget out of reach either way), it trades bitwise sums for memory: it is applied only where it
+#: lowers that floor by at least this share.
 MIN_FLOOR_GAIN = 0.05
 
 
@@ -62,10 +64,12 @@ class ChunkReport:
         return dict(self.__dict__)
 
 
-def floors(graph: Graph, region_nodes: set[int]) -> Floors:
-    """:class:`Floors` of ``graph`` for the region of the nodes ``region_nodes``."""
-    liveness = compute_liveness(graph)
-    simulation = simulate(graph, liveness)
+def floors(graph: Graph, region_nodes: set[int], liveness: Liveness | None = None,
+           workspace: dict[int, int] | None = None) -> Floors:  # fmt: skip
+    """:class:`Floors` of ``graph`` for the region of the nodes ``region_nodes``, with the profiled
+    ``workspace`` of its nodes (as select simulates it) and its ``liveness`` when already known."""
+    liveness = liveness if liveness is not None else compute_liveness(graph)
+    simulation = simulate(graph, liveness, workspace)
     curve = torch.tensor(simulation.curve, dtype=torch.int64)
     for record in liveness.activations():
         if record.device == simulation.device:  # the simulation counts only the main device's
@@ -99,13 +103,14 @@ class ChunkPass(Pass):
     stated tolerance, everything else bitwise on CPU (docs/chunk.md).
     when=budget (the default) slices only where the budget needs it: a budget in bytes or a
     fraction below what recomputation could reach with the head whole (the most that is live at a
-    node of the head, less every activation idle there); at budget min, where the head sets that
-    floor and slicing lowers it by at least 5%. k, unless given, is the fewest of 2, 4, ..., 64
-    slices after which the head no longer sets the floor nor holds more than the budget. Place it
-    after profile and the optimizer passes and before select (profile,optimizer,chunk,select,
-    rewrite): the slices are priced from the profiled whole ops (each its share of the rows), and
-    select plans on the sliced graph, a fraction budget staying a fraction of the peak before
-    slicing. Writes chunk.json.
+    node of the head, less every activation idle there); at budget min, and under a budget out of
+    reach sliced or not, where the head sets that floor and slicing lowers it by at least 5%.
+    Without a budget on the CPU it does nothing. k, unless given, is the fewest of 2, 4, ..., 64
+    slices after which the head no longer sets the floor nor holds more than the budget. It runs
+    after profile and the optimizer passes and before select, as in the default pipeline
+    (profile,optimizer,chunk,select,rewrite): the slices are priced from the profiled whole ops
+    (each its share of the rows), and select plans on the sliced graph, a fraction budget staying
+    a fraction of the peak before slicing. Writes chunk.json.
     """
 
     name = "chunk"
@@ -131,12 +136,16 @@ class ChunkPass(Pass):
             if self.when == "always":
                 raise PassFailure(f"chunk: {refusal}", node=refusal.node)
             ctx.log(f"chunk: not sliced: {refusal}")
-        before = floors(graph, {n.id for region in regions for n in region.rules})
+        # Simulated as select simulates the graph it is given (its cached liveness, the profile's
+        # workspaces): a fraction resolves to the same bytes, and a graph left whole costs one simulation.
+        workspace = _workspace(ctx, graph)
+        before = floors(graph, {n.id for region in regions for n in region.rules}, liveness_of(graph, ctx), workspace)
         report = ChunkReport(False, "", before.peak, refused=[str(r) for r in refusals],
                              floors_before={"region": before.region, "rest": before.rest})  # fmt: skip
         ctx.artifacts["chunk"] = report
         if not regions:
-            return self._finish(ctx, report, "no language-model head whose logits are wider than its input")
+            return self._finish(ctx, report, f"no language-model head that can be sliced ({refusals[0]})" if refusals
+                                else "no language-model head whose logits are wider than its input")  # fmt: skip
         budget = self._budget(ctx, before.peak)
         if budget is None:
             return self._finish(ctx, report, "no budget and no device limit (CPU): the head stays whole")
@@ -144,14 +153,19 @@ class ChunkPass(Pass):
         skip = self._not_needed(budget, budget_bytes, before)
         if skip:
             return self._finish(ctx, report, skip)
-        slices, trial = (self.k, None) if self.k is not None else self._slice_count(graph, budget, budget_bytes)
-        if self.when == "budget" and budget.minimum:
-            skip = self._too_little(before, trial or _sliced_floors(graph.copy(), slices))
+        slices, trial = ((self.k, None) if self.k is not None
+                         else self._slice_count(graph, budget, budget_bytes, workspace))  # fmt: skip
+        if self.when == "budget" and (budget.minimum or budget_bytes < before.rest):
+            # At min, or under a budget no plan reaches sliced or not (below the floor away from the
+            # head), slicing only lowers the lowest peak (what select then reaches, or its failure names).
+            skip = self._too_little(before, trial or _sliced_floors(graph.copy(), slices, workspace))
             if skip:
-                return self._finish(ctx, report, skip)
+                unreachable = "" if budget.minimum else f"{self._out_of_reach(budget_bytes, before)}; "
+                return self._finish(ctx, report, unreachable + skip)
         records = slice_regions(graph, slices)
         _price_from_profile(ctx, records)
-        after = floors(graph, {node_id for record in records for node_id in record.nodes})
+        after = floors(graph, {node_id for record in records for node_id in record.nodes},
+                       workspace=_sliced_workspace(workspace, records))  # fmt: skip
         report.applied, report.slices, report.peak_after = True, slices, after.peak
         report.regions = [record.to_json() for record in records]
         report.floors_after = {"region": after.region, "rest": after.rest}
@@ -170,24 +184,35 @@ class ChunkPass(Pass):
         return budget
 
     def _not_needed(self, budget: Budget, budget_bytes: int, before: Floors) -> str:
-        """Why the head can stay whole (empty when it cannot): at budget min, the head does not
-        set the floor; for a budget in bytes, no node of the head holds more than it, so
-        recomputation alone may reach it."""
+        """Why the head can stay whole (empty when it cannot): for a budget in bytes, recomputation
+        alone could reach it (no node of the head holds more); where the head does not set the
+        floor recomputation could reach, slicing it lowers nothing: at budget min, and for a budget
+        below the head's floor, which is then out of reach sliced or not."""
         if self.when == "always":
             return ""
         region, rest = sizes(before.region, before.rest)
-        if budget.minimum and not before.set_by_region:
-            return (f"the head does not set the lowest peak recomputation could reach ({region} at the head, {rest} "
-                    "elsewhere)")  # fmt: skip
         if not budget.minimum and budget_bytes >= before.region:
             return (f"the budget ({readable_bytes(budget_bytes)}) is not below what recomputation could reach with "
                     f"the head whole ({region})")  # fmt: skip
-        return ""
+        if before.set_by_region:
+            return ""
+        if not budget.minimum:  # below the head's floor, and so below the rest's, which is higher
+            return self._out_of_reach(budget_bytes, before)
+        return (f"the head does not set the lowest peak recomputation could reach ({region} at the head, {rest} "
+                "elsewhere)")  # fmt: skip
+
+    @staticmethod
+    def _out_of_reach(budget_bytes: int, before: Floors) -> str:
+        """Why a budget below what recomputation could reach away from the head is out of reach,
+        sliced or not (select's failure then says how far)."""
+        return (f"the budget ({readable_bytes(budget_bytes)}) is out of reach, sliced or not: it is below what "
+                f"recomputation could reach away from the head ({sizes(before.rest)[0]})")  # fmt: skip
 
     @staticmethod
     def _too_little(before: Floors, after: Floors) -> str:
-        """Why slicing is not worth its rounding at budget min (empty when it is): it lowers the
-        floor recomputation could reach by less than :data:`MIN_FLOOR_GAIN`."""
+        """Why slicing is not worth its rounding where it could only lower the floor (at budget
+        min, or under a budget out of reach either way; empty when it is): it lowers the floor
+        recomputation could reach by less than :data:`MIN_FLOOR_GAIN`."""
         lowest, sliced = max(before.region, before.rest), max(after.region, after.rest)
         if sliced <= (1 - MIN_FLOOR_GAIN) * lowest:
             return ""
@@ -195,15 +220,16 @@ class ChunkPass(Pass):
         return (f"slicing would lower the lowest peak recomputation could reach only from {lowest_text} to "
                 f"{sliced_text}, less than {MIN_FLOOR_GAIN:.0%}: not worth summing the loss in another order")
 
-    def _slice_count(self, graph: Graph, budget: Budget, budget_bytes: int) -> tuple[int, Floors]:
+    def _slice_count(self, graph: Graph, budget: Budget, budget_bytes: int,
+                     workspace: dict[int, int]) -> tuple[int, Floors]:  # fmt: skip
         """The fewest slices after which the head's floor is at most the rest's (and, for a
         budget in bytes above that, at most the budget); where no count gets there, the count
         after which doubling lowers it by less than :data:`MIN_GAIN`. Returns it with the
-        floors of the graph sliced so."""
+        floors of the graph sliced so (with the whole graph's node ``workspace``)."""
         best: tuple[int, Floors] | None = None
         rows = min(region.rows for region in find_regions(graph)[0])
         for slices in (count for count in SLICE_COUNTS if count <= rows):
-            sliced = _sliced_floors(graph.copy(), slices)
+            sliced = _sliced_floors(graph.copy(), slices, workspace)
             target = sliced.rest if budget.minimum else max(budget_bytes, sliced.rest)
             if sliced.region <= target:
                 return slices, sliced
@@ -211,7 +237,7 @@ class ChunkPass(Pass):
                 break
             if best is None or sliced.region < best[1].region:
                 best = (slices, sliced)
-        return best if best is not None else (1, floors(graph, set()))
+        return best if best is not None else (1, floors(graph, set(), workspace=workspace))
 
     # -- reporting --------------------------------------------------------------------------
     @staticmethod
@@ -249,7 +275,26 @@ def _price_from_profile(ctx: PassContext, records: list[SlicedRegion]) -> None:
                                                  peak=None)  # fmt: skip
 
 
-def _sliced_floors(graph: Graph, slices: int) -> Floors:
+def _workspace(ctx: PassContext, graph: Graph) -> dict[int, int]:
+    """The profiled workspace of ``graph``'s nodes (none without a profile). Only its own nodes:
+    a profile priced by an earlier slicing of this graph (a plan cache entry's) holds nodes under
+    the ids a trial's slices take, which would make the replayed decision differ from the first."""
+    profile = ctx.artifacts.get("profile")
+    if profile is None:
+        return {}
+    return {node_id: bytes_ for node_id, bytes_ in profile.workspace().items() if graph.has_node(node_id)}
+
+
+def _sliced_workspace(workspace: dict[int, int], records: list[SlicedRegion]) -> dict[int, int]:
+    """``workspace`` with each added node given its source's, as :func:`_price_from_profile` prices
+    it, so that the floors of a sliced graph are what select then simulates."""
+    derived = {node_id: workspace[source] for record in records
+               for node_id, (source, _share) in record.derived.items() if source in workspace}  # fmt: skip
+    return {**workspace, **derived}
+
+
+def _sliced_floors(graph: Graph, slices: int, workspace: dict[int, int]) -> Floors:
     """Slice ``graph`` (a copy, for a trial) into ``slices``; the floors of the result."""
     records = slice_regions(graph, slices)
-    return floors(graph, {node_id for record in records for node_id in record.nodes})
+    return floors(graph, {node_id for record in records for node_id in record.nodes},
+                  workspace=_sliced_workspace(workspace, records))  # fmt: skip

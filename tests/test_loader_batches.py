@@ -15,13 +15,14 @@ from mutwo.runtime.api import optimize
 from mutwo.runtime.capture.batch_call import batch_call
 from mutwo.runtime.capture.iteration import capture
 from mutwo.runtime.capture.tracing import CaptureError
+from mutwo.runtime.planning.step_planning import DEFAULT_PASSES
 from tests.test_optim import bitwise_equal, first_difference
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4),
     "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
 }
-PASSES = "profile{runs=1,warmup=0},optimizer,select,rewrite"  # the default pipeline, profiled once
+PASSES = DEFAULT_PASSES.replace("profile", "profile{runs=1,warmup=0}", 1)  # the default pipeline, profiled once
 
 
 def _loader(batches: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:

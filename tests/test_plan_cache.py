@@ -23,6 +23,7 @@ from torch import nn
 from mutwo.ir.registry import PassRegistry
 from mutwo.runtime.api import MutwoStep, optimize
 from mutwo.runtime.planning.plan_cache import Entry, cache_folder, uncacheable
+from mutwo.runtime.planning.step_planning import DEFAULT_PASSES
 from mutwo.tools.mutwo_opt import main
 from tests import models
 
@@ -229,7 +230,11 @@ def test_a_swap_plan_is_reused(tmp_path: Path) -> None:
 
 def test_which_pipelines_are_kept_and_what_a_hit_runs() -> None:
     registry = PassRegistry()
-    assert uncacheable(registry.build_pipeline("profile,optimizer,select,rewrite")) is None
+    default = registry.build_pipeline(DEFAULT_PASSES)
+    assert uncacheable(default) is None
+    # chunk runs again on a hit (it decides from the graph and the budget, which the key holds).
+    assert [p.name for p in Entry({}).passes(default)] == ["optimizer-in-backward", "foreach-buckets", "chunk",
+                                                           "extract", "insert-recompute"]  # fmt: skip
     assert uncacheable(registry.build_pipeline("profile,swap")) is None
     for nothing_to_skip in ("stats,dce", "profile", "profile,select,rewrite,profile"):
         reason = uncacheable(registry.build_pipeline(nothing_to_skip))

@@ -12,10 +12,11 @@ import yaml
 
 from mutwo.ir.budget import Budget, BudgetError, parse_budget
 from mutwo.runtime.execution.auto_backend import AUTO, BACKEND_CHOICES
+from mutwo.runtime.planning.step_planning import DEFAULT_PASSES
 from mutwo.tools.cli import did_you_mean, unreadable
 
-#: The pipeline run when neither the config nor the command line names one.
-DEFAULT_PIPELINE = "profile,optimizer,select,rewrite"
+#: The pipeline run when neither the config nor the command line names one: ``mutwo.optimize``'s.
+DEFAULT_PIPELINE = DEFAULT_PASSES
 SOURCES = ("torchvision", "transformers", "python")
 DEVICES = ("auto", "cpu", "cuda")
 #: optimizer name in the config -> the torch.optim class (every one mutwo captures)

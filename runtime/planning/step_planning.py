@@ -53,7 +53,12 @@ from mutwo.runtime.planning.plan_choice import choice_refusal, measured_choice
 from mutwo.runtime.planning.plan_key import run_settings
 from mutwo.runtime.planning.setup_stages import SetupStages
 
-DEFAULT_PASSES = "profile,optimizer,select,rewrite"
+#: The pipeline run when none is named (``mutwo.optimize``; ``mutwo-opt``'s ``DEFAULT_PIPELINE`` is
+#: this one). ``chunk`` sits between the profile (which prices its slices) and select (which plans on
+#: the sliced graph), and slices a language-model head only where the budget needs it: without a
+#: budget, or with one recomputation can reach with the head whole, it changes nothing
+#: (docs/chunk.md).
+DEFAULT_PASSES = "profile,optimizer,chunk,select,rewrite"
 
 
 @dataclass
