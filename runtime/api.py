@@ -410,7 +410,7 @@ def optimize(
     loss_fn: LossFn,
     *,
     budget: float | str | Budget | None = None,
-    passes: str = DEFAULT_PASSES,
+    passes: str | None = None,
     check: bool = False,
     keep_grads: bool = False,
     out_dir: str | Path | None = None,
@@ -432,7 +432,8 @@ def optimize(
     """An optimized training step for ``model`` and ``optimizer`` (see the module docstring).
 
     ``budget``: a fraction of the unoptimized peak (0.5), bytes ("6GiB") or "min"; default: the
-    GPU's memory (on CPU nothing needs recomputing). ``passes``: the pipeline, as for mutwo-opt.
+    GPU's memory (on CPU nothing needs recomputing). ``passes``: the pipeline, as for mutwo-opt (None:
+    the default, ``DEFAULT_PASSES``).
     ``check``: compare the optimized step with the captured one before first use and raise
     :class:`NotEquivalentError` on any difference, or say in one line on stderr that it passed
     (verbose or not). The model, optimizer state and batches must be on the device to train on.
@@ -509,7 +510,8 @@ def optimize(
     if limit is not None:
         log(apply_memory_limit(device_of([*model.parameters(), *model.buffers()]), limit))
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
-    options = {"passes": passes, "budget": budget, "check": check, "keep_grads": keep_grads,
+    options = {"passes": DEFAULT_PASSES if passes is None else passes, "budget": budget, "check": check,
+               "keep_grads": keep_grads,
                "training": training, "data_parallel": dp, "backend": backend, "calibrate_peak": calibrate_peak,
                "measure_choice": measure_choice, "memory_limit": limit,
                "out_dir": Path(out_dir) if out_dir is not None and lead else None,

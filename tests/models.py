@@ -51,7 +51,8 @@ def bert(seed: int = 0, batch_size: int = 2, seq_len: int = 16, attn: str = "sdp
 
 
 def gpt2(seed: int = 0) -> Workload:
-    """A tiny GPT-2 whose peak is in the optimizer step: a large vocabulary, a short sequence."""
+    """A tiny GPT-2 with a large vocabulary and a short sequence: its peak is at the end of the
+    backward, summing the tied embedding's two gradients, with Adam's state and most gradients live."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)

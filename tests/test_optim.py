@@ -186,6 +186,20 @@ def test_learning_rates_and_step_counts_are_graph_inputs_not_constants() -> None
     assert "0.0012345" not in text, "the learning rate must not be baked into the graph"
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_optimizer_step_leaves_no_dead_op_to_run_every_step(foreach: bool) -> None:
+    """A recorded host call's result structure comes from the call on stand-in numbers, which must
+    not be traced: Adam's ``sqrt / bias_correction2_sqrt`` left a dead parameter-sized division
+    per parameter, run every step."""
+    torch.manual_seed(0)
+    model = _Dots()
+    optimizer = optim.Adam(model.parameters(), lr=1e-3, foreach=foreach)
+    step = optimize(model, optimizer, _batch(torch.Generator().manual_seed(0)), _loss, passes="stats")
+    code = step.last.captured.graph_module.graph
+    dead = [n.name for n in code.nodes if n.op == "call_function" and not n.users and not n.is_impure()]
+    assert not dead, f"ops whose results nothing reads: {dead}"
+
+
 @pytest.mark.parametrize("config", ["adamw", "rmsprop-centered-momentum", "sgd-dampening"])
 def test_state_dict_round_trips_both_ways(config: str) -> None:
     """mutwo's state continues eagerly, and eager state continues through mutwo, bitwise."""

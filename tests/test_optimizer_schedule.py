@@ -86,7 +86,10 @@ def test_rescheduled_optimizer_trains_bitwise_like_eager(pass_name: str, foreach
     _train_side_by_side(mine, my_opt, optimized, eager, eager_opt)
 
 
-def test_optimizer_in_backward_lowers_tiny_gpt2_peak_by_the_freed_gradients() -> None:
+def test_optimizer_in_backward_lowers_tiny_gpt2_peak_by_freeing_the_gradients() -> None:
+    """Tiny GPT-2's peak is late in the backward, where most gradients are already made: updating
+    each parameter as its gradient is final frees them there (the peak was in the optimizer step,
+    all gradients live, only while a dead division per parameter ran there: no longer traced)."""
     workload = models.gpt2()
     optimizer = torch.optim.Adam(workload.model.parameters(), lr=1e-3)
     optimized = _optimize(workload, optimizer, "memory,optimizer-in-backward,memory")
@@ -94,7 +97,10 @@ def test_optimizer_in_backward_lowers_tiny_gpt2_peak_by_the_freed_gradients() ->
     assert outcome.applied, outcome.reason
     gradient_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
     assert outcome.details["freed_gradient_bytes"] == gradient_bytes
-    assert outcome.peak_before - outcome.peak_after >= gradient_bytes
+    # The peak sums the tied embedding's two gradients, the backward's last: by then every other
+    # parameter is updated and its gradient freed.
+    tied = workload.model.transformer.wte.weight
+    assert outcome.peak_before - outcome.peak_after >= gradient_bytes - tied.numel() * tied.element_size()
     assert optimized.context.artifacts["memory"].peak_bytes == outcome.peak_after
 
 
@@ -173,7 +179,7 @@ def test_a_budget_out_of_reach_in_the_optimizer_step_points_to_the_optimizer_pas
     from mutwo.ir.budget import parse_budget
     from mutwo.ir.pass_manager import PipelineFailure
 
-    workload = models.gpt2()  # its peak is in the optimizer step
+    workload = models.mlp()  # its peak is in the optimizer step: few activations, Adam's state
     optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-3)
     with pytest.raises(PipelineFailure) as failure:
         optimize_graph(workload.model, optimizer, workload.batch, workload.loss_fn,
