@@ -172,7 +172,9 @@ def test_chunk_and_select_reach_half_the_peak_select_alone_does_not() -> None:
     ctx = _run(sliced, "profile,optimizer,chunk,select,rewrite", "min")
     report: ChunkReport = ctx.artifacts["chunk"]
     assert report.applied and report.slices in SLICE_COUNTS
-    assert report.floors_after["region"] <= report.floors_after["rest"], "the head should no longer set the floor"
+    # The head's floor falls to within a few percent of the rest's (what no slicing removes stays:
+    # the weight gradient, the hidden state and its gradient).
+    assert report.floors_after["region"] <= 1.05 * report.floors_after["rest"] < report.floors_before["region"]
     assert ctx.artifacts["plan"].predicted_peak <= 0.5 * unoptimized < simulate(alone).peak_bytes
 
 
@@ -187,7 +189,7 @@ def test_a_fraction_budget_stays_a_fraction_of_the_peak_before_slicing() -> None
 @pytest.mark.parametrize(("budget", "applied", "why"), [
     (None, False, "no budget and no device limit"),
     ("0.99", False, "is not below what recomputation could reach with the head whole"),
-    ("min", True, "in 2 slices of 32 rows"),  # the fewest after which the head is not the floor
+    ("min", True, "in 4 slices of 16 rows"),  # the fewest after which the head is not the floor
 ])  # fmt: skip
 def test_the_pass_applies_only_where_the_budget_needs_it(budget: str | None, applied: bool, why: str) -> None:
     graph, _ = _head()
@@ -198,9 +200,9 @@ def test_the_pass_applies_only_where_the_budget_needs_it(budget: str | None, app
 
 
 @pytest.mark.parametrize(("batch_size", "seq", "applied", "why"), [
-    # The head sets the floor (1.5 MiB, 1.1 MiB elsewhere): slicing lowers what select then reaches, or names.
-    (4, 16, True, "in 2 slices of 32 rows"),
-    # The optimizer step sets it (1.1 MiB, 0.9 MiB at the head of 4 tokens): slicing lowers nothing.
+    # The head sets the floor (1.5 MiB, 1.3 MiB elsewhere): slicing lowers what select then reaches, or names.
+    (4, 16, True, "in 4 slices of 16 rows"),
+    # The optimizer step sets it (1.3 MiB, 0.9 MiB at the head of 4 tokens): slicing lowers nothing.
     (1, 4, False, "is out of reach, sliced or not: it is below what recomputation could reach away from the head"),
 ])  # fmt: skip
 def test_a_budget_out_of_reach_sliced_or_not_is_sliced_only_where_that_lowers_the_floor(
