@@ -22,7 +22,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -133,7 +133,10 @@ def _against_ddp(rank: int, world: int, device: torch.device, case: str) -> None
         assert len(rebuilt) > 1
 
 
-def _two_rank_worker(rank: int, world: int, port: int, device_type: str, cases: tuple[str, ...]) -> None:
+@contextlib.contextmanager
+def rank_group(rank: int, world: int, port: int, device_type: str) -> Iterator[torch.device]:
+    """One rank of a spawned test run: its process group (NCCL on CUDA, with deterministic kernels;
+    gloo on the CPU) for the duration, and the device it trains on."""
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -141,11 +144,15 @@ def _two_rank_worker(rank: int, world: int, port: int, device_type: str, cases: 
                             world_size=world)  # fmt: skip
     try:
         with deterministic_algorithms() if cuda else contextlib.nullcontext():
-            device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-            for case in cases:
-                _against_ddp(rank, world, device, case)
+            yield torch.device("cuda", rank) if cuda else torch.device("cpu")
     finally:
         dist.destroy_process_group()
+
+
+def _two_rank_worker(rank: int, world: int, port: int, device_type: str, cases: tuple[str, ...]) -> None:
+    with rank_group(rank, world, port, device_type) as device:
+        for case in cases:
+            _against_ddp(rank, world, device, case)
 
 
 def test_two_ranks_on_cpu_train_bitwise_like_eager_ddp() -> None:

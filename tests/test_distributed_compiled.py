@@ -23,7 +23,6 @@ test), the CUDA-graph ones recording the collectives in the graph.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from mutwo.runtime.api import optimize
 from mutwo.runtime.execution.backends import BackendError
 from mutwo.runtime.execution.compiled_collectives import OUT_OF_PLACE, functional_collectives
 from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner
-from mutwo.runtime.measurement.equivalence import CUDA_ATOL, CUDA_RTOL, Tolerance, deterministic_algorithms
+from mutwo.runtime.measurement.equivalence import CUDA_ATOL, CUDA_RTOL, Tolerance
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.captured import capture_graph
@@ -50,7 +49,7 @@ from mutwo.tools import mutwo_opt
 from mutwo.tools.cli import EXIT_USAGE
 from mutwo.tools.workloads import to_device
 from tests import models
-from tests.test_distributed import BUCKET_CAP_MB, LR_FACTORS, REPO, _free_port
+from tests.test_distributed import BUCKET_CAP_MB, LR_FACTORS, REPO, _free_port, rank_group
 from tests.tinylm import tinylm
 
 TOLERANCE = Tolerance()
@@ -174,18 +173,9 @@ def _against_ddp(rank: int, world: int, device: torch.device, case: str, backend
 
 
 def _two_rank_worker(rank: int, world: int, port: int, device_type: str, runs: tuple[tuple[str, str], ...]) -> None:
-    cuda = device_type == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
-    try:
-        with deterministic_algorithms() if cuda else contextlib.nullcontext():
-            device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-            for case, backend in runs:
-                _against_ddp(rank, world, device, case, backend)
-    finally:
-        dist.destroy_process_group()
+    with rank_group(rank, world, port, device_type) as device:
+        for case, backend in runs:
+            _against_ddp(rank, world, device, case, backend)
 
 
 def test_two_ranks_on_cpu_train_under_inductor_like_eager_ddp() -> None:
