@@ -58,7 +58,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-profile, i39-chunk-tests, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -184,6 +184,21 @@ case "$section" in
         --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" --out "$OUT/restart_bert_b64_$run.json" \
         2> "$OUT/restart_bert_b64_$run.log"
     done ;;
+  i40-restart-profile)
+    # Where a restart's setup goes: i40-restart's two processes, the second under cProfile
+    # ($OUT/restart_bert_b64_second.prof; read it with python -m pstats).
+    timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml --batch-size 64 \
+      --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" --out "$OUT/restart_bert_b64_first.json" \
+      2> "$OUT/restart_bert_b64_first.log"
+    timeout 300 python3 -m cProfile -o "$OUT/restart_bert_b64_second.prof" bench/stock_optimizer_and_restart.py start \
+      --config examples/bert.yaml --batch-size 64 --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" \
+      --out "$OUT/restart_bert_b64_second.json" 2> "$OUT/restart_bert_b64_second.log" ;;
+  i39-chunk-tests)
+    # The chunk pass's CPU tests under the GPU machine's torch (2.11 captures what 2.14 keeps as an
+    # alias as a detach), then the 32k-vocabulary Llama example sliced and checked on the GPU.
+    timeout 400 python3 -m pytest -q -p no:logging -p no:cacheprovider tests/test_chunk.py
+    timeout 300 mutwo-opt examples/llama_32k.yaml --device cuda --budget 0.5 --check --out "$BG/llama_32k" \
+      > "$OUT/chunk_llama_32k_cuda.log" 2>&1; echo "mutwo-opt exit $?" ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
       tests/test_plan_choice.py tests/test_cuda_swap.py ;;

@@ -148,7 +148,7 @@ SHAPE_ONLY = frozenset({aten.ones_like.default, aten.zeros_like.default, aten.em
                         aten.full_like.default})  # fmt: skip
 #: Ops between the logits matmul and the log-softmax that keep every row's values where they are.
 _PASS_THROUGH = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
-                           aten._to_copy.default, aten.clone.default})  # fmt: skip
+                           aten.detach.default, aten._to_copy.default, aten.clone.default})  # fmt: skip
 
 
 def find_regions(graph: Graph) -> tuple[list[Region], list[NotSliceable]]:
@@ -680,6 +680,9 @@ def _reduction_backward(node: Node) -> int:
 
 _RULES: dict[Any, Callable[[Node, dict[Node, Layout], int], Rule]] = {
     aten.alias.default: _alias,
+    # torch 2.11's make_fx saves the log-softmax's output for its backward through a detach where
+    # later versions use an alias: the same value either way, in a graph with no autograd left.
+    aten.detach.default: _alias,
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.reshape.default: _view,

@@ -104,6 +104,24 @@ def test_the_sliced_head_computes_what_the_whole_one_does(loss: str) -> None:
     assert "the loss, head.bias (gradient, parameter, optimizer state)" in report.summary()
 
 
+
+def test_a_head_whose_saved_log_softmax_is_a_detach_is_sliced_as_one_with_an_alias() -> None:
+    """torch 2.11's make_fx keeps the log-softmax's output for its backward through ``detach``
+    where 2.14's uses ``alias`` (seen on BERT-base on the H100: chunk refused the head): the same
+    value, so the same slices, computing what the whole head does."""
+    original, inputs = _head("mean")
+    aliases = [n for n in original if n.target is torch.ops.aten.alias.default]
+    assert aliases, "the tiny head's capture should keep the log-softmax's output through an alias"
+    for node in aliases:
+        node.target = torch.ops.aten.detach.default
+    regions, refusals = find_regions(original)
+    assert len(regions) == 1 and not refusals, refusals
+    graph = original.copy()
+    slice_regions(graph, 3)
+    verify(graph)
+    report = check_graphs(original, graph, inputs)
+    assert report.equivalent and report.bitwise, report.summary()
+
 def test_only_what_is_summed_over_slices_needs_the_tolerance() -> None:
     """Compared bitwise, as if nothing were sliced, one iteration of the sliced step differs from
     the whole one exactly in the loss, the head's gradients and what they update."""
