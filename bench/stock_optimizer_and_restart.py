@@ -26,12 +26,14 @@ import time
 PROCESS_START = time.perf_counter()  # before torch is imported: a restart pays the import too
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from stack_sampler import StackSampler  # noqa: E402  # bench/ is on sys.path when this runs as a script
 
 import mutwo  # noqa: E402
 from mutwo.tools.experiment_measure import build_training  # noqa: E402
@@ -112,10 +114,14 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
     training = build_training(args.config, args.batch_size, device="cuda")
     built = time.perf_counter()
-    step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
-                          budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
-                          cache=args.cache_dir, verbose=True)  # fmt: skip
+    sampling = StackSampler() if args.sample_stacks else contextlib.nullcontext()
+    with sampling:
+        step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
+                              budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
+                              cache=args.cache_dir, verbose=True)  # fmt: skip
     optimized = time.perf_counter()
+    if isinstance(sampling, StackSampler):
+        sampling.write(args.sample_stacks)
     step(training.batch)
     torch.cuda.synchronize()
     done = time.perf_counter()
@@ -139,6 +145,8 @@ def main() -> int:
     parser.add_argument("--atol", type=float, default=1e-5, help="stock: absolute tolerance of the comparison")
     parser.add_argument("--cache-dir", default=None, help="start: mutwo's plan cache folder")
     parser.add_argument("--memory-limit", default=None, help="start: the process's cap, as mutwo.optimize takes it")
+    parser.add_argument("--sample-stacks", default=None,
+                        help="start: sample optimize()'s stacks into this folded file (bench/stack_sampler.py)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:

@@ -110,9 +110,9 @@ def test_a_head_whose_saved_log_softmax_is_a_detach_is_sliced_as_one_with_an_ali
     where 2.14's uses ``alias`` (seen on BERT-base on the H100: chunk refused the head): the same
     value, so the same slices, computing what the whole head does."""
     original, inputs = _head("mean")
-    aliases = [n for n in original if n.target is torch.ops.aten.alias.default]
-    assert aliases, "the tiny head's capture should keep the log-softmax's output through an alias"
-    for node in aliases:
+    saved = [n for n in original if n.target in (torch.ops.aten.alias.default, torch.ops.aten.detach.default)]
+    assert saved, "the tiny head's capture should keep the log-softmax's output through an alias or a detach"
+    for node in saved:  # whichever the installed torch captured, the test runs on detaches
         node.target = torch.ops.aten.detach.default
     regions, refusals = find_regions(original)
     assert len(regions) == 1 and not refusals, refusals
@@ -124,14 +124,19 @@ def test_a_head_whose_saved_log_softmax_is_a_detach_is_sliced_as_one_with_an_ali
 
 def test_only_what_is_summed_over_slices_needs_the_tolerance() -> None:
     """Compared bitwise, as if nothing were sliced, one iteration of the sliced step differs from
-    the whole one exactly in the loss, the head's gradients and what they update."""
+    the whole one in the loss, the head's gradients and what they update; anything else differs at
+    most in its last bits (on a CPU where MKL picks another kernel for a slice's matmul than for the
+    whole one, as torch 2.11 did on the H100 machine's CPU: the hidden state's gradient)."""
     original, inputs = _head("smoothed")
     graph = original.copy()
     slice_regions(graph, 4)
     del graph.meta[SLICED_META]
     report = compare_graphs(original, graph, inputs, iterations=1)
     assert report.mismatches, "summing in another order should change the last bits somewhere"
-    assert {m.label.split(":")[0] for m in report.mismatches} <= set(HEAD)
+    assert {m.label.split(":")[0] for m in report.mismatches} & set(HEAD)
+    for mismatch in report.mismatches:
+        if mismatch.label.split(":")[0] not in HEAD:
+            assert mismatch.max_abs_value is not None and mismatch.max_abs_diff <= 1e-6 * mismatch.max_abs_value, mismatch
 
 
 @pytest.mark.parametrize("nudge", ["last bit", "0.1%"])
