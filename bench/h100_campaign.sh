@@ -58,7 +58,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-profile, i40-restart-sampled, i39-chunk-tests, i39-chunk-memory, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-profile, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -217,6 +217,23 @@ case "$section" in
         --out "$BG/llama_32k_$b" > "$OUT/chunk_llama_32k_$b.log" 2>&1; echo "$b exit $?"
       cp "$BG/llama_32k_$b/summary.json" "$OUT/chunk_llama_32k_$b.json"
     done ;;
+  i40-aot-cache)
+    # Whether a restart's compile hits AOTAutograd's cache (the sampled restart re-traced the whole
+    # step in AOTAutograd, ~13 s, and hit only Inductor's FX graph cache): BERT-base b8, no budget,
+    # two processes, the cache's log lines kept (hit, miss, bypass and why).
+    for run in 1 2; do
+      TORCH_LOGS="+torch._functorch._aot_autograd.autograd_cache" timeout 280 python3 bench/stock_optimizer_and_restart.py \
+        start --config examples/bert.yaml --batch-size 8 --cache-dir "$BG/plan-cache-b8" --out "$OUT/aot_cache_$run.json" \
+        > "$BG/aot_cache_$run.full" 2>&1
+      grep -a -i "bypass\|cache hit\|cache miss\|saved\|unsupported\|took" "$BG/aot_cache_$run.full" \
+        | grep -av "autograd_cache.py:904" | cut -c1-800 > "$OUT/aot_cache_$run.log"
+      grep -a "autograd_cache.py:904\] \[" "$BG/aot_cache_$run.full" | cut -c1-400 > "$OUT/aot_cache_key_$run.log"
+    done ;;
+  i39-memory-trace)
+    # The sliced 32k-vocabulary Llama at half its peak, eager, node by node: where what it
+    # allocates leaves the simulation (eager measured 340 MiB against 261 MiB simulated).
+    timeout 400 python3 bench/memory_trace.py --config examples/llama_32k.yaml --batch-size 8 --budget 0.5 \
+      --out "$OUT/memory_trace_llama_32k.json" ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
       tests/test_plan_choice.py tests/test_cuda_swap.py ;;
