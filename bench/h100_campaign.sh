@@ -219,12 +219,14 @@ case "$section" in
     done ;;
   i40-aot-cache)
     # Whether a restart's compile hits AOTAutograd's cache (the sampled restart re-traced the whole
-    # step in AOTAutograd, ~13 s, and hit only Inductor's FX graph cache): BERT-base b8, no budget,
-    # two processes, the cache's log lines kept (hit, miss, bypass and why).
+    # step in AOTAutograd, ~13 s, and hit only Inductor's FX graph cache): BERT-base b8, no budget
+    # (or AOT_BATCH, AOT_BUDGET under a cap at the budget), two processes, the cache's log lines
+    # kept (hit, miss, bypass and why) and each compile's key components.
+    batch=${AOT_BATCH:-8}; budget=${AOT_BUDGET:+--budget $AOT_BUDGET --memory-limit $AOT_BUDGET}
     for run in 1 2; do
-      TORCH_LOGS="+torch._functorch._aot_autograd.autograd_cache" timeout 280 python3 bench/stock_optimizer_and_restart.py \
-        start --config examples/bert.yaml --batch-size 8 --cache-dir "$BG/plan-cache-b8" --out "$OUT/aot_cache_$run.json" \
-        > "$BG/aot_cache_$run.full" 2>&1
+      TORCH_LOGS="+torch._functorch._aot_autograd.autograd_cache" timeout 480 python3 bench/stock_optimizer_and_restart.py \
+        start --config examples/bert.yaml --batch-size $batch $budget --cache-dir "$BG/plan-cache-aot" \
+        --out "$OUT/aot_cache_$run.json" > "$BG/aot_cache_$run.full" 2>&1
       grep -a -i "bypass\|cache hit\|cache miss\|saved\|unsupported\|took" "$BG/aot_cache_$run.full" \
         | grep -av "autograd_cache.py:904" | cut -c1-800 > "$OUT/aot_cache_$run.log"
       grep -a "autograd_cache.py:904\] \[" "$BG/aot_cache_$run.full" | cut -c1-400 > "$OUT/aot_cache_key_$run.log"
