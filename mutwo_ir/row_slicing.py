@@ -257,8 +257,7 @@ class _Emitter(SliceContext):
         kwargs = kwargs or {}
         result = target(*pytree.tree_map(self._fake, args), **pytree.tree_map(self._fake, kwargs))
         values = result if isinstance(result, (tuple, list)) else (result,)
-        device = next((t.device for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Node)
-                       for t in leaf.tensors if t is not None), "cpu")  # fmt: skip
+        device = self._device(args, kwargs)
         tensors = tuple(self._meta(target, args, kwargs, index, value, device) if isinstance(value, torch.Tensor)
                         else None for index, value in enumerate(values))  # fmt: skip
         node = self.graph.create_node("call_function", target, args, kwargs, name=name or self.name,
@@ -271,6 +270,19 @@ class _Emitter(SliceContext):
         return node
 
     # -- tensors of new nodes ---------------------------------------------------------------
+    def _device(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The device of a new node's outputs: the one its arguments name (``full``'s), else its
+        operands' (a device's over a CPU scalar's), else the logits'. A node read as on the CPU
+        would not count in the device's simulated memory: the loss's gradient seed (a ``full``)
+        once made every slice's backward look like host memory."""
+        if isinstance(kwargs.get("device"), torch.device):
+            return str(kwargs["device"])
+        devices = [t.device for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Node)
+                   for t in leaf.tensors if t is not None]  # fmt: skip
+        logits = self.region.logits.tensor
+        fallback = logits.device if logits is not None else "cpu"
+        return next((d for d in devices if d != "cpu"), devices[0] if devices else fallback)
+
     def _fake(self, leaf: Any) -> Any:
         """The meta tensor standing for a node (created from its shape for a node made elsewhere);
         a device argument (``full``'s) becomes the meta device, so that nothing is allocated."""
