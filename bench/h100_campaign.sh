@@ -40,14 +40,14 @@
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
-# Owed: i40-stock, a stock AdamW with a scheduler under inductor-cudagraphs against eager (its first
-#   run compared interleaved steps that drew each other's dropout masks: fixed, not run again);
-#   i40-restart, a second process's start with the plan cache; the cuda-marked tests once more
-#   (i38-tests: the session-15 runtime changes, the empty-cat rewrite, compiled collectives and the
-#   dead-op capture fix, have not run on a GPU); headline-resnet (its mutwo rows were cut off), then
-#   headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows emptied
-#   the cache after their first step, fixed in 25ea60d). Device time counted in full on the H100 in
-#   session 15: the three headline sections need about 45 minutes, more than one session's 30.
+# Owed after session 16: i40-aot-cache with AOT_BATCH=64 AOT_BUDGET=16GiB (why a calibrated
+#   plan's restart misses AOTAutograd's cache: the run was cut off when the device time ran out);
+#   i39-chunk-memory and i39-memory-trace again (the slices' device fix, 9c270c0, not measured on
+#   the GPU); headline-resnet (its mutwo rows were cut off), then headline-gpt2 and headline-bert
+#   again (their eager, checkpointing and torch.compile rows emptied the cache after their first
+#   step, fixed in 25ea60d). Device time counted in full on the H100 in session 15: the three
+#   headline sections need about 45 minutes, more than one session's 30.
+#   Done in session 16 (session16_h100/): i38-tests, i40-stock, i40-restart, i40-restart-sampled.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
