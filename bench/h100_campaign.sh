@@ -43,7 +43,7 @@
 # Owed after session 16: i40-aot-cache with AOT_BATCH=64 AOT_BUDGET=16GiB (why a calibrated
 #   plan's restart misses AOTAutograd's cache: the run was cut off when the device time ran out);
 #   i39-chunk-memory and i39-memory-trace again (the slices' device fix, 9c270c0, not measured on
-#   the GPU); headline-resnet (its mutwo rows were cut off), then headline-gpt2 and headline-bert
+#   the GPU); i39-cost-bert (chunk{when=cost} at checkpointing's memory); headline-resnet (its mutwo rows were cut off), then headline-gpt2 and headline-bert
 #   again (their eager, checkpointing and torch.compile rows emptied the cache after their first
 #   step, fixed in 25ea60d). Device time counted in full on the H100 in session 15: the three
 #   headline sections need about 45 minutes, more than one session's 30.
@@ -58,7 +58,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-profile, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-profile, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -236,6 +236,17 @@ case "$section" in
     # allocates leaves the simulation (eager measured 340 MiB against 261 MiB simulated).
     timeout 400 python3 bench/memory_trace.py --config examples/llama_32k.yaml --batch-size 8 --budget 0.5 \
       --out "$OUT/memory_trace_llama_32k.json" ;;
+  i39-cost-bert)
+    # chunk{when=cost} against the default pipeline: BERT-base b64 at what per-block checkpointing
+    # held (17,206 MiB, headline-bert), inductor-cudagraphs, calibrated; each mutwo-opt run
+    # measures the final step's iteration time and held memory (summary.json). ~8 min each.
+    for v in default cost; do
+      chunk=chunk; [ $v = cost ] && chunk="chunk{when=cost}"
+      timeout 900 mutwo-opt examples/bert.yaml --device cuda --batch-size 64 --budget 17206MiB \
+        --backend inductor-cudagraphs --no-cache -p "profile,optimizer,$chunk,select,rewrite" --out "$BG/cost_bert_$v" \
+        > "$OUT/cost_bert_b64_$v.log" 2>&1; echo "$v exit $?"
+      cp "$BG/cost_bert_$v/summary.json" "$OUT/cost_bert_b64_$v.json"; cp "$BG/cost_bert_$v/chunk.json" "$OUT/cost_bert_b64_${v}_chunk.json"
+    done ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
       tests/test_plan_choice.py tests/test_cuda_swap.py ;;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,9 +16,9 @@ from mutwo.ir.pass_base import Pass, PassContext, PassFailure, option
 from mutwo.ir.row_region import find_regions
 from mutwo.ir.row_slicing import SlicedRegion, slice_regions
 from mutwo.passes.liveness import liveness_of
-from mutwo.passes.select import resolve_budget
+from mutwo.passes.select import SelectPass, resolve_budget
 
-WHEN = ("budget", "always")
+WHEN = ("budget", "cost", "always")
 #: The slice counts tried when ``k`` is not given, fewest first.
 SLICE_COUNTS = (2, 4, 8, 16, 32, 64)
 #: Doubling the slices stops paying once it lowers the region's floor by less than this share:
@@ -27,6 +28,11 @@ MIN_GAIN = 0.01
 #: budget out of reach either way), it trades bitwise sums for memory: it is applied only where it
 #: lowers that floor by at least this share.
 MIN_FLOOR_GAIN = 0.05
+#: With when=cost, under a budget recomputation reaches with the head whole, the head is sliced
+#: only where select's plan on the sliced graph is predicted at least this share faster.
+MIN_TIME_GAIN = 0.02
+#: The slice counts when=cost prices, fewest first (each costs one trial of select).
+COST_SLICE_COUNTS = (2, 4, 8, 16)
 
 
 @dataclass
@@ -59,6 +65,9 @@ class ChunkReport:
     slices: int | None = None
     regions: list[dict[str, Any]] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    #: with when=cost: select's predicted iteration seconds at the budget, the head whole
+    #: ("whole") and in each slice count tried (None where select's plan misses the budget)
+    predicted_seconds: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -105,6 +114,10 @@ class ChunkPass(Pass):
     fraction below what recomputation could reach with the head whole (the most that is live at a
     node of the head, less every activation idle there); at budget min, and under a budget out of
     reach sliced or not, where the head sets that floor and slicing lowers it by at least 5%.
+    when=cost slices where when=budget does, and also under a budget recomputation reaches with
+    the head whole, where select's plan for the sliced graph (2, 4, 8 or 16 slices) is predicted at
+    least 2% faster than its plan with the head whole: the memory the slices free is then memory
+    select need not recompute (each plan a trial of select with its default options, in bytes).
     Without a budget on the CPU it does nothing. k, unless given, is the fewest of 2, 4, ..., 64
     slices after which the head no longer sets the floor nor holds more than the budget. It runs
     after profile and the optimizer passes and before select, as in the default pipeline
@@ -119,7 +132,8 @@ class ChunkPass(Pass):
     k: int | None = option(None, "slices per head (default: the fewest of 2, 4, ..., 64 after which the head no "
                                  "longer sets the floor recomputation could reach)")
     when: str = option("budget", "'budget': only where the budget needs it (below what recomputation could reach "
-                                 "with the head whole); 'always' (and a head that cannot be sliced is a failure)")
+                                 "with the head whole); 'cost': also where select's plan is predicted faster sliced; "
+                                 "'always' (and a head that cannot be sliced is a failure)")
     budget: str | None = option(None, "0.5, 6GiB or min (default: --budget, else the device's memory)")
 
     def __post_init__(self) -> None:
@@ -151,11 +165,15 @@ class ChunkPass(Pass):
             return self._finish(ctx, report, "no budget and no device limit (CPU): the head stays whole")
         budget_bytes = budget.resolve(before.peak)
         skip = self._not_needed(budget, budget_bytes, before)
+        cheaper: int | None = None
+        if skip and self.when == "cost" and not budget.minimum and budget_bytes >= before.region:
+            cheaper, why = self._cheaper_sliced(graph, ctx, budget_bytes, report)
+            skip = "" if cheaper is not None else f"{skip}; {why}"
         if skip:
             return self._finish(ctx, report, skip)
-        slices, trial = ((self.k, None) if self.k is not None
+        slices, trial = ((self.k, None) if self.k is not None else (cheaper, None) if cheaper is not None
                          else self._slice_count(graph, budget, budget_bytes, workspace))  # fmt: skip
-        if self.when == "budget" and (budget.minimum or budget_bytes < before.rest):
+        if self.when != "always" and cheaper is None and (budget.minimum or budget_bytes < before.rest):
             # At min, or under a budget no plan reaches sliced or not (below the floor away from the
             # head), slicing only lowers the lowest peak (what select then reaches, or its failure names).
             skip = self._too_little(before, trial or _sliced_floors(graph.copy(), slices, workspace))
@@ -169,7 +187,7 @@ class ChunkPass(Pass):
         report.applied, report.slices, report.peak_after = True, slices, after.peak
         report.regions = [record.to_json() for record in records]
         report.floors_after = {"region": after.region, "rest": after.rest}
-        return self._finish(ctx, report, self._applied(records, before, after))
+        return self._finish(ctx, report, self._applied(records, before, after) + self._cost_text(report, slices))
 
     # -- the decision -----------------------------------------------------------------------
     def _budget(self, ctx: PassContext, peak: int) -> Budget | None:
@@ -239,6 +257,48 @@ class ChunkPass(Pass):
                 best = (slices, sliced)
         return best if best is not None else (1, floors(graph, set(), workspace=workspace))
 
+    def _cheaper_sliced(self, graph: Graph, ctx: PassContext, budget_bytes: int,
+                        report: ChunkReport) -> tuple[int | None, str]:  # fmt: skip
+        """With when=cost: the slice count whose select plan at ``budget_bytes`` is predicted the
+        fastest, if at least :data:`MIN_TIME_GAIN` faster than the plan with the head whole (else
+        None and why). Each plan is a trial of select on a copy of the graph, in a context of its
+        own: no files, no log, a copy of the profile (which slicing prices)."""
+        profile = ctx.artifacts.get("profile")
+        if profile is None:
+            return None, "no profile to price select's plans with (when=cost needs one)"
+        whole_plan = _trial_plan(graph.copy(), ctx, profile, budget_bytes, None)
+        whole = None if whole_plan is None else whole_plan.base_seconds + whole_plan.added_seconds
+        report.predicted_seconds["whole"] = whole
+        if whole_plan is not None and not whole_plan.entries:
+            return None, "select's plan with the head whole recomputes nothing"
+        best: tuple[int, float] | None = None
+        rows = min(region.rows for region in find_regions(graph)[0])
+        for slices in (self.k,) if self.k is not None else (c for c in COST_SLICE_COUNTS if c <= rows):
+            plan = _trial_plan(graph.copy(), ctx, profile, budget_bytes, slices)
+            seconds = None if plan is None else plan.base_seconds + plan.added_seconds
+            report.predicted_seconds[str(slices)] = seconds
+            if seconds is None:
+                continue
+            if best is not None and seconds >= best[1]:
+                break  # more slices stopped paying
+            best = (slices, seconds)
+        if best is None:
+            return None, "select's plan misses the budget sliced too"
+        if whole is not None and best[1] > (1 - MIN_TIME_GAIN) * whole:
+            gain = f"less than {MIN_TIME_GAIN:.0%} faster"
+            return None, (f"select's plan is predicted {whole * 1e3:.1f} ms with the head whole and "
+                          f"{best[1] * 1e3:.1f} ms in {best[0]} slices, {gain}")  # fmt: skip
+        return best[0], ""
+
+    @staticmethod
+    def _cost_text(report: ChunkReport, slices: int) -> str:
+        """For a head sliced because select's plan is faster so: the two predicted times."""
+        whole, sliced = report.predicted_seconds.get("whole"), report.predicted_seconds.get(str(slices))
+        if sliced is None:
+            return ""
+        whole_text = "misses the budget" if whole is None else f"{whole * 1e3:.1f} ms"
+        return f"; select's plan is predicted {sliced * 1e3:.1f} ms sliced, with the head whole {whole_text}"
+
     # -- reporting --------------------------------------------------------------------------
     @staticmethod
     def _applied(records: list[SlicedRegion], before: Floors, after: Floors) -> str:
@@ -298,3 +358,17 @@ def _sliced_floors(graph: Graph, slices: int, workspace: dict[int, int]) -> Floo
     records = slice_regions(graph, slices)
     return floors(graph, {node_id for record in records for node_id in record.nodes},
                   workspace=_sliced_workspace(workspace, records))  # fmt: skip
+
+
+def _trial_plan(graph: Graph, ctx: PassContext, profile: Any, budget_bytes: int, slices: int | None) -> Any:
+    """select's plan for ``graph`` (a copy: sliced into ``slices`` first, unless None) at
+    ``budget_bytes``, made in a context of its own (the run's services, a copy of the profile, no
+    files, no log); None where it misses the budget."""
+    trial = PassContext(device=ctx.device, services=dict(ctx.services), artifacts={"profile": copy.deepcopy(profile)})
+    if slices is not None:
+        _price_from_profile(trial, slice_regions(graph, slices))
+    try:
+        plan = SelectPass(budget=f"{budget_bytes}B", lowest=False).run(graph, trial)
+    except PassFailure:
+        return None
+    return plan

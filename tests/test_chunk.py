@@ -274,10 +274,47 @@ def test_k_and_when_are_options() -> None:
     graph, _ = _head()
     report = _run(graph, "chunk{k=5,when=always}").artifacts["chunk"]
     assert report.applied and report.slices == 5
+    assert PassRegistry().build_pipeline("chunk{when=cost}")[0].when == "cost"
     for bad in ("chunk{when=sometimes}", "chunk{k=0}", "chunk{budget=banana}"):
         with pytest.raises(RegistryError):
             PassRegistry().build_pipeline(bad)
 
+
+# == when=cost ====================================================================================
+def test_when_cost_slices_where_select_would_otherwise_recompute_and_the_sliced_plan_is_faster() -> None:
+    """Under a budget recomputation reaches with the head whole (0.8 of the tiny Llama's peak),
+    when=budget leaves the head whole and select recomputes 39 activations; when=cost prices
+    select's plan whole and in 2, 4, 8 slices, slices where it is faster, and select then
+    recomputes less. The rewritten step computes what the captured one does."""
+    original, inputs = _llama()
+    whole = _run(original.copy(), "profile,chunk,select", "0.8")
+    assert not whole.artifacts["chunk"].applied and whole.artifacts["plan"].entries
+    graph = original.copy()
+    ctx = _run(graph, "profile,chunk{when=cost},select,rewrite", "0.8")
+    report, plan = ctx.artifacts["chunk"], ctx.artifacts["plan"]
+    assert report.applied and report.slices in (2, 4, 8)
+    assert {"whole", "2", "4"} <= set(report.predicted_seconds)
+    sliced_seconds = report.predicted_seconds[str(report.slices)]
+    assert sliced_seconds < (1 - chunk_module.MIN_TIME_GAIN) * report.predicted_seconds["whole"]
+    assert len(plan.entries) < len(whole.artifacts["plan"].entries)
+    assert plan.base_seconds + plan.added_seconds < (whole.artifacts["plan"].base_seconds
+                                                     + whole.artifacts["plan"].added_seconds)  # fmt: skip
+    assert "select's plan is predicted" in report.reason
+    report_check = check_graphs(original, graph, inputs)
+    assert report_check.equivalent, report_check.summary()
+
+
+def test_when_cost_leaves_the_head_whole_where_slicing_saves_too_little_and_its_trials_leave_no_trace() -> None:
+    """At 0.95 select's plan is no faster sliced: the head stays whole, the report says both
+    predictions, and the trials left the profile, the graph and the artifacts as they were."""
+    graph, _ = _llama()
+    before = fingerprint(graph)
+    ctx = _run(graph, "profile,chunk{when=cost}", "0.95")
+    report = ctx.artifacts["chunk"]
+    assert not report.applied and f"less than {chunk_module.MIN_TIME_GAIN:.0%} faster" in report.reason
+    assert report.predicted_seconds["whole"] is not None and "2" in report.predicted_seconds
+    assert fingerprint(graph) == before and "plan" not in ctx.artifacts
+    assert set(ctx.artifacts["profile"].nodes) == {n.id for n in graph if n.op == "call_function"}
 
 # == refusals =====================================================================================
 @pytest.mark.parametrize(("loss", "why"), [
