@@ -33,6 +33,7 @@ from mutwo.ir.printer import fingerprint, print_graph
 from mutwo.ir.registry import PassRegistry, RegistryError
 from mutwo.ir.row_region import SLICED_META, find_regions
 from mutwo.ir.row_slicing import bounds, slice_regions
+from mutwo.ir.time_model import TimeModel
 from mutwo.ir.to_fx import to_fx
 from mutwo.ir.verifier import verify
 from mutwo.passes import chunk as chunk_module
@@ -279,6 +280,17 @@ def test_k_and_when_are_options() -> None:
         with pytest.raises(RegistryError):
             PassRegistry().build_pipeline(bad)
 
+
+
+def test_a_sliced_head_is_priced_once() -> None:
+    """The profile keeps the whole head's nodes beside the slices priced from them: the time model
+    of the sliced graph counts only its own nodes, so the step costs what the whole one did (the
+    slices' shares add up to the whole ops; the sums after them are not priced)."""
+    graph, _ = _head()
+    base = TimeModel.of(graph, _run(graph.copy(), "profile").artifacts["profile"]).iteration_seconds()
+    profile = _run(graph, "profile,chunk{k=4,when=always}").artifacts["profile"]
+    assert any(not graph.has_node(node_id) for node_id in profile.nodes), "the whole head's nodes stay profiled"
+    assert TimeModel.of(graph, profile).iteration_seconds() == pytest.approx(base, rel=0.05)
 
 # == when=cost ====================================================================================
 def test_when_cost_slices_where_select_would_otherwise_recompute_and_the_sliced_plan_is_faster() -> None:
