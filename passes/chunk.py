@@ -115,9 +115,10 @@ class ChunkPass(Pass):
     node of the head, less every activation idle there); at budget min, and under a budget out of
     reach sliced or not, where the head sets that floor and slicing lowers it by at least 5%.
     when=cost slices where when=budget does, and also under a budget recomputation reaches with
-    the head whole, where select's plan for the sliced graph (2, 4, 8 or 16 slices) is predicted at
-    least 2% faster than its plan with the head whole: the memory the slices free is then memory
-    select need not recompute (each plan a trial of select with its default options, in bytes).
+    the head whole, where select's plan for the sliced graph (2, 4, 8 or 16 slices, doubled while
+    that is 2% faster) is predicted at least 2% faster than its plan with the head whole: the
+    memory the slices free is then memory select need not recompute (each plan a trial of select
+    with its default options, in bytes).
     Without a budget on the CPU it does nothing. k, unless given, is the fewest of 2, 4, ..., 64
     slices after which the head no longer sets the floor nor holds more than the budget. It runs
     after profile and the optimizer passes and before select, as in the default pipeline
@@ -260,9 +261,10 @@ class ChunkPass(Pass):
     def _cheaper_sliced(self, graph: Graph, ctx: PassContext, budget_bytes: int,
                         report: ChunkReport) -> tuple[int | None, str]:  # fmt: skip
         """With when=cost: the slice count whose select plan at ``budget_bytes`` is predicted the
-        fastest, if at least :data:`MIN_TIME_GAIN` faster than the plan with the head whole (else
-        None and why). Each plan is a trial of select on a copy of the graph, in a context of its
-        own: no files, no log, a copy of the profile (which slicing prices)."""
+        fastest, doubling the count while that is at least :data:`MIN_TIME_GAIN` faster, if at least
+        as much faster than the plan with the head whole (else None and why). Each plan is a trial
+        of select on a copy of the graph, in a context of its own: no files, no log, a copy of the
+        profile (which slicing prices)."""
         profile = ctx.artifacts.get("profile")
         if profile is None:
             return None, "no profile to price select's plans with (when=cost needs one)"
@@ -279,8 +281,8 @@ class ChunkPass(Pass):
             report.predicted_seconds[str(slices)] = seconds
             if seconds is None:
                 continue
-            if best is not None and seconds >= best[1]:
-                break  # more slices stopped paying
+            if best is not None and seconds > (1 - MIN_TIME_GAIN) * best[1]:
+                break  # doubling the slices stopped paying for what the price leaves out
             best = (slices, seconds)
         if best is None:
             return None, "select's plan misses the budget sliced too"
