@@ -238,15 +238,11 @@ case "$section" in
       --out "$OUT/memory_trace_llama_32k.json" ;;
   i39-cost-bert)
     # chunk{when=cost} against the default pipeline: BERT-base b64 at what per-block checkpointing
-    # held (17,206 MiB, headline-bert), inductor-cudagraphs, calibrated; each mutwo-opt run
-    # measures the final step's iteration time and held memory (summary.json). ~8 min each.
-    for v in default cost; do
-      chunk=chunk; [ $v = cost ] && chunk="chunk{when=cost}"
-      timeout 900 mutwo-opt examples/bert.yaml --device cuda --batch-size 64 --budget 17206MiB \
-        --backend inductor-cudagraphs --no-cache -p "profile,optimizer,$chunk,select,rewrite" --out "$BG/cost_bert_$v" \
-        > "$OUT/cost_bert_b64_$v.log" 2>&1; echo "$v exit $?"
-      cp "$BG/cost_bert_$v/summary.json" "$OUT/cost_bert_b64_$v.json"; cp "$BG/cost_bert_$v/chunk.json" "$OUT/cost_bert_b64_${v}_chunk.json"
-    done ;;
+    # held (17,206 MiB, headline-bert), inductor-cudagraphs, calibrated (mutwo.optimize's default);
+    # each pipeline planned and trained in a fresh process (bench/pipeline_timing.py). ~8 min each.
+    timeout 1800 python3 bench/pipeline_timing.py --config examples/bert.yaml --batch-size 64 --budget 17206MiB \
+      --backend inductor-cudagraphs --warmup 2 --steps 10 --passes "profile,optimizer,chunk,select,rewrite" \
+      --passes "profile,optimizer,chunk{when=cost},select,rewrite" --out "$OUT/cost_bert_b64.json" ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
       tests/test_plan_choice.py tests/test_cuda_swap.py ;;
