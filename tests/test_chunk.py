@@ -427,15 +427,21 @@ def test_a_budget_out_of_reach_fails_in_one_sentence_naming_the_floor_when_the_h
     assert "chunk: not sliced: %" in capsys.readouterr().err  # why the head stayed whole, in the log
 
 
-def test_the_plan_cache_replays_chunk_and_reuses_the_plan_of_the_sliced_graph(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("budget", "chunk"), [("0.5", "chunk"), ("0.99", "chunk{when=cost}")])
+def test_the_plan_cache_replays_chunk_and_reuses_the_plan_of_the_sliced_graph(tmp_path: Path, budget: str,
+                                                                              chunk: str) -> None:  # fmt: skip
     """A hit runs the pipeline without profile and select: chunk decides again, from the same
-    graph and budget, and must slice as the first process did for the kept plan to apply."""
-    made, again = (_optimize("0.5", cache=tmp_path) for _ in range(2))
+    graph and budget, and must slice as the first process did for the kept plan to apply. With
+    when=cost it prices select's plans again from the entry's profile, which holds the slices'
+    prices of the first process: the same decision (0.99 is reachable with the head whole)."""
+    passes = f"profile,optimizer,{chunk},select,rewrite"
+    made, again = (_optimize(budget, passes=passes, cache=tmp_path) for _ in range(2))
     assert made.last is not None and again.last is not None
     assert (made.last.cache_hit, again.last.cache_hit) == (False, True)
-    assert [r.name for r in again.last.result.records] == ["optimizer-in-backward", "foreach-buckets", "chunk",
+    assert [r.name for r in again.last.result.records] == ["optimizer-in-backward", "foreach-buckets", chunk,
                                                           "extract", "insert-recompute"]  # fmt: skip
     assert again.last.context.artifacts["chunk"].applied
+    assert ("select's plan is predicted" in again.last.context.artifacts["chunk"].reason) == (chunk != "chunk")
     assert print_graph(again.last.graph) == print_graph(made.last.graph)
 
 
