@@ -41,7 +41,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     chunk = last.context.artifacts.get("chunk") if last is not None else None
     return {"passes": args.passes[0], "planning_seconds": planning, **measured,
             "recomputed": len(plan.entries) if plan is not None else None,
-            "predicted_seconds": (plan.base_seconds + plan.added_seconds) if plan is not None else None,
+            "predicted_seconds": plan.predicted_seconds if plan is not None else None,
             "sliced": chunk.slices if chunk is not None and chunk.applied else None}  # fmt: skip
 
 

@@ -89,7 +89,7 @@ def describe(chosen: Any) -> dict[str, Any]:
     keys = sorted(str(entry["storage"]) for entry in chosen.entries)
     return {"plan_id": hashlib.sha1(",".join(keys).encode()).hexdigest()[:10], "recomputed_tensors": len(keys),
             "recomputed_ops": dict(Counter(e["op"] for e in chosen.entries).most_common()),
-            "predicted_iteration_ms": round((chosen.base_seconds + chosen.added_seconds) * 1e3, 3),
+            "predicted_iteration_ms": round(chosen.predicted_seconds * 1e3, 3),
             "predicted_added_ms": round(chosen.added_seconds * 1e3, 3),
             "planned_peak_bytes": chosen.predicted_peak}  # fmt: skip
 

@@ -269,7 +269,7 @@ class ChunkPass(Pass):
         if profile is None:
             return None, "no profile to price select's plans with (when=cost needs one)"
         whole_plan = _trial_plan(graph.copy(), ctx, profile, budget_bytes, None)
-        whole = None if whole_plan is None else whole_plan.base_seconds + whole_plan.added_seconds
+        whole = None if whole_plan is None else whole_plan.predicted_seconds
         report.predicted_seconds["whole"] = whole
         if whole_plan is not None and not whole_plan.entries:
             return None, "select's plan with the head whole recomputes nothing"
@@ -277,7 +277,7 @@ class ChunkPass(Pass):
         rows = min(region.rows for region in find_regions(graph)[0])
         for slices in (self.k,) if self.k is not None else (c for c in COST_SLICE_COUNTS if c <= rows):
             plan = _trial_plan(graph.copy(), ctx, profile, budget_bytes, slices)
-            seconds = None if plan is None else plan.base_seconds + plan.added_seconds
+            seconds = None if plan is None else plan.predicted_seconds
             report.predicted_seconds[str(slices)] = seconds
             if seconds is None:
                 continue

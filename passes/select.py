@@ -97,6 +97,12 @@ class Plan(PlanData):
     predicted_breakdown: dict[str, int] = field(default_factory=dict)  #: bytes live at the predicted peak by kind
     clones: int = 0  #: forward nodes the rewrite clones into the backward
 
+    @property
+    def predicted_seconds(self) -> float:
+        """The iteration the plan predicts: the step without recompute and what recompute adds (as
+        select-swap's plan states its own)."""
+        return self.base_seconds + self.added_seconds
+
     def keys(self) -> list[tuple[int, int]]:
         return [(e["storage_creator"], e["storage_output"]) for e in self.entries]
 
@@ -129,7 +135,7 @@ class Plan(PlanData):
         large: a user asking for ``min`` should know before training what it costs."""
         if self.base_seconds <= 0 or not self.entries:
             return ""
-        factor = (self.base_seconds + self.added_seconds) / self.base_seconds
+        factor = self.predicted_seconds / self.base_seconds
         text = f" ({factor:.2f}× the step without recompute"
         if factor >= SLOW_PLAN_FACTOR:
             text += f"; WARNING: over {SLOW_PLAN_FACTOR:g}× slower, a larger budget costs less time"

@@ -226,10 +226,10 @@ class Planner:
             return FitPoint(batch, False, plan.predicted_peak if plan else 0, failure.reason, budget,
                             needs=failure.cause.needs or 0, **facts), context  # fmt: skip
         plan = context.artifacts["plan"]
-        facts["predicted_seconds"] = plan.base_seconds + plan.added_seconds
+        facts["predicted_seconds"] = plan.predicted_seconds
         # The plan's own estimate of what recomputation costs, relative to the step without it: the
         # price of a larger batch (from a scaled profile while searching, its own once found).
-        slower = (plan.base_seconds + plan.added_seconds) / plan.base_seconds if plan.base_seconds > 0 else None
+        slower = plan.predicted_seconds / plan.base_seconds if plan.base_seconds > 0 else None
         cost = f", predicted {slower:.2f}× the time without it" if slower is not None else ""
         note = f"{counted(len(plan.entries), 'activation')} recomputed{cost}"
         if self.max_slowdown is not None and slower is not None and slower > self.max_slowdown:

@@ -98,10 +98,7 @@ def plan_fields(plan: Any) -> dict[str, Any]:
     """What a plan (select's or select-swap's) predicted, for a candidate's record."""
     swapped = plan.of("swap") if hasattr(plan, "of") else []
     recomputed = plan.of("recompute") if hasattr(plan, "of") else plan.entries
-    predicted = getattr(plan, "predicted_seconds", None)
-    if predicted is None:
-        predicted = plan.base_seconds + plan.added_seconds
-    return {"predicted_iteration_ms": round(predicted * 1e3, 3), "planned_peak_bytes": plan.predicted_peak,
+    return {"predicted_iteration_ms": round(plan.predicted_seconds * 1e3, 3), "planned_peak_bytes": plan.predicted_peak,
             "swapped_tensors": len(swapped), "recomputed_tensors": len(recomputed)}  # fmt: skip
 
 
