@@ -58,7 +58,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-profile, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -99,7 +99,7 @@ case "$section" in
     secs=${2:-560}; waited=0
     while [ ! -e "$BG/done" ] && [ "$waited" -lt "$secs" ]; do sleep 5; waited=$((waited + 5)); done
     # $OUT takes 8 files: the results, the sections' output as one file, the fits' logs and reports.
-    cp "$BG"/*.json "$BG"/*.log "$BG"/*.folded "$BG"/*.prof "$OUT"/ 2>/dev/null
+    cp "$BG"/*.json "$BG"/*.log "$BG"/*.folded "$OUT"/ 2>/dev/null
     for f in "$BG"/*.out; do echo "== $f"; cat "$f"; done > "$OUT/campaign.out" 2>/dev/null
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
@@ -174,41 +174,31 @@ case "$section" in
     # inductor-cudagraphs against the eager loop of the same optimizer, 5 steps.
     timeout 500 python3 bench/stock_optimizer_and_restart.py stock --config examples/bert.yaml --batch-size 8 \
       --steps 5 --out "$OUT/stock_adamw_bert_b8.json" ;;
-  i40-restart)
+  i40-restart|i40-restart-sampled)
     # Issue 40 item 5: two fresh processes in a row, BERT-base b64 at budget 16GiB under a 16 GiB
     # limit, inductor-cudagraphs, one plan cache folder: the first plans (i38-opt-bert's entry is
     # for the YAML's pipeline, not the API's default one, so it does not apply) and compiles, the
-    # second is a restart with both caches warm (~10 min in all on an H100).
+    # second is a restart with both caches warm (~10 min in all on an H100). -sampled: the second's
+    # optimize() sampled by bench/stack_sampler.py ($OUT/restart_bert_b64_second.folded), then
+    # summarized (cProfile's call tree broke under torch's compile).
     for run in first second; do
+      sample=()
+      if [ $section = i40-restart-sampled ] && [ $run = second ]; then
+        sample=(--sample-stacks "$OUT/restart_bert_b64_second.folded")
+      fi
       timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml --batch-size 64 \
         --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" --out "$OUT/restart_bert_b64_$run.json" \
-        2> "$OUT/restart_bert_b64_$run.log"
-    done ;;
-  i40-restart-profile)
-    # Where a restart's setup goes: i40-restart's two processes, the second under cProfile
-    # ($OUT/restart_bert_b64_second.prof; read it with python -m pstats).
-    timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml --batch-size 64 \
-      --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" --out "$OUT/restart_bert_b64_first.json" \
-      2> "$OUT/restart_bert_b64_first.log"
-    timeout 300 python3 -m cProfile -o "$OUT/restart_bert_b64_second.prof" bench/stock_optimizer_and_restart.py start \
-      --config examples/bert.yaml --batch-size 64 --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" \
-      --out "$OUT/restart_bert_b64_second.json" 2> "$OUT/restart_bert_b64_second.log" ;;
+        "${sample[@]}" 2> "$OUT/restart_bert_b64_$run.log"
+    done
+    if [ $section = i40-restart-sampled ]; then
+      python3 bench/stack_sampler.py "$OUT/restart_bert_b64_second.folded" --top 60
+    fi ;;
   i39-chunk-tests)
     # The chunk pass's CPU tests under the GPU machine's torch (2.11 captures what 2.14 keeps as an
     # alias as a detach), then the 32k-vocabulary Llama example sliced and checked on the GPU.
     timeout 400 python3 -m pytest -q -p no:logging -p no:cacheprovider tests/test_chunk.py
     timeout 300 mutwo-opt examples/llama_32k.yaml --device cuda --budget 0.5 --check --out "$BG/llama_32k" \
       > "$OUT/chunk_llama_32k_cuda.log" 2>&1; echo "mutwo-opt exit $?" ;;
-  i40-restart-sampled)
-    # i40-restart's two processes, the second's optimize() sampled by bench/stack_sampler.py
-    # ($OUT/restart_bert_b64_second.folded; python3 bench/stack_sampler.py FILE lists where it went).
-    timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml --batch-size 64 \
-      --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" --out "$OUT/restart_bert_b64_first.json" \
-      2> "$OUT/restart_bert_b64_first.log"
-    timeout 300 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml --batch-size 64 \
-      --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache" --out "$OUT/restart_bert_b64_second.json" \
-      --sample-stacks "$OUT/restart_bert_b64_second.folded" 2> "$OUT/restart_bert_b64_second.log"
-    python3 bench/stack_sampler.py "$OUT/restart_bert_b64_second.folded" --top 60 ;;
   i39-chunk-memory)
     # The sliced 32k-vocabulary Llama at half its peak, measured under each backend (no
     # calibration): the planned peak against what the step allocated and held.
