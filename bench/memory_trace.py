@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,11 @@ def main() -> int:
     parser.add_argument("--budget", default="0.5")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    row = trace(args.config, args.batch_size, args.budget, args.device)
+    try:
+        row = trace(args.config, args.batch_size, args.budget, args.device)
+    except Exception as error:  # a bad config or budget, or an unreachable one: one line, nothing written
+        print(f"memory_trace: {(str(error).strip().splitlines() or [type(error).__name__])[0]}", file=sys.stderr)
+        return 1
     Path(args.out).write_text(json.dumps(row, indent=1))
     mib = 2**20
     print(f"simulated peak {row['simulated_peak'] / mib:,.1f} MiB, measured {row['measured_peak'] / mib:,.1f} MiB; "

@@ -90,6 +90,9 @@ def main() -> int:
     parser.add_argument("folded")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
+    if not Path(args.folded).is_file():
+        print(f"stack_sampler: no folded stack file at {args.folded}", file=sys.stderr)
+        return 1
     print(summarize(args.folded, args.top))
     return 0
 
