@@ -3,7 +3,8 @@
 For each ``--passes`` spec, a new Python process builds the config's model, optimizer and batch,
 plans the step with ``mutwo.optimize(passes=SPEC, budget=..., backend=...)`` and measures it as a
 training loop runs it (``measure_after_planning``: warm-up, then the median step time and, on
-CUDA, the max allocated and max reserved bytes over the steady steps). One JSON row per pipeline:
+CUDA, the max allocated and max reserved bytes over the steady steps). One JSON row per pipeline,
+and with ``--out`` each pipeline's log beside it (``OUT-STEM_1.log``, ...):
 
     python3 bench/pipeline_timing.py --config examples/bert.yaml --batch-size 8 --budget 0.55 \\
         --passes "profile,optimizer,chunk,select,rewrite" \\
@@ -42,7 +43,8 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     return {"passes": args.passes[0], "planning_seconds": planning, **measured,
             "recomputed": len(plan.entries) if plan is not None else None,
             "predicted_seconds": plan.predicted_seconds if plan is not None else None,
-            "sliced": chunk.slices if chunk is not None and chunk.applied else None}  # fmt: skip
+            "sliced": chunk.slices if chunk is not None and chunk.applied else None,
+            "chunk": chunk.to_json() if chunk is not None else None}  # fmt: skip
 
 
 def main() -> int:
@@ -67,6 +69,8 @@ def main() -> int:
                    "--budget", args.budget, "--passes", passes, "--backend", args.backend, "--device", args.device,
                    "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
+        if args.out:  # mutwo's log of the pipeline (its stages, calibration rounds, chunk's reasons)
+            Path(args.out).with_name(f"{Path(args.out).stem}_{len(rows) + 1}.log").write_text(done.stderr)
         lines = done.stdout.strip().splitlines()
         row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
             "passes": passes, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:500]}

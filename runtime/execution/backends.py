@@ -44,6 +44,7 @@ from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, refuse_uncaptur
 from mutwo.runtime.execution.empty_concatenations import single_tensor_concatenations
 from mutwo.runtime.execution.errors import BackendError, CompileError
 from mutwo.runtime.execution.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
+from mutwo.runtime.execution.replay_cache_keys import replay_cache_keys
 from mutwo.runtime.execution.swap_graphs import insert_release_points
 from mutwo.runtime.execution.swap_inductor import (
     SWAP_RULE_VERSION,
@@ -96,7 +97,8 @@ def batch_norm_elemt_decomposed() -> Iterator[None]:
     FX graph cache cannot pickle, and the cache is then bypassed (every compile from scratch: ~4
     minutes for ResNet-152 on the H100's host). That cache keys the decomposed graph, so code
     compiled without the entry is not served for a graph that needs it (AOTAutograd's cache, which
-    keys the graph before decomposition, skips a graph that calls ``batch_norm_from_stats``).
+    keys the graph before decomposition, takes one that calls ``batch_norm_from_stats`` under the
+    key :mod:`~mutwo.runtime.execution.replay_cache_keys` gives it, which covers this decomposition).
     """
     from torch._inductor.decomposition import decompositions
 
@@ -260,7 +262,10 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
     swapping = offloaded_buffers_kept_from_reuse() if swaps else nullcontext()
     try:
         rules = phases_arrived(SWAP_RULE_VERSION if swaps else "")
-        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, **in_order, "post_grad_custom_post_pass": rules}), swapping, \
+        # mutwo's replay functions into AOTAutograd's cache, which otherwise bypasses their graphs
+        cacheable = {**config.unsafe_marked_cacheable_functions, **replay_cache_keys()}
+        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, **in_order, "post_grad_custom_post_pass": rules,
+                           "unsafe_marked_cacheable_functions": cacheable}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
                 quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER):
             compiled = compile_fx(module, fakes)
