@@ -214,7 +214,7 @@ case "$section" in
     # kept (hit, miss, bypass and why) and each compile's key components.
     batch=${AOT_BATCH:-8}; budget=${AOT_BUDGET:+--budget $AOT_BUDGET --memory-limit $AOT_BUDGET}
     for run in 1 2; do
-      TORCH_LOGS="+torch._functorch._aot_autograd.autograd_cache" timeout 480 python3 bench/stock_optimizer_and_restart.py \
+      TORCH_LOGS="+torch._functorch._aot_autograd.autograd_cache" timeout 900 python3 bench/stock_optimizer_and_restart.py \
         start --config examples/bert.yaml --batch-size $batch $budget --cache-dir "$BG/plan-cache-aot" \
         --out "$OUT/aot_cache_$run.json" > "$BG/aot_cache_$run.full" 2>&1
       grep -a -i "bypass\|cache hit\|cache miss\|saved\|unsupported\|took" "$BG/aot_cache_$run.full" \
@@ -229,9 +229,11 @@ case "$section" in
   i39-cost-bert)
     # chunk{when=cost} against the default pipeline: BERT-base b64 at what per-block checkpointing
     # held (17,206 MiB, headline-bert), inductor-cudagraphs, calibrated (mutwo.optimize's default);
-    # each pipeline planned and trained in a fresh process (bench/pipeline_timing.py). ~8 min each.
+    # each pipeline planned and trained in a fresh process (bench/pipeline_timing.py), its log in
+    # $OUT/cost_bert_b64_N.log. ~5 min each. COST_ONLY=1: the chunk{when=cost} pipeline alone.
+    default=(--passes "profile,optimizer,chunk,select,rewrite"); [ -n "${COST_ONLY:-}" ] && default=()
     timeout 1800 python3 bench/pipeline_timing.py --config examples/bert.yaml --batch-size 64 --budget 17206MiB \
-      --backend inductor-cudagraphs --warmup 2 --steps 10 --passes "profile,optimizer,chunk,select,rewrite" \
+      --backend inductor-cudagraphs --warmup 2 --steps 10 "${default[@]}" \
       --passes "profile,optimizer,chunk{when=cost},select,rewrite" --out "$OUT/cost_bert_b64.json" ;;
   i18d-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_backends.py tests/test_experiment.py \
