@@ -32,7 +32,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     training = build_training(args.config, args.batch_size, device=args.device)
     started = time.perf_counter()
     step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn, budget=args.budget,
-                          passes=args.passes[0], backend=args.backend, cache=False)  # fmt: skip
+                          passes=args.passes[0], backend=args.backend, cache=False, verbose=True)  # fmt: skip
     planning = time.perf_counter() - started
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     measured = measure_after_planning(lambda: step(training.batch), device, None, warmup=args.warmup,
