@@ -60,6 +60,9 @@ class SlicedRegion:
     #: added node id -> (the id of the node it computes a slice of, or moved, and the share of its
     #: rows): how a profile of the graph before prices it
     derived: dict[int, tuple[int, float]] = field(default_factory=dict)
+    #: the ids of the nodes each slice added, slice by slice (a slice's running sums included):
+    #: what a compiler must not fuse across, or the slices' working sets are alive together
+    per_slice: list[list[int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {key: value for key, value in self.__dict__.items() if key != "derived"}
@@ -83,6 +86,7 @@ def slice_region(graph: Graph, region: Region, slices: int) -> SlicedRegion:
     sums: dict[Node, Node] = {}
     for index, (start, end) in enumerate(bounds(region.rows, slices)):
         emitter.start_slice(index, start, end)
+        emitter.per_slice.append([])
         for node, rule in region.rules.items():
             if rule.whole == "fixed":
                 emitter.values[node] = emitter.total_weight[rule.loss]
@@ -103,6 +107,7 @@ def slice_region(graph: Graph, region: Region, slices: int) -> SlicedRegion:
             else:
                 sums[node] = emitter.call(aten.add.Tensor, (sums[node], value))
     emitter.name, emitter.source = "sliced", None
+    emitter.per_slice.append([])  # what joins the slices' values belongs to none of them
     replacements = {node: emitter.whole_value(node, parts[node], sums.get(node)) for node in region.exits}
     _reorder(graph, region)
     for node, replacement in replacements.items():
@@ -118,8 +123,9 @@ def slice_region(graph: Graph, region: Region, slices: int) -> SlicedRegion:
             graph.erase(node)
     classify(graph)
     summed = _summed(graph, [replacements[n] for n in region.exits if region.rules[n].whole in ("sum", "mean")])
+    per_slice = [[n.id for n in nodes if n.graph is graph] for nodes in emitter.per_slice[:-1]]
     record = SlicedRegion(region.logits.id, region.rows, region.width, slices, [n.id for n in emitter.created], summed,
-                          emitter.derived)  # fmt: skip
+                          emitter.derived, per_slice)  # fmt: skip
     graph.meta.setdefault(SLICED_META, []).append(record.to_json())
     return record
 
@@ -176,6 +182,7 @@ class _Emitter(SliceContext):
         self.cut: dict[Node, Node] = {}  #: inputs -> this slice of them
         self.fake: dict[Node, Any] = {}
         self.derived: dict[int, tuple[int, float]] = {}
+        self.per_slice: list[list[Node]] = []  #: the nodes each slice added (the last list: the slice being added)
         self.source: Node | None = None  #: the region node the nodes being added compute a slice of
         self.name = "sliced"
         self.rows = region.rows
@@ -265,6 +272,8 @@ class _Emitter(SliceContext):
                                       is_tuple=isinstance(result, (tuple, list)), before=self.anchor)  # fmt: skip
         self.fake[node] = result
         self.created.append(node)
+        if self.per_slice:
+            self.per_slice[-1].append(node)
         if self.source is not None:
             self.derived[node.id] = (self.source.id, self.rows / self.region.rows)
         return node

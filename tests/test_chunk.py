@@ -203,6 +203,42 @@ def test_the_slices_hold_a_kth_of_the_logits() -> None:
     assert "aten.addmm.default" in print_graph(graph)  # the weight gradient, added into slice by slice
 
 
+def test_no_compiled_kernel_mixes_two_slices() -> None:
+    """Each slice's nodes are recorded and marked for Inductor, whose fusion of two slices is refused:
+    on the H100 it fused every slice's loss into one kernel, after the last slice's logits were
+    made, so all slices' logits were alive at once (BERT-base b64: 24,372 MiB held, 17,158 MiB
+    simulated)."""
+    from types import SimpleNamespace
+
+    from torch._inductor.virtualized import V
+
+    from mutwo.runtime.execution.fusion import CUSTOM_SLICE, mark_phases, mixes_slices, phase_bounded_fusion
+
+    original, _ = _head()
+    graph = original.copy()
+    (record,) = slice_regions(graph, 3)
+    assert len(record.per_slice) == 3 and all(record.per_slice)
+    assert not set(record.per_slice[0]) & set(record.per_slice[1])
+    assert set().union(*record.per_slice) <= set(record.nodes)
+    module = to_fx(graph)
+    mark_phases(module, graph)
+    softmaxes = [n for n in module.graph.nodes if n.target is torch.ops.aten._log_softmax.default]
+    marks = [n.meta["custom"].get(CUSTOM_SLICE) for n in softmaxes]
+    assert len(softmaxes) == 3 and None not in marks and len(set(marks)) == 3
+
+    def scheduled(*fx_nodes: torch.fx.Node) -> Any:  # an Inductor scheduler node made from fx_nodes
+        part = SimpleNamespace(node=SimpleNamespace(get_origins=lambda: set(fx_nodes)))
+        return SimpleNamespace(get_nodes=lambda: [part])
+
+    same = [n for n in module.graph.nodes if n.meta.get("custom", {}).get(CUSTOM_SLICE) == marks[0]]
+    assert not mixes_slices(scheduled(*same[:2]), scheduled(*same[2:]))
+    first, second = scheduled(softmaxes[0]), scheduled(softmaxes[1])
+    assert mixes_slices(first, second)
+    with phase_bounded_fusion():
+        assert not V.choices.can_fuse(None, first, second, 1)
+        assert not V.choices.can_fuse_horizontal(None, first, second, 1)
+
+
 def test_uneven_slices_cover_every_row() -> None:
     assert bounds(64, 3) == [(0, 22), (22, 43), (43, 64)]
     assert bounds(8, 8)[-1] == (7, 8)

@@ -10,10 +10,14 @@ fused with the backward's ``threshold_backward`` of its recompute, with the same
 Inductor's own guard (``Scheduler.are_long_distant_nodes``: no horizontal fusion of nodes more
 than 64 scheduler nodes apart) does not cover vertical fusion, nor near nodes.
 
-The rules here: a forward node never fuses with a backward or optimizer node, and a recompute
+The rules here: a forward node never fuses with a backward or optimizer node, a recompute
 clone never fuses with a node it neither feeds nor reads (horizontal fusion: two recompute blocks
 that read the same input would otherwise run together, the later one's output alive through the
-earlier one's peak). Each fx node carries its phase in ``meta["custom"]``, which AOTAutograd
+earlier one's peak), and no kernel mixes two slices of a sliced region (``chunk``). On the H100
+Inductor fused the loss of every slice of a language-model head into one reduction kernel (the
+running sum of the slices' losses chains them), which ran after the last slice's logits were
+made, so every slice's logits were alive at once: BERT-base b64 in 4 slices held 24,372 MiB where
+17,158 MiB was simulated. Each fx node carries its phase in ``meta["custom"]``, which AOTAutograd
 copies onto the aten nodes it traces from it
 (``torch.fx.proxy._COPY_META_FIELDS``), so Inductor's IR nodes know it through their origins.
 Fusion within the backward (a recompute into its consumers, an optimizer update into its
@@ -39,22 +43,37 @@ from torch import fx
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import Phase
+from mutwo.ir.row_region import SLICED_META
 from mutwo.ir.to_fx import NODE_ID_META
 
 #: The keys under ``meta["custom"]`` holding a node's phase and whether it is a recompute clone.
 CUSTOM_PHASE = "mutwo_phase"
 CUSTOM_CLONE = "mutwo_clone"
+#: The key holding the slice a node of a sliced region computes (``"LOGITS-ID:INDEX"``).
+CUSTOM_SLICE = "mutwo_slice"
 
 
 def mark_phases(module: fx.GraphModule, graph: Graph) -> None:
-    """Record the phase of each node of ``module`` (made from ``graph`` by ``to_fx``), and whether
-    it is a recompute clone, where AOTAutograd carries them to the nodes it traces."""
+    """Record the phase of each node of ``module`` (made from ``graph`` by ``to_fx``), whether it
+    is a recompute clone and the slice it computes, where AOTAutograd carries them to the nodes it
+    traces."""
+    slices = slice_of(graph)
     for node in module.graph.nodes:
         if node.op == "call_function" and NODE_ID_META in node.meta:
             ir_node = graph.node(node.meta[NODE_ID_META])
             custom = node.meta.setdefault("custom", {})
             custom[CUSTOM_PHASE] = ir_node.phase.value
             custom[CUSTOM_CLONE] = ir_node.origin is not None
+            where = slices.get(ir_node.origin if ir_node.origin is not None else ir_node.id)
+            if where is not None:
+                custom[CUSTOM_SLICE] = where
+
+
+def slice_of(graph: Graph) -> dict[int, str]:
+    """Node id -> ``"LOGITS-ID:INDEX"``, the slice it computes, for the nodes of ``graph``'s sliced
+    regions (what ``chunk`` recorded under :data:`~mutwo.ir.row_region.SLICED_META`)."""
+    return {node_id: f"{record['logits']}:{index}" for record in graph.meta.get(SLICED_META, ())
+            for index, nodes in enumerate(record.get("per_slice", ())) for node_id in nodes}  # fmt: skip
 
 
 def _marks(*nodes: Any) -> Iterator[dict[str, Any]]:
@@ -75,10 +94,15 @@ def _has_clone(node: Any) -> bool:
     return any(mark.get(CUSTOM_CLONE) for mark in _marks(node))
 
 
+def mixes_slices(*nodes: Any) -> bool:
+    """Whether Inductor's scheduler ``nodes`` hold parts of two slices of a sliced region."""
+    return len({mark[CUSTOM_SLICE] for mark in _marks(*nodes) if CUSTOM_SLICE in mark}) > 1
+
+
 #: Names the fusion rule and the kernel grouping in Inductor's cache keys (through
 #: :class:`PhasesArrived`): change it when either changes, or the FX graph cache serves code
 #: generated under the old one.
-RULE_VERSION = "mutwo-phase-bounded-fusion-3-kernel-per-node"
+RULE_VERSION = "mutwo-phase-bounded-fusion-4-kernel-per-node-slice-bounded"
 
 
 def phases_arrived(more_rules: str = "") -> Any:
@@ -102,21 +126,21 @@ def phases_arrived(more_rules: str = "") -> Any:
 
 @contextmanager
 def phase_bounded_fusion() -> Iterator[None]:
-    """Inductor's choices handler refusing fusions that mix forward and later nodes, while
-    compiling (use with ``post_grad_custom_post_pass=phases_arrived()``)."""
+    """Inductor's choices handler refusing fusions that mix forward and later nodes, or two slices
+    of a sliced region, while compiling (use with ``post_grad_custom_post_pass=phases_arrived()``)."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
     class PhaseBoundedChoices(InductorChoices):
         @staticmethod
         def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
-            if _forward_and_later(node1, node2):
+            if _forward_and_later(node1, node2) or mixes_slices(node1, node2):
                 return False
             return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
         @staticmethod
         def can_fuse_horizontal(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
-            if _has_clone(node1) or _has_clone(node2):
+            if _has_clone(node1) or _has_clone(node2) or mixes_slices(node1, node2):
                 return False
             return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
 
