@@ -40,14 +40,14 @@
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
-# Owed after session 16: i40-aot-cache with AOT_BATCH=64 AOT_BUDGET=16GiB (why a calibrated
-#   plan's restart misses AOTAutograd's cache: the run was cut off when the device time ran out);
-#   i39-chunk-memory and i39-memory-trace again (the slices' device fix, 9c270c0, not measured on
-#   the GPU); i39-cost-bert (chunk{when=cost} at checkpointing's memory); headline-resnet (its mutwo rows were cut off), then headline-gpt2 and headline-bert
-#   again (their eager, checkpointing and torch.compile rows emptied the cache after their first
-#   step, fixed in 25ea60d). Device time counted in full on the H100 in session 15: the three
-#   headline sections need about 45 minutes, more than one session's 30.
-#   Done in session 16 (session16_h100/): i38-tests, i40-stock, i40-restart, i40-restart-sampled.
+# Owed after session 17: i39-chunk-memory and i39-cost-bert again (the slice-bounded fusion
+#   rule, 0ab43ed, not measured on the GPU; before it the sliced BERT held 7 GiB over its plan);
+#   headline-resnet (its mutwo rows were cut off), then headline-gpt2 and headline-bert again
+#   (their eager, checkpointing and torch.compile rows emptied the cache after their first step,
+#   fixed in 25ea60d); the restarts of ResNet-152 b128 and the 0.5B Llama. Device time counted in
+#   full on the H100 in session 15: the three headline sections need about 45 minutes.
+#   Done in session 17 (session17_h100/): i40-aot-cache at b64 (the cache bypass found and fixed),
+#   i39-memory-trace, i39-chunk-memory and i39-cost-bert before the fusion fix, i39-output-code.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
