@@ -149,6 +149,29 @@ def test_a_plan_that_replays_a_dropout_or_batch_norm_hits_autograd_cache(
     assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1
 
 
+def test_a_compile_that_autograd_cache_skips_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the replay functions marked cacheable, AOTAutograd's cache skips a plan replaying
+    a dropout: the compile says so and names the function; with them, it says nothing. The reason
+    stays out of the user's stderr (torch logs it at INFO only where TORCH_LOGS asks)."""
+    import logging
+
+    from mutwo.runtime.execution import backends
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    workload = dropout_tanh_mlp()
+    planned = optimize_graph(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn,
+                             passes="profile{runs=1,warmup=0},select,rewrite", budget=parse_budget("min"),
+                             backend="inductor")  # fmt: skip
+    assert compile_graph(planned.graph, planned.inputs, "inductor").cache_bypass is None
+    monkeypatch.setattr(backends, "replay_cache_keys", dict)
+    skipped = compile_graph(planned.graph, planned.inputs, "inductor")
+    assert skipped.cache_bypass is not None and "dropout_from_mask" in skipped.cache_bypass
+    assert "AOTAutograd's cache skipped it" in skipped.cache_note() and "dropout_from_mask" in skipped.cache_note()
+    assert skipped.describe()["compile_cache_bypass"] == skipped.cache_bypass
+    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    assert not logger.handlers and not logger.isEnabledFor(logging.INFO) and logger.propagate  # left as found
+
+
 def test_the_replay_cache_key_follows_the_replay_source(monkeypatch: pytest.MonkeyPatch) -> None:
     """Code compiled for one replay arithmetic is never served for another: the key is a digest of
     the source of the modules that define it."""

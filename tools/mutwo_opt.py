@@ -295,8 +295,7 @@ class MutwoOpt:
         except BackendError as error:
             raise UsageError(str(error)) from None
         if config.backend != "eager":
-            self.log(f"compiled in {compiled.compile_seconds:.1f} s"
-                     + (" (from Inductor's cache)" if compiled.cache_hit else ""))  # fmt: skip
+            self.log(f"compiled in {compiled.compile_seconds:.1f} s{compiled.cache_note()}")
         return compiled
 
     def look_up_plan(self, config: Config, lowered: CapturedGraph, manager: PassManager, ctx: PassContext,

@@ -38,6 +38,7 @@ from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.capture.tracing import quiet_loggers, quiet_torch_errors
+from mutwo.runtime.execution.aot_cache_bypass import noting_bypass
 from mutwo.runtime.execution.compiled_collectives import functional_collectives, has_collectives, order_kept_options
 from mutwo.runtime.execution.compiled_random import draw_as_eager
 from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, refuse_uncapturable
@@ -130,6 +131,8 @@ class CompiledStep:
     compile_seconds: float = 0.0
     #: whether torch's compile caches answered (None: no Inductor compile happened)
     cache_hit: bool | None = None
+    #: why AOTAutograd's cache skipped the step, which every start then traces again (None: it did not)
+    cache_bypass: str | None = None
 
     @property
     def checked_run(self) -> Callable[..., Any] | None:
@@ -142,10 +145,18 @@ class CompiledStep:
         kernels round differently), else like the eager graph (the same kernels run)."""
         return Tolerance() if self.backend.startswith("inductor") else None
 
+    def cache_note(self) -> str:
+        """What a compile's log line adds about torch's caches: that they answered, and why
+        AOTAutograd's skipped the step if it did (a restart then traces it again)."""
+        note = " (Inductor's cache)" if self.cache_hit else ""
+        if self.cache_bypass:
+            note += f"; AOTAutograd's cache skipped it ({self.cache_bypass}), so every start traces the step again"
+        return note
+
     def describe(self) -> dict[str, Any]:
         """What the run summary records about the backend."""
         return {"backend": self.backend, "compile_seconds": round(self.compile_seconds, 3),
-                "compile_cache_hit": self.cache_hit}  # fmt: skip
+                "compile_cache_hit": self.cache_hit, "compile_cache_bypass": self.cache_bypass}  # fmt: skip
 
 
 def records_cuda_graphs(backend: str) -> bool:
@@ -190,7 +201,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     communicates = has_collectives(graph)
     started = time.perf_counter()
     run: Callable[..., Any] = module
-    cache_hit = None
+    cache_hit = bypass = None
     graphed = records_cuda_graphs(backend)
     if graphed:
         refuse_uncapturable(graph, inputs)
@@ -205,10 +216,10 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
         insert_release_points(module, graph)
     if backend.startswith("inductor"):
         mark_phases(module, graph)
-        run, cache_hit = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
+        run, cache_hit, bypass = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots], [label for _, label in slots])
-    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit)
+    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass)
 
 
 def functionalizable_host_calls(module: fx.GraphModule) -> None:
@@ -233,11 +244,12 @@ def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) ->
 
 
 def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, swaps: bool = False,
-                     communicates: bool = False) -> tuple[Callable[..., Any], bool]:  # fmt: skip
+                     communicates: bool = False) -> tuple[Callable[..., Any], bool, str | None]:  # fmt: skip
     """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS` and :func:`batch_norm_elemt_decomposed`;
-    and whether torch's compile caches (AOTAutograd's and Inductor's FX graph cache, on disk under
+    whether torch's compile caches (AOTAutograd's and Inductor's FX graph cache, on disk under
     ``TORCHINDUCTOR_CACHE_DIR``) supplied the compiled code: a second compile of the same graph, in
-    any process, hits them.
+    any process, hits them; and why AOTAutograd's cache skipped it, if it did (Inductor's cache
+    may hit after that, but the step was traced again).
 
     In a graph that ``swaps``, Inductor does not reuse the buffers offloads read
     (:func:`~mutwo.runtime.execution.swap_inductor.offloaded_buffers_kept_from_reuse`); in one that
@@ -267,7 +279,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
         with config.patch({**INDUCTOR_OPTIONS, **on_gpu, **in_order, "post_grad_custom_post_pass": rules,
                            "unsafe_marked_cacheable_functions": cacheable}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
-                quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER):
+                quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER), noting_bypass() as bypasses:
             compiled = compile_fx(module, fakes)
     except torch.OutOfMemoryError:  # autotuning ran out: not the compiler's failure (the caller notes its stage)
         raise
@@ -278,7 +290,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
                            "run it with --backend eager") from None  # fmt: skip
-    return compiled, cache_hits() > hits
+    return compiled, cache_hits() > hits, (bypasses[0] if bypasses else None)
 
 
 def _out_of_memory_within(error: BaseException) -> torch.OutOfMemoryError | None:

@@ -187,8 +187,7 @@ def optimize_graph(
             compiled = compiled_for(lowered.graph)
         optimized.step = steps[id(lowered.graph)]
         if backend != "eager":
-            log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s"
-                + {True: " (Inductor's cache)", False: "", None: ""}[compiled.cache_hit])  # fmt: skip
+            log(f"mutwo: compiled the step with {backend} in {compiled.compile_seconds:.1f} s{compiled.cache_note()}")
         rounds = 0 if cached.hit else planned_rounds  # a hit's plan is the one calibration kept
         if rounds:
             first = Calibrated(lowered.graph, compiled, context)
