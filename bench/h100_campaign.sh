@@ -33,7 +33,8 @@
 #   plan-stability, plan-attribution, plan-attribution-steadier
 #                "Why one budget gives several plans" (H100, 2026-11-25; session6_h100/) ~17, 4, 5 min
 #   fit-resnet, fit-alloc
-#                "The largest batch in 16 GiB: --fit" (H100, 2026-11-23; issue16_h100/)   ~7, 2 min
+#                --fit before it profiled each batch at its size (H100, 2026-11-23; issue16_h100/;
+#                superseded, out of docs/benchmarks.md since session 17)                ~7, 2 min
 #   opt          "Other measurements", the optimizer passes on GPT-2 small and BERT-base (issue16_h100/) ~14 min
 #   i38-opt-bert "Under a hard cap": BERT-base b64 through mutwo-opt --memory-limit 16GiB --budget
 #                16GiB under inductor-cudagraphs (H100, 2026-11-26; session14_h100/)        ~9 min
