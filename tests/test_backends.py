@@ -337,7 +337,7 @@ def test_inductor_fuses_a_batch_norm_replay_with_the_relu_after_it(elemt_meta: N
         node.meta["custom"] = {CUSTOM_PHASE: "backward"}  # what mark_phases records, which phases_arrived checks
     graph.output((normalized, relu))
     inputs = [t for t in operands if t is not None]
-    (compiled, _), code = run_and_get_code(compile_inductor, fx.GraphModule(nn.Module(), graph), inputs)
+    (compiled, *_), code = run_and_get_code(compile_inductor, fx.GraphModule(nn.Module(), graph), inputs)
     assert "aten.batch_norm_elemt" not in code[0] and code[0].count("cpp_fused_") == 2  # its definition and call
     out, relu_out = compiled(*inputs)
     expected = _elemt_reference(*operands, torch.float32)  # type: ignore[arg-type]
