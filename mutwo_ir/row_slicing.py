@@ -86,7 +86,6 @@ def slice_region(graph: Graph, region: Region, slices: int) -> SlicedRegion:
     sums: dict[Node, Node] = {}
     for index, (start, end) in enumerate(bounds(region.rows, slices)):
         emitter.start_slice(index, start, end)
-        emitter.per_slice.append([])
         for node, rule in region.rules.items():
             if rule.whole == "fixed":
                 emitter.values[node] = emitter.total_weight[rule.loss]
@@ -106,8 +105,7 @@ def slice_region(graph: Graph, region: Region, slices: int) -> SlicedRegion:
                 sums[node] = value
             else:
                 sums[node] = emitter.call(aten.add.Tensor, (sums[node], value))
-    emitter.name, emitter.source = "sliced", None
-    emitter.per_slice.append([])  # what joins the slices' values belongs to none of them
+    emitter.end_slices()
     replacements = {node: emitter.whole_value(node, parts[node], sums.get(node)) for node in region.exits}
     _reorder(graph, region)
     for node, replacement in replacements.items():
@@ -123,7 +121,7 @@ def slice_region(graph: Graph, region: Region, slices: int) -> SlicedRegion:
             graph.erase(node)
     classify(graph)
     summed = _summed(graph, [replacements[n] for n in region.exits if region.rules[n].whole in ("sum", "mean")])
-    per_slice = [[n.id for n in nodes if n.graph is graph] for nodes in emitter.per_slice[:-1]]
+    per_slice = [[n.id for n in nodes if n.graph is graph] for nodes in emitter.per_slice]
     record = SlicedRegion(region.logits.id, region.rows, region.width, slices, [n.id for n in emitter.created], summed,
                           emitter.derived, per_slice)  # fmt: skip
     graph.meta.setdefault(SLICED_META, []).append(record.to_json())
@@ -182,7 +180,8 @@ class _Emitter(SliceContext):
         self.cut: dict[Node, Node] = {}  #: inputs -> this slice of them
         self.fake: dict[Node, Any] = {}
         self.derived: dict[int, tuple[int, float]] = {}
-        self.per_slice: list[list[Node]] = []  #: the nodes each slice added (the last list: the slice being added)
+        self.per_slice: list[list[Node]] = []  #: the nodes each slice added, while ``slicing``
+        self.slicing = False
         self.source: Node | None = None  #: the region node the nodes being added compute a slice of
         self.name = "sliced"
         self.rows = region.rows
@@ -219,6 +218,12 @@ class _Emitter(SliceContext):
         self.values, self.cut = {}, {}
         self.start, self.end, self.rows = start, end, end - start
         self.index = index
+        self.slicing = True
+        self.per_slice.append([])
+
+    def end_slices(self) -> None:
+        """What is added from here on joins the slices' values and belongs to none of them."""
+        self.name, self.source, self.slicing = "sliced", None, False
 
     def whole_value(self, node: Node, parts: list[Node], total: Node | None) -> Node:
         """The whole value of an exit: its slices concatenated, or the sum over the slices."""
@@ -272,7 +277,7 @@ class _Emitter(SliceContext):
                                       is_tuple=isinstance(result, (tuple, list)), before=self.anchor)  # fmt: skip
         self.fake[node] = result
         self.created.append(node)
-        if self.per_slice:
+        if self.slicing:
             self.per_slice[-1].append(node)
         if self.source is not None:
             self.derived[node.id] = (self.source.id, self.rows / self.region.rows)

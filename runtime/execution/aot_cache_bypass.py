@@ -4,8 +4,9 @@ When AOTAutograd's cache cannot key a graph (a Python function it does not know 
 unpicklable constant) it logs ``Bypassing autograd cache due to: REASON`` at INFO level and traces
 the whole step again at every start; Inductor's own cache may still hit afterwards, so the compile
 looks cached while most of it is repeated. A BERT-base b64 restart on the H100 spent about 13 of
-its 22.9 s so before the reason was found in a log (docs/benchmarks.md). :func:`noting_bypass`
-keeps that reason for the compile's report.
+its 22.9 s re-tracing so before the reason was found in a log (docs/plan-cache.md).
+:func:`noting_bypass` keeps that reason for the compile's report. It changes the logger's level
+for the length of a compile, which (like Inductor's own ``config.patch``) is not thread-safe.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-#: The logger AOTAutograd's cache reports a bypass on.
+#: The logger AOTAutograd's cache reports a bypass on (the module's own, where torch has it).
 AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
 _PREFIX = "Bypassing autograd cache due to: "
 
@@ -35,7 +36,12 @@ def noting_bypass() -> Iterator[list[str]]:
     """While it is open, collect into the list it yields the reasons AOTAutograd's cache gives for
     skipping a compile, each on one line. The records reach torch's own handlers only where the
     user turned that logger on (``TORCH_LOGS``), as before."""
-    logger = logging.getLogger(AOT_CACHE_LOGGER)
+    try:
+        from torch._functorch._aot_autograd import autograd_cache
+
+        logger = autograd_cache.log
+    except (ImportError, AttributeError):  # another torch layout: the name it had in 2.11 to 2.14
+        logger = logging.getLogger(AOT_CACHE_LOGGER)
     handler = _Reasons()
     level, propagate = logger.level, logger.propagate
     quiet = not logger.isEnabledFor(logging.INFO)

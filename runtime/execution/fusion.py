@@ -94,9 +94,16 @@ def _has_clone(node: Any) -> bool:
     return any(mark.get(CUSTOM_CLONE) for mark in _marks(node))
 
 
-def mixes_slices(*nodes: Any) -> bool:
-    """Whether Inductor's scheduler ``nodes`` hold parts of two slices of a sliced region."""
-    return len({mark[CUSTOM_SLICE] for mark in _marks(*nodes) if CUSTOM_SLICE in mark}) > 1
+def _slices(node: Any) -> set[str]:
+    return {mark[CUSTOM_SLICE] for mark in _marks(node) if CUSTOM_SLICE in mark}
+
+
+def mixes_slices(node1: Any, node2: Any) -> bool:
+    """Whether fusing Inductor's scheduler nodes ``node1`` and ``node2`` would join slices of a
+    sliced region that neither holds already. A node lowering already joined (the running sum of
+    the slices' scalar losses, inlined into one) may still fuse with a part of its own slices."""
+    first, second = _slices(node1), _slices(node2)
+    return not (first <= second or second <= first)
 
 
 #: Names the fusion rule and the kernel grouping in Inductor's cache keys (through
@@ -134,13 +141,14 @@ def phase_bounded_fusion() -> Iterator[None]:
     class PhaseBoundedChoices(InductorChoices):
         @staticmethod
         def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+            # asked before every fusion, vertical or horizontal
             if _forward_and_later(node1, node2) or mixes_slices(node1, node2):
                 return False
             return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
         @staticmethod
         def can_fuse_horizontal(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
-            if _has_clone(node1) or _has_clone(node2) or mixes_slices(node1, node2):
+            if _has_clone(node1) or _has_clone(node2):
                 return False
             return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
 

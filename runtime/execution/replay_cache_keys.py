@@ -11,12 +11,16 @@ the H100 (docs/plan-cache.md), where a plan without recompute through dropout hi
 
 torch's ``unsafe_marked_cacheable_functions`` lets a function into that cache under a key the
 caller gives. The key here is a digest of the source of the modules that define the functions and
-the decomposition Inductor applies to their CUDA form, so a mutwo whose replay arithmetic changed
-never reads code compiled for the old one.
+the decomposition Inductor applies to their CUDA form (``batch_norm_elemt_decomposition``), so a
+mutwo whose replay arithmetic changed never reads code compiled for the old one. Whether that
+decomposition is installed (``backends.batch_norm_elemt_decomposed``: not where torch has its own)
+follows torch's version, which the cache keys already. Without the source (an install of compiled
+files only), mutwo's version stands in for it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from collections.abc import Callable
@@ -39,13 +43,23 @@ def qualified_name(function: Callable[..., Any]) -> str:
     return f"{function.__module__}.{function.__name__}"
 
 
+@functools.cache
 def replay_cache_keys() -> dict[str, str]:
     """``unsafe_marked_cacheable_functions`` entries for :data:`REPLAY_FUNCTIONS`: each function's
-    qualified name to a digest of its modules' source."""
-    keys = {}
+    qualified name to a digest of its modules' source (computed once per process)."""
+    keys: dict[str, str] = {}
     for function, modules in REPLAY_FUNCTIONS:
         digest = hashlib.sha256()
         for module in modules:
-            digest.update(inspect.getsource(module).encode())
+            digest.update(_source(module).encode())
         keys[qualified_name(function)] = f"mutwo-replay-{digest.hexdigest()[:16]}"
     return keys
+
+
+def _source(module: ModuleType) -> str:
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):  # no source installed
+        import mutwo
+
+        return f"{module.__name__} of mutwo {mutwo.__version__}"
