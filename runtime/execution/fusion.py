@@ -99,11 +99,12 @@ def _slices(node: Any) -> set[str]:
 
 
 def mixes_slices(node1: Any, node2: Any) -> bool:
-    """Whether fusing Inductor's scheduler nodes ``node1`` and ``node2`` would join slices of a
-    sliced region that neither holds already. A node lowering already joined (the running sum of
-    the slices' scalar losses, inlined into one) may still fuse with a part of its own slices."""
+    """Whether fusing Inductor's scheduler nodes ``node1`` and ``node2`` would put work of different
+    slices of a sliced region in one kernel: both hold slice work, and not of the same slices. A node
+    lowering already joined (a concatenation of the slices' parts, its producers inlined) fuses only
+    with nodes of no slice: fused with one slice's node, it would move that work after every slice."""
     first, second = _slices(node1), _slices(node2)
-    return not (first <= second or second <= first)
+    return bool(first and second and first != second)
 
 
 #: Names the fusion rule and the kernel grouping in Inductor's cache keys (through
