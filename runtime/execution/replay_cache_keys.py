@@ -24,6 +24,7 @@ import functools
 import hashlib
 import inspect
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import Any
 
@@ -60,6 +61,8 @@ def _source(module: ModuleType) -> str:
     try:
         return inspect.getsource(module)
     except (OSError, TypeError):  # no source installed
-        import mutwo
-
-        return f"{module.__name__} of mutwo {mutwo.__version__}"
+        try:
+            release = version("mutwo")
+        except PackageNotFoundError:
+            release = "unknown"
+        return f"{module.__name__} of mutwo {release}"
