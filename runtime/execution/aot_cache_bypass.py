@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-#: The logger AOTAutograd's cache reports a bypass on (the module's own, where torch has it).
+#: The logger AOTAutograd's cache reports a bypass on: its module's (``logging.getLogger(__name__)``).
 AOT_CACHE_LOGGER = "torch._functorch._aot_autograd.autograd_cache"
 _PREFIX = "Bypassing autograd cache due to: "
 
@@ -36,12 +36,7 @@ def noting_bypass() -> Iterator[list[str]]:
     """While it is open, collect into the list it yields the reasons AOTAutograd's cache gives for
     skipping a compile, each on one line. The records reach torch's own handlers only where the
     user turned that logger on (``TORCH_LOGS``), as before."""
-    try:
-        from torch._functorch._aot_autograd import autograd_cache
-
-        logger = autograd_cache.log
-    except (ImportError, AttributeError):  # another torch layout: the name it had in 2.11 to 2.14
-        logger = logging.getLogger(AOT_CACHE_LOGGER)
+    logger = logging.getLogger(AOT_CACHE_LOGGER)
     handler = _Reasons()
     level, propagate = logger.level, logger.propagate
     quiet = not logger.isEnabledFor(logging.INFO)
