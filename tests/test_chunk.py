@@ -243,6 +243,81 @@ def test_fusion_across_slices_is_refused() -> None:
         assert not V.choices.can_fuse(None, first, second, 1)  # asked before every fusion, of either kind
 
 
+def test_fusion_that_makes_a_slice_wait_for_a_later_one_is_refused() -> None:
+    """A kernel may not hold work read by slice i and work reading slice j >= i: on the H100 Inductor
+    fused the loss's ``total_weight`` (which every slice's backward reads) with the sum of the slices'
+    losses divided by it, so every slice's backward waited for every slice's forward and all their
+    logits were alive at once (the 32k Llama's Inductor code, 2026-11-27)."""
+    from types import SimpleNamespace
+
+    from mutwo.runtime.execution.fusion import CUSTOM_AFTER, CUSTOM_BEFORE, CUSTOM_SLICE, delays_a_slice, mark_phases
+
+    original, _ = _head()
+    graph = original.copy()
+    (record,) = slice_regions(graph, 3)
+    module = to_fx(graph)
+    mark_phases(module, graph)
+    region = str(record.logits)
+    by_name = {n.name: n for n in module.graph.nodes}
+    custom = {name: node.meta.get("custom", {}) for name, node in by_name.items()}
+    weight = next(name for name, mark in custom.items() if mark.get(CUSTOM_BEFORE) == {region: 0}
+                  and by_name[name].target is torch.ops.aten.sum.default)  # fmt: skip
+    whole = next(n.name for n in module.graph.nodes if n.target is torch.ops.aten.div.Tensor
+                 and by_name[weight] in n.all_input_nodes)  # fmt: skip
+    assert custom[whole].get(CUSTOM_AFTER) == {region: 2} and CUSTOM_SLICE not in custom[whole]
+    in_slice = [[name for name, mark in custom.items() if mark.get(CUSTOM_SLICE) == f"{region}:{i}"] for i in range(3)]
+    last_sum = next(n.name for n in by_name[whole].all_input_nodes if n.name in in_slice[2])
+
+    def scheduled(*names: str, realizes: str | None = None) -> Any:  # an Inductor scheduler node
+        origins = {by_name[name] for name in names}
+        ir_node = SimpleNamespace(get_origins=lambda: origins, origin_node=by_name[realizes] if realizes else None)
+        return SimpleNamespace(get_nodes=lambda: [SimpleNamespace(node=ir_node)])
+
+    assert delays_a_slice(scheduled(weight), scheduled(whole))
+    assert delays_a_slice(scheduled(weight), scheduled(in_slice[1][0]))  # slice 0 would wait for slice 1
+    assert not delays_a_slice(scheduled(weight), scheduled(in_slice[0][0]))
+    assert not delays_a_slice(scheduled(whole), scheduled(last_sum))  # the sum with the last slice's loss
+    assert not delays_a_slice(scheduled(in_slice[1][0]), scheduled(in_slice[1][1]))
+    # a kernel realizing slice 1's work that inlined a node slice 0 reads does not feed slice 0
+    feeder = next(name for name, mark in custom.items() if mark.get(CUSTOM_BEFORE) == {region: 0}
+                  and CUSTOM_SLICE not in mark and name != weight)  # fmt: skip
+    inlined = scheduled(in_slice[1][0], feeder, realizes=in_slice[1][0])
+    assert not delays_a_slice(inlined, scheduled(in_slice[1][1]))
+    assert delays_a_slice(scheduled(in_slice[1][0], feeder), scheduled(in_slice[1][1]))
+
+
+def test_sliced_head_compiled_by_inductor_keeps_its_slices_apart() -> None:
+    """The sliced head through Inductor on the CPU: the check against eager passes, and Inductor's
+    offer to fuse the loss's ``total_weight`` with the sum of the slices' losses was refused."""
+    from torch._inductor import config as inductor_config
+
+    import mutwo
+    from mutwo.runtime.execution import fusion
+
+    refused: list[tuple[set[str], set[str]]] = []
+    rule = fusion.delays_a_slice
+
+    def spied(node1: Any, node2: Any) -> bool:
+        def targets(node: Any) -> set[str]:
+            return {str(origin.target) for part in node.get_nodes() for origin in part.node.get_origins()}
+
+        delays = rule(node1, node2)
+        if delays:
+            refused.append((targets(node1), targets(node2)))
+        return delays
+
+    model, batch, loss_fn = tinyhead.tinyhead()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.MonkeyPatch.context() as patch, inductor_config.patch(force_disable_caches=True):
+        patch.setattr(fusion, "delays_a_slice", spied)  # Inductor must schedule the step, not load it
+        step = mutwo.optimize(model, optimizer, batch, loss_fn, backend="inductor", cache=False, check=True,
+                              passes="profile,optimizer,chunk{k=3,when=always},select,rewrite")  # fmt: skip
+        step(batch)
+    assert step.last is not None and step.last.context.artifacts["chunk"].slices == 3
+    assert any({"aten.ne.Scalar", "aten.sum.default"} <= one and "aten.div.Tensor" in other
+               for pair in refused for one, other in (pair, pair[::-1])), refused  # fmt: skip
+
+
 def test_uneven_slices_cover_every_row() -> None:
     assert bounds(64, 3) == [(0, 22), (22, 43), (43, 64)]
     assert bounds(8, 8)[-1] == (7, 8)

@@ -13,11 +13,15 @@ than 64 scheduler nodes apart) does not cover vertical fusion, nor near nodes.
 The rules here: a forward node never fuses with a backward or optimizer node, a recompute
 clone never fuses with a node it neither feeds nor reads (horizontal fusion: two recompute blocks
 that read the same input would otherwise run together, the later one's output alive through the
-earlier one's peak), and no kernel mixes two slices of a sliced region (``chunk``). On the H100
-Inductor fused the loss of every slice of a language-model head into one reduction kernel (the
-running sum of the slices' losses chains them), which ran after the last slice's logits were
-made, so every slice's logits were alive at once: BERT-base b64 in 4 slices held 24,372 MiB where
-17,158 MiB was simulated. Each fx node carries its phase in ``meta["custom"]``, which AOTAutograd
+earlier one's peak), and no kernel makes a slice of a sliced region (``chunk``) wait for a later
+one. On the H100 Inductor fused the loss of every slice of a language-model head into one
+reduction kernel (the running sum of the slices' losses chains them), which ran after the last
+slice's logits were made, so every slice's logits were alive at once: BERT-base b64 in 4 slices
+held 24,372 MiB where 17,158 MiB was simulated. With slices kept apart it still fused the loss's
+``total_weight`` (the count of labelled tokens, which every slice's backward reads) with the sum
+of the slices' losses divided by it, so every slice's backward waited for every slice's forward
+(the 32k Llama's Inductor code, 2026-11-27): a kernel may not hold work that reads slice j and
+work that an earlier or the same slice reads. Each fx node carries its phase in ``meta["custom"]``, which AOTAutograd
 copies onto the aten nodes it traces from it
 (``torch.fx.proxy._COPY_META_FIELDS``), so Inductor's IR nodes know it through their origins.
 Fusion within the backward (a recompute into its consumers, an optimizer update into its
@@ -51,6 +55,10 @@ CUSTOM_PHASE = "mutwo_phase"
 CUSTOM_CLONE = "mutwo_clone"
 #: The key holding the slice a node of a sliced region computes (``"LOGITS-ID:INDEX"``).
 CUSTOM_SLICE = "mutwo_slice"
+#: The keys holding, for a node outside the slices, the last slice whose work it reads (directly
+#: or through other nodes) and the first slice whose work reads it, per region: ``{"LOGITS-ID": INDEX}``.
+CUSTOM_AFTER = "mutwo_after_slice"
+CUSTOM_BEFORE = "mutwo_before_slice"
 
 
 def mark_phases(module: fx.GraphModule, graph: Graph) -> None:
@@ -58,6 +66,7 @@ def mark_phases(module: fx.GraphModule, graph: Graph) -> None:
     is a recompute clone and the slice it computes, where AOTAutograd carries them to the nodes it
     traces."""
     slices = slice_of(graph)
+    after, before = slice_order(graph, slices)
     for node in module.graph.nodes:
         if node.op == "call_function" and NODE_ID_META in node.meta:
             ir_node = graph.node(node.meta[NODE_ID_META])
@@ -67,6 +76,10 @@ def mark_phases(module: fx.GraphModule, graph: Graph) -> None:
             where = slices.get(ir_node.origin if ir_node.origin is not None else ir_node.id)
             if where is not None:
                 custom[CUSTOM_SLICE] = where
+            if ir_node.id in after:
+                custom[CUSTOM_AFTER] = after[ir_node.id]
+            if ir_node.id in before:
+                custom[CUSTOM_BEFORE] = before[ir_node.id]
 
 
 def slice_of(graph: Graph) -> dict[int, str]:
@@ -76,13 +89,73 @@ def slice_of(graph: Graph) -> dict[int, str]:
             for index, nodes in enumerate(record.get("per_slice", ())) for node_id in nodes}  # fmt: skip
 
 
+def slice_order(graph: Graph, slices: dict[int, str]) -> tuple[dict[int, dict[str, int]], dict[int, dict[str, int]]]:
+    """For each node of ``graph`` outside the slices ``slices`` names (by id or by its origin's):
+    the last slice of each region whose work it reads, and the first slice of each region whose
+    work reads it (both through any path; nodes unrelated to a region are left out)."""
+    def slice_at(node: Any) -> tuple[str, int] | None:
+        where = slices.get(node.origin if node.origin is not None else node.id)
+        if where is None:
+            return None
+        region, index = where.split(":")
+        return region, int(index)
+
+    if not slices:
+        return {}, {}
+    nodes = graph.nodes
+    after: dict[int, dict[str, int]] = {}
+    for node in nodes:  # in order: every operand before its reader
+        reads: dict[str, int] = {}
+        for operand in node.operands:
+            for region, index in _reach(operand, slice_at, after).items():
+                reads[region] = max(reads.get(region, index), index)
+        if reads and slice_at(node) is None:
+            after[node.id] = reads
+    before: dict[int, dict[str, int]] = {}
+    readers: dict[int, dict[str, int]] = {}
+    for node in reversed(nodes):  # every reader before its operands
+        fed = _reach(node, slice_at, readers)
+        for operand in node.operands:
+            into = readers.setdefault(operand.id, {})
+            for region, index in fed.items():
+                into[region] = min(into.get(region, index), index)
+    for node in nodes:
+        if node.id in readers and readers[node.id] and slice_at(node) is None:
+            before[node.id] = readers[node.id]
+    return after, before
+
+
+def _reach(node: Any, slice_at: Any, propagated: dict[int, dict[str, int]]) -> dict[str, int]:
+    """The slices ``node`` stands for when propagating: its own if it is slice work, else what was
+    propagated to it."""
+    own = slice_at(node)
+    return {own[0]: own[1]} if own is not None else propagated.get(node.id, {})
+
+
 def _marks(*nodes: Any) -> Iterator[dict[str, Any]]:
     """The ``meta["custom"]`` of every fx node behind Inductor's scheduler ``nodes``."""
     for scheduler_node in nodes:
         for part in scheduler_node.get_nodes():
-            ir_node = getattr(part, "node", None)
-            for origin in ir_node.get_origins() if ir_node is not None else ():
-                yield origin.meta.get("custom", {})
+            yield from _part_marks(part)
+
+
+def _part_marks(part: Any) -> Iterator[dict[str, Any]]:
+    ir_node = getattr(part, "node", None)
+    for origin in ir_node.get_origins() if ir_node is not None else ():
+        yield origin.meta.get("custom", {})
+
+
+def _output_marks(scheduler_node: Any) -> Iterator[dict[str, Any]]:
+    """The ``meta["custom"]`` of the fx nodes whose values the parts of Inductor's ``scheduler_node``
+    write (a buffer's ``origin_node``), leaving out what lowering inlined into them; every origin
+    where Inductor did not record which one it realizes."""
+    for part in scheduler_node.get_nodes():
+        ir_node = getattr(part, "node", None)
+        realized = getattr(ir_node, "origin_node", None) if ir_node is not None else None
+        if realized is not None:
+            yield realized.meta.get("custom", {})
+        else:
+            yield from _part_marks(part)
 
 
 def _forward_and_later(*nodes: Any) -> bool:
@@ -107,10 +180,51 @@ def mixes_slices(node1: Any, node2: Any) -> bool:
     return bool(first and second and first != second)
 
 
+def delays_a_slice(node1: Any, node2: Any) -> bool:
+    """Whether fusing Inductor's scheduler nodes ``node1`` and ``node2`` would make some slice's work
+    wait for a later (or the same) slice's: one side reads work of slice j (directly or through
+    other nodes) and the other side is slice i's work or is read by slice i's, with i <= j (i < j
+    where the other side is slice i's own work, which may fuse with what reads it)."""
+    first, second = _slice_sides(node1), _slice_sides(node2)
+    for region in set(first) | set(second):
+        for one, other in ((first.get(region), second.get(region)), (second.get(region), first.get(region))):
+            if one is None or other is None:
+                continue
+            own, latest_read, earliest_fed = other
+            if one[1] >= earliest_fed or (own and one[1] > min(own)):
+                return True  # ``one`` reads slice j; ``other`` feeds slice i <= j, or is slice i < j
+            if one[0] and (latest_read > min(one[0]) or earliest_fed < max(one[0])):
+                return True  # ``one`` is slice i's work; ``other`` reads a later slice or feeds an earlier
+    return False
+
+
+def _slice_sides(node: Any) -> dict[str, tuple[set[int], int, int]]:
+    """Per region, what scheduler node ``node`` holds: its slices' indices, the last slice any of
+    its parts reads (-1: none) and the first slice reading any of them (a large number: none)."""
+    sides: dict[str, tuple[set[int], int, int]] = {}
+    for mark in _output_marks(node):  # what reads an inlined part reads the kernel, not its output
+        for region, index in mark.get(CUSTOM_BEFORE, {}).items():
+            own, read, fed = sides.get(region, (set(), -1, NO_SLICE))
+            sides[region] = (own, read, min(fed, index))
+    for mark in _marks(node):
+        for region, index in mark.get(CUSTOM_AFTER, {}).items():
+            own, read, fed = sides.get(region, (set(), -1, NO_SLICE))
+            sides[region] = (own, max(read, index), fed)
+        if CUSTOM_SLICE in mark:
+            region, index = mark[CUSTOM_SLICE].split(":")
+            own, read, fed = sides.get(region, (set(), -1, NO_SLICE))
+            sides[region] = (own | {int(index)}, read, fed)
+    return sides
+
+
+#: A slice index past every region's last slice: "reads no slice".
+NO_SLICE = 1 << 30
+
+
 #: Names the fusion rule and the kernel grouping in Inductor's cache keys (through
 #: :class:`PhasesArrived`): change it when either changes, or the FX graph cache serves code
 #: generated under the old one.
-RULE_VERSION = "mutwo-phase-bounded-fusion-4-kernel-per-node-slice-bounded"
+RULE_VERSION = "mutwo-phase-bounded-fusion-4-kernel-per-node-slice-bounded-2"
 
 
 def phases_arrived(more_rules: str = "") -> Any:
@@ -134,8 +248,9 @@ def phases_arrived(more_rules: str = "") -> Any:
 
 @contextmanager
 def phase_bounded_fusion() -> Iterator[None]:
-    """Inductor's choices handler refusing fusions that mix forward and later nodes, or two slices
-    of a sliced region, while compiling (use with ``post_grad_custom_post_pass=phases_arrived()``)."""
+    """Inductor's choices handler refusing fusions that mix forward and later nodes, two slices of a
+    sliced region, or make a slice wait for a later one, while compiling (use with
+    ``post_grad_custom_post_pass=phases_arrived()``)."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
@@ -143,7 +258,7 @@ def phase_bounded_fusion() -> Iterator[None]:
         @staticmethod
         def can_fuse(scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
             # asked before every fusion, vertical or horizontal
-            if _forward_and_later(node1, node2) or mixes_slices(node1, node2):
+            if _forward_and_later(node1, node2) or mixes_slices(node1, node2) or delays_a_slice(node1, node2):
                 return False
             return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
