@@ -72,6 +72,10 @@ class ChunkReport:
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ChunkReport:
+        return cls(**data)
+
 
 def floors(graph: Graph, region_nodes: set[int], liveness: Liveness | None = None,
            workspace: dict[int, int] | None = None) -> Floors:  # fmt: skip
@@ -144,6 +148,15 @@ class ChunkPass(Pass):
             raise ValueError("k must be at least 1")
         if self.budget is not None:
             parse_budget(self.budget)
+
+    def replaying(self, report: ChunkReport) -> ChunkPass | None:
+        """This pass as a plan-cache hit runs it, from what it decided when the plan was made
+        (``report``): the same slices without deciding again (no trials of select, and the same
+        count as the kept plan's where calibration re-planned at another budget), or None where it
+        left the head whole; itself where a head was refused (deciding again says so again)."""
+        if not report.applied:
+            return None
+        return self if report.refused or report.slices is None else replace(self, k=report.slices, when="always")
 
     def run(self, graph: Graph, ctx: PassContext) -> ChunkReport:
         regions, refusals = find_regions(graph)

@@ -37,6 +37,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import AnalysisCache, Pass, PassContext, write_atomic
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo.ir.timeline import TransferModel
+from mutwo.passes.chunk import ChunkPass, ChunkReport
 from mutwo.passes.profile import ProfilePass
 from mutwo.passes.select import Plan, SelectPass
 from mutwo.passes.select_swap import SelectSwapPass, SwapPlan
@@ -52,7 +53,8 @@ CacheOption = bool | str | os.PathLike[str] | None
 #: Values of ``MUTWO_CACHE`` that turn the default off.
 OFF = ("0", "off", "false", "no")
 #: What an entry keeps, each by its artifact name with the class that reads its JSON back.
-ARTIFACTS: dict[str, Any] = {"profile": Profile, "plan": Plan, "swap-plan": SwapPlan, "transfer": TransferModel}
+ARTIFACTS: dict[str, Any] = {"profile": Profile, "plan": Plan, "swap-plan": SwapPlan, "transfer": TransferModel,
+                             "chunk": ChunkReport}  # fmt: skip
 #: The passes whose work a hit skips: what makes the profile, and the policies that make a plan.
 PROFILES, POLICIES = (ProfilePass,), (SelectPass, SelectSwapPass)
 
@@ -116,9 +118,12 @@ class Entry:
 
     def passes(self, pipeline: Sequence[Pass]) -> list[Pass]:
         """The pipeline a hit runs: ``pipeline`` (or, when the measured choice kept recompute only,
-        its recompute-only form) without the profile and the policy, whose artifacts this holds."""
+        its recompute-only form) without the profile and the policy, whose artifacts this holds,
+        and with ``chunk`` slicing as it did for the kept plan (:meth:`ChunkPass.replaying`)."""
         planning = recompute_only_passes(pipeline) if self.recompute_only else list(pipeline)
-        return [p for p in planning if not isinstance(p, PROFILES + POLICIES)]
+        chunked = self.artifacts.get("chunk")
+        replayed = [p.replaying(chunked) if isinstance(p, ChunkPass) and chunked is not None else p for p in planning]
+        return [p for p in replayed if p is not None and not isinstance(p, PROFILES + POLICIES)]
 
     def missing(self, pipeline: Sequence[Pass]) -> str | None:
         """What the replayed pipeline needs that the entry lacks (None: nothing)."""
