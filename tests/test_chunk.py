@@ -52,6 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 HEAD = ["loss", "head.bias", "head.weight"]  #: what the tiny head sums over slices
 #: The default pipeline before chunk joined it.
 WITHOUT_CHUNK = "profile,optimizer,select,rewrite"
+#: The default pipeline with chunk slicing only where the budget needs it (when=budget, not cost).
+BUDGET_ONLY = "profile,optimizer,chunk{when=budget},select,rewrite"
 
 
 def _captured(model: torch.nn.Module, batch: Any, loss_fn: Any) -> tuple[Graph, list[torch.Tensor]]:
@@ -414,7 +416,7 @@ def test_when_cost_slices_where_select_would_otherwise_recompute_and_the_sliced_
     select's plan whole and in 2, 4, 8 slices, slices where it is faster, and select then
     recomputes less. The rewritten step computes what the captured one does."""
     original, inputs = _llama()
-    whole = _run(original.copy(), "profile,chunk,select", "0.8")
+    whole = _run(original.copy(), "profile,chunk{when=budget},select", "0.8")
     assert not whole.artifacts["chunk"].applied and whole.artifacts["plan"].entries
     graph = original.copy()
     ctx = _run(graph, "profile,chunk{when=cost},select,rewrite", "0.8")
@@ -486,25 +488,26 @@ def test_the_default_pipeline_runs_chunk_after_the_optimizer_passes_and_before_s
     assert DEFAULT_PIPELINE is DEFAULT_PASSES  # mutwo-opt's default is mutwo.optimize's
 
 
-@pytest.mark.parametrize(("loss", "budget"), [
-    ("mean", None),  # on the CPU without a budget nothing needs saving
-    ("mean", "0.99"),  # recomputation could reach 0.99 with the head whole
-    ("z-loss", "min"),  # a head that cannot be sliced: refused, not a failure
-    ("z-loss", "0.995"),
+@pytest.mark.parametrize(("loss", "budget", "pipeline"), [
+    ("mean", None, DEFAULT_PASSES),  # on the CPU without a budget nothing needs saving
+    ("mean", "1.0", DEFAULT_PASSES),  # select's plan recomputes nothing: nothing for slices to save
+    ("mean", "0.99", BUDGET_ONLY),  # recomputation could reach 0.99 with the head whole
+    ("z-loss", "min", DEFAULT_PASSES),  # a head that cannot be sliced: refused, not a failure
+    ("z-loss", "0.995", DEFAULT_PASSES),
 ])  # fmt: skip
-def test_the_default_pipeline_plans_as_without_chunk_where_the_budget_needs_no_slicing(loss: str,
-                                                                                        budget: str | None) -> None:
+def test_the_default_pipeline_plans_as_without_chunk_where_the_budget_needs_no_slicing(
+        loss: str, budget: str | None, pipeline: str) -> None:  # fmt: skip
     original, _ = _head(loss)
     without, graph = original.copy(), original.copy()
     before = _run(without, WITHOUT_CHUNK, budget)
-    ctx = _run(graph, DEFAULT_PASSES, budget)
+    ctx = _run(graph, pipeline, budget)
     report: ChunkReport = ctx.artifacts["chunk"]
     assert not report.applied, report.reason
     assert print_graph(graph) == print_graph(without)
     assert ctx.artifacts["plan"].to_json() == before.artifacts["plan"].to_json()
 
 
-@pytest.mark.parametrize("budget", [None, "0.99"])
+@pytest.mark.parametrize("budget", [None, "1.0"])
 def test_mutwo_optimize_leaves_the_head_whole_where_the_budget_does_not_need_slicing(
         budget: str | None, evenly_timed: Callable[[ModuleType], None]) -> None:  # fmt: skip
     """Every op priced alike, so that the two plans follow from the graph alone: the same graph,
