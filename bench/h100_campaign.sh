@@ -41,14 +41,15 @@
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
-# Owed after session 17: i39-chunk-memory and i39-cost-bert again (the slice-bounded fusion
-#   rule, 0ab43ed, not measured on the GPU; before it the sliced BERT held 7 GiB over its plan);
-#   headline-resnet (its mutwo rows were cut off), then headline-gpt2 and headline-bert again
-#   (their eager, checkpointing and torch.compile rows emptied the cache after their first step,
-#   fixed in 25ea60d); the restarts of ResNet-152 b128 and the 0.5B Llama. Device time counted in
-#   full on the H100 in session 15: the three headline sections need about 45 minutes.
-#   Done in session 17 (session17_h100/): i40-aot-cache at b64 (the cache bypass found and fixed),
-#   i39-memory-trace, i39-chunk-memory and i39-cost-bert before the fusion fix, i39-output-code.
+# Owed after session 18: i39-cost-bert (COST_ONLY=1) again with the rule that no kernel makes a
+#   slice wait for a later one (5f3f5e6; BERT's sliced plans held 2.3-4.1 GiB over their simulation
+#   before it; the 32k Llama's Inductor allocation fell from 295.1 to 215.4 MiB with it), then
+#   i39-chunk-memory's inductor-cudagraphs row; GPT-2 small's sliced head; headline-resnet, then
+#   headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows emptied
+#   the cache after their first step, fixed in 25ea60d); the restarts of ResNet-152 b128 and the
+#   0.5B Llama. The three headline sections need about 45 minutes of device time.
+#   Done in session 18 (session18_h100/): i39-chunk-memory, COST_ONLY=1 i39-cost-bert,
+#   i39-output-code, i39-floor-bert, tests-all.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -236,11 +237,12 @@ case "$section" in
     timeout 400 python3 bench/memory_trace.py --config examples/llama_32k.yaml --batch-size 8 --budget 0.5 \
       --out "$OUT/memory_trace_llama_32k.json" ;;
   i39-cost-bert)
-    # chunk{when=cost} against the default pipeline: BERT-base b64 at what per-block checkpointing
-    # held (17,206 MiB, headline-bert), inductor-cudagraphs, calibrated (mutwo.optimize's default);
-    # each pipeline planned and trained in a fresh process (bench/pipeline_timing.py), its log in
-    # $OUT/cost_bert_b64_N.log. ~5 min each. COST_ONLY=1: the chunk{when=cost} pipeline alone.
-    default=(--passes "profile,optimizer,chunk,select,rewrite"); [ -n "${COST_ONLY:-}" ] && default=()
+    # chunk{when=cost} (the default since f8d031d) against chunk{when=budget}: BERT-base b64 at what
+    # per-block checkpointing held (17,206 MiB, headline-bert), inductor-cudagraphs, calibrated
+    # (mutwo.optimize's default); each pipeline planned and trained in a fresh process
+    # (bench/pipeline_timing.py), its log in $OUT/cost_bert_b64_N.log. ~5 min each. COST_ONLY=1:
+    # the chunk{when=cost} pipeline alone.
+    default=(--passes "profile,optimizer,chunk{when=budget},select,rewrite"); [ -n "${COST_ONLY:-}" ] && default=()
     timeout 1800 python3 bench/pipeline_timing.py --config examples/bert.yaml --batch-size 64 --budget 17206MiB \
       --backend inductor-cudagraphs --warmup 2 --steps 10 "${default[@]}" \
       --passes "profile,optimizer,chunk{when=cost},select,rewrite" --out "$OUT/cost_bert_b64.json" ;;
