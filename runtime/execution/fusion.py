@@ -186,15 +186,13 @@ def delays_a_slice(node1: Any, node2: Any) -> bool:
     other nodes) and the other side is slice i's work or is read by slice i's, with i <= j (i < j
     where the other side is slice i's own work, which may fuse with what reads it)."""
     first, second = _slice_sides(node1), _slice_sides(node2)
-    for region in set(first) | set(second):
-        for one, other in ((first.get(region), second.get(region)), (second.get(region), first.get(region))):
-            if one is None or other is None:
-                continue
-            own, latest_read, earliest_fed = other
-            if one[1] >= earliest_fed or (own and one[1] > min(own)):
-                return True  # ``one`` reads slice j; ``other`` feeds slice i <= j, or is slice i < j
-            if one[0] and (latest_read > min(one[0]) or earliest_fed < max(one[0])):
-                return True  # ``one`` is slice i's work; ``other`` reads a later slice or feeds an earlier
+    for region in first.keys() & second.keys():
+        for (_, reads, feeds), (own, _, other_feeds) in ((first[region], second[region]),
+                                                         (second[region], first[region])):  # fmt: skip
+            if reads >= other_feeds:
+                return True  # one side reads slice j, the other feeds slice i <= j
+            if own and (reads > min(own) or feeds < max(own)):
+                return True  # the other side is slice i's work; this one reads a later slice or feeds an earlier
     return False
 
 
