@@ -44,7 +44,7 @@
 # Owed after session 18: i39-cost-bert (COST_ONLY=1) again with the rule that no kernel makes a
 #   slice wait for a later one (5f3f5e6; BERT's sliced plans held 2.3-4.1 GiB over their simulation
 #   before it; the 32k Llama's Inductor allocation fell from 295.1 to 215.4 MiB with it), then
-#   i39-chunk-memory's inductor-cudagraphs row; GPT-2 small's sliced head; headline-resnet, then
+#   i39-chunk-memory's inductor-cudagraphs row; i39-cost-gpt2 (GPT-2 small's sliced head); headline-resnet, then
 #   headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows emptied
 #   the cache after their first step, fixed in 25ea60d); the restarts of ResNet-152 b128 and the
 #   0.5B Llama. The three headline sections need about 45 minutes of device time.
@@ -60,7 +60,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-floor-bert, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -246,6 +246,13 @@ case "$section" in
     timeout 1800 python3 bench/pipeline_timing.py --config examples/bert.yaml --batch-size 64 --budget 17206MiB \
       --backend inductor-cudagraphs --warmup 2 --steps 10 "${default[@]}" \
       --passes "profile,optimizer,chunk{when=cost},select,rewrite" --out "$OUT/cost_bert_b64.json" ;;
+  i39-cost-gpt2)
+    # Issue 39's second model: GPT-2 small s1024 b8 at what per-layer checkpointing held (7,816 MiB,
+    # headline-gpt2), inductor-cudagraphs, calibrated; chunk{when=cost} (the default) against
+    # chunk{when=budget}, each in a fresh process (bench/pipeline_timing.py). ~5 min each.
+    timeout 1800 python3 bench/pipeline_timing.py --config examples/gpt2.yaml --batch-size 8 --budget 7816MiB \
+      --backend inductor-cudagraphs --warmup 2 --steps 10 --passes "profile,optimizer,chunk{when=budget},select,rewrite" \
+      --passes "profile,optimizer,chunk{when=cost},select,rewrite" --out "$OUT/cost_gpt2_b8.json" ;;
   i39-floor-bert)
     # BERT-base b64's lowest held memory (issue 39: at most 25% of eager's 32,305 MiB): the default
     # pipeline (chunk slices the head at min) at budget min, under FLOOR_BACKEND (default eager).
