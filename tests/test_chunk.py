@@ -564,6 +564,28 @@ def test_the_plan_cache_replays_chunk_and_reuses_the_plan_of_the_sliced_graph(tm
     assert print_graph(again.last.graph) == print_graph(made.last.graph)
 
 
+def test_a_calibrated_sliced_plan_is_reused_by_a_second_process(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Peak calibration with the step measured 30% over its simulation (as the sliced BERT's held
+    more than simulated on the H100): the first round's plan (4 slices at 0.5) misses, the kept
+    round was planned lower, in 8 slices. A second process hits the cache and trains the kept
+    plan; before the hit replayed chunk's record, chunk sliced in 4 again at the key's budget, the
+    kept plan did not apply, and the hit planned from scratch."""
+    import mutwo.runtime.planning.peak_calibration as peak_calibration
+
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 1.3), None))
+    uncalibrated = _optimize("0.5").last
+    made, again = (_optimize("0.5", calibrate_peak=2, cache=tmp_path).last for _ in range(2))
+    assert uncalibrated is not None and made is not None and again is not None
+    assert made.calibration is not None and made.calibration.chosen > 0
+    kept = made.context.artifacts["chunk"].slices
+    assert kept != uncalibrated.context.artifacts["chunk"].slices  # what chunk chooses at the key's budget
+    assert (made.cache_hit, again.cache_hit) == (False, True)
+    assert again.context.artifacts["chunk"].slices == kept
+    assert print_graph(again.graph) == print_graph(made.graph)
+
+
 def test_a_hit_slices_as_the_kept_plan_did_whatever_the_budget_would_choose_now() -> None:
     """Calibration re-plans at budgets other than the one the key holds, where chunk may choose
     another count: the entry's record of the kept plan's slicing is what a hit replays (before,
