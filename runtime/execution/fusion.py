@@ -93,43 +93,32 @@ def slice_order(graph: Graph, slices: dict[int, str]) -> tuple[dict[int, dict[st
     """For each node of ``graph`` outside the slices ``slices`` names (by id or by its origin's):
     the last slice of each region whose work it reads, and the first slice of each region whose
     work reads it (both through any path; nodes unrelated to a region are left out)."""
-    def slice_at(node: Any) -> tuple[str, int] | None:
-        where = slices.get(node.origin if node.origin is not None else node.id)
-        if where is None:
-            return None
-        region, index = where.split(":")
-        return region, int(index)
-
     if not slices:
         return {}, {}
     nodes = graph.nodes
+    own: dict[int, dict[str, int]] = {}  # slice work: {region: its slice}
+    for node in nodes:
+        where = slices.get(node.origin if node.origin is not None else node.id)
+        if where is not None:
+            region, index = where.split(":")
+            own[node.id] = {region: int(index)}
     after: dict[int, dict[str, int]] = {}
     for node in nodes:  # in order: every operand before its reader
         reads: dict[str, int] = {}
         for operand in node.operands:
-            for region, index in _reach(operand, slice_at, after).items():
+            for region, index in own.get(operand.id, after.get(operand.id, {})).items():
                 reads[region] = max(reads.get(region, index), index)
-        if reads and slice_at(node) is None:
+        if reads and node.id not in own:
             after[node.id] = reads
-    before: dict[int, dict[str, int]] = {}
     readers: dict[int, dict[str, int]] = {}
     for node in reversed(nodes):  # every reader before its operands
-        fed = _reach(node, slice_at, readers)
+        fed = own.get(node.id, readers.get(node.id, {}))
         for operand in node.operands:
             into = readers.setdefault(operand.id, {})
             for region, index in fed.items():
                 into[region] = min(into.get(region, index), index)
-    for node in nodes:
-        if node.id in readers and readers[node.id] and slice_at(node) is None:
-            before[node.id] = readers[node.id]
+    before = {node_id: fed for node_id, fed in readers.items() if fed and node_id not in own}
     return after, before
-
-
-def _reach(node: Any, slice_at: Any, propagated: dict[int, dict[str, int]]) -> dict[str, int]:
-    """The slices ``node`` stands for when propagating: its own if it is slice work, else what was
-    propagated to it."""
-    own = slice_at(node)
-    return {own[0]: own[1]} if own is not None else propagated.get(node.id, {})
 
 
 def _marks(*nodes: Any) -> Iterator[dict[str, Any]]:
