@@ -249,9 +249,11 @@ case "$section" in
   i39-cost-gpt2)
     # Issue 39's second model: GPT-2 small s1024 b8 at what per-layer checkpointing held (7,816 MiB,
     # headline-gpt2), inductor-cudagraphs, calibrated; chunk{when=cost} (the default) against
-    # chunk{when=budget}, each in a fresh process (bench/pipeline_timing.py). ~5 min each.
+    # chunk{when=budget}, each in a fresh process (bench/pipeline_timing.py). ~5 min each. COST_ONLY=1:
+    # the chunk{when=cost} pipeline alone.
+    default=(--passes "profile,optimizer,chunk{when=budget},select,rewrite"); [ -n "${COST_ONLY:-}" ] && default=()
     timeout 1800 python3 bench/pipeline_timing.py --config examples/gpt2.yaml --batch-size 8 --budget 7816MiB \
-      --backend inductor-cudagraphs --warmup 2 --steps 10 --passes "profile,optimizer,chunk{when=budget},select,rewrite" \
+      --backend inductor-cudagraphs --warmup 2 --steps 10 "${default[@]}" \
       --passes "profile,optimizer,chunk{when=cost},select,rewrite" --out "$OUT/cost_gpt2_b8.json" ;;
   i39-floor-bert)
     # BERT-base b64's lowest held memory (issue 39: at most 25% of eager's 32,305 MiB): the default
