@@ -223,6 +223,7 @@ case "$section" in
     # step planned at per-layer checkpointing's held memory, uncalibrated, read offline.
     TORCH_LOGS="output_code" timeout 500 mutwo-opt examples/bert.yaml --device cuda --batch-size 64 \
       --budget 17206MiB --backend inductor --calibrate-peak 0 --no-cache --print-ir-after rewrite \
+      -p "profile,optimizer,chunk,select,rewrite" \
       --out "$BG/bert_code" > "$BG/bert_code.full" 2>&1
     echo "exit $?"; gzip -c "$BG/bert_code.full" > "$OUT/bert_b64_inductor_output_code.log.gz"
     cp "$BG/bert_code/summary.json" "$OUT/bert_b64_inductor_summary.json"
