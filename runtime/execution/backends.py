@@ -46,6 +46,7 @@ from mutwo.runtime.execution.empty_concatenations import single_tensor_concatena
 from mutwo.runtime.execution.errors import BackendError, CompileError
 from mutwo.runtime.execution.fusion import kernel_per_node, mark_phases, phase_bounded_fusion, phases_arrived
 from mutwo.runtime.execution.replay_cache_keys import replay_cache_keys
+from mutwo.runtime.execution.stored_across_phases import STORED_RULE_VERSION, kept_values_stored
 from mutwo.runtime.execution.swap_graphs import insert_release_points
 from mutwo.runtime.execution.swap_inductor import (
     SWAP_RULE_VERSION,
@@ -273,13 +274,13 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
     in_order = order_kept_options() if communicates else {}
     swapping = offloaded_buffers_kept_from_reuse() if swaps else nullcontext()
     try:
-        rules = phases_arrived(SWAP_RULE_VERSION if swaps else "")
+        rules = phases_arrived(STORED_RULE_VERSION + (f"+{SWAP_RULE_VERSION}" if swaps else ""))
         # mutwo's replay functions into AOTAutograd's cache, which otherwise bypasses their graphs
         cacheable = {**config.unsafe_marked_cacheable_functions, **replay_cache_keys()}
         with config.patch({**INDUCTOR_OPTIONS, **on_gpu, **in_order, "post_grad_custom_post_pass": rules,
                            "unsafe_marked_cacheable_functions": cacheable}), swapping, \
-                phase_bounded_fusion(), kernel_per_node(), batch_norm_elemt_decomposed(), torch.no_grad(), \
-                quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER), noting_bypass() as bypasses:
+                phase_bounded_fusion(), kernel_per_node(), kept_values_stored(), batch_norm_elemt_decomposed(), \
+                torch.no_grad(), quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER), noting_bypass() as bypasses:
             compiled = compile_fx(module, fakes)
     except torch.OutOfMemoryError:  # autotuning ran out: not the compiler's failure (the caller notes its stage)
         raise
