@@ -52,6 +52,11 @@ class Graph:
     def __len__(self) -> int:
         return len(self._nodes)
 
+    @property
+    def next_id(self) -> int:
+        """The id the next node created gets: every node this graph (or a copy) made has a lower one."""
+        return self._next_id
+
     def node(self, node_id: int) -> Node:
         """The node with this stable id."""
         try:

@@ -288,6 +288,24 @@ def test_the_api_keeps_the_calibrated_plan_and_trains_with_it(monkeypatch: pytes
     assert torch.isfinite(step(work.batch))
 
 
+def test_a_kept_round_planned_again_differently_trains_the_step_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept round's passes run again to write their files; should planning give another graph
+    (a profile an earlier round's slicing priced once made it, on the H100), the step trained is
+    the one measured, and the log says the files do not describe it."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    monkeypatch.setattr(peak_calibration, "same_plan", lambda graph, other: False)
+    lines: list[str] = []
+    work = models.cnn(batch_size=32)
+    optimized = optimize_graph(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch,
+                               work.loss_fn, budget=parse_budget("0.85"), backend="inductor", calibrate_peak=2,
+                               log=lines.append)  # fmt: skip
+    calibration = optimized.calibration
+    assert calibration is not None and calibration.chosen >= 1
+    assert optimized.graph is calibration.step.graph  # the measured round's, not the one planned again
+    assert any("made another plan than round" in line for line in lines), lines
+
+
 def test_a_budget_that_plans_the_same_graph_again_is_not_compiled_or_measured_again(
         monkeypatch: pytest.MonkeyPatch, evenly_timed: Callable[[ModuleType], None]) -> None:  # fmt: skip
     """The MLP's plan at 0.9 peaks 4.6% under its budget (one recompute frees a whole layer's

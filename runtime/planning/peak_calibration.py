@@ -288,6 +288,11 @@ class Calibrated:
     calibration: Calibration[Any] | None = None
 
 
+def same_plan(graph: Graph, other: Graph) -> bool:
+    """Whether two planned graphs are the same program (their printed IR)."""
+    return print_graph(graph) == print_graph(other)
+
+
 def pipeline_plan(artifacts: dict[str, Any]) -> Any:
     """The plan a pipeline made: ``select``'s (recompute only) or ``select-swap``'s (None: neither ran)."""
     return artifacts["plan"] if "plan" in artifacts else artifacts.get("swap-plan")
@@ -355,6 +360,11 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     if kept is not first:  # its passes again, writing their files; the same graph, Inductor's cache compiles it
         planned = plan(calibration.rounds[calibration.chosen].budget_bytes, out_dir)
         assert planned is not None  # the same budget planned before
-        kept = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
+        if same_plan(planned[0], kept.graph):
+            kept = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
+        else:  # planning is meant to be a function of the budget; the step measured is the one to train
+            log(f"peak calibration: planning {calibration.rounds[calibration.chosen].budget_bytes / 2**20:,.1f} MiB "
+                f"again made another plan than round {calibration.chosen + 1}'s; training the step measured, whose "
+                "plan the files in the output folder do not describe")  # fmt: skip
     kept.calibration = calibration
     return kept
