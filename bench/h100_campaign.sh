@@ -41,15 +41,13 @@
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
-# Owed after session 18: i39-cost-bert (COST_ONLY=1) again with the rule that no kernel makes a
-#   slice wait for a later one (5f3f5e6; BERT's sliced plans held 2.3-4.1 GiB over their simulation
-#   before it; the 32k Llama's Inductor allocation fell from 295.1 to 215.4 MiB with it), then
-#   i39-chunk-memory's inductor-cudagraphs row; i39-cost-gpt2 (GPT-2 small's sliced head); headline-resnet, then
-#   headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows emptied
-#   the cache after their first step, fixed in 25ea60d); the restarts of ResNet-152 b128 and the
-#   0.5B Llama. The three headline sections need about 45 minutes of device time.
-#   Done in session 18 (session18_h100/): i39-chunk-memory, COST_ONLY=1 i39-cost-bert,
-#   i39-output-code, i39-floor-bert, tests-all.
+# Owed after session 19: i39-chunk-memory's inductor rows again (the Llama since 14a74d0 stores
+#   forward values its backward reads); headline-resnet, then headline-gpt2 and headline-bert again
+#   (their eager, checkpointing and torch.compile rows emptied the cache after their first step,
+#   fixed in 25ea60d; their mutwo rows predate slicing by cost); the restarts of ResNet-152 b128 and
+#   the 0.5B Llama. The three headline sections need about 45 minutes of device time.
+#   Done in session 19 (session19_h100/): COST_ONLY=1 i39-cost-bert and i39-cost-gpt2 (before and
+#   after 14a74d0 and 30243cf), i39-output-code-bert, tests-all.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
