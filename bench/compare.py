@@ -34,7 +34,9 @@ budget can name a peak measured there without measuring it again; they are kept 
 under ``reference_runs``.
 
 ``mutwo-swap-<budget>`` plans with select-swap and insert-swap instead (keep, recompute or swap
-each activation to pinned host memory, μ-TWO); ``mutwo-<budget>`` stays recompute only. Rows of
+each activation to pinned host memory, μ-TWO); ``mutwo-<budget>`` stays recompute only, with the
+default pipeline's passes after the optimizer's: chunk (a language-model head sliced where the
+budget needs it or select's plan is predicted faster so), select, rewrite. Rows of
 mutwo variants record the plan's predicted peak (``planned_peak_bytes``) and iteration time
 (``predicted_iteration_ms``) beside the measured ones. ``mutwo-none`` profiles the graph once;
 the mutwo variants after it (same model and batch) reuse that profile, an unbudgeted one too when

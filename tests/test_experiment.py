@@ -107,13 +107,13 @@ def test_cpu_run_names_the_failed_pass_after_the_reused_profile(cpu_run: tuple[i
     """The budget run plans with the profile of ``none``: select fails after it, not "as the first pass"."""
     _, _, results = cpu_run
     error = rows_by_key(results)[(32, "0.95")]["error"]
-    assert error.startswith("pass 'select' failed after [profile (from b32/profile.json)]: budget 0.95 "), error
+    assert error.startswith("pass 'select' failed after [profile (from b32/profile.json), chunk]: budget 0.95 "), error
     assert "first pass" not in error
 
 
 def test_budget_run_skips_profiling_when_none_saved_a_matching_profile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """In-process: the budget run's pipeline is select,rewrite, not profile,select,rewrite."""
+    """In-process: the budget run's pipeline is chunk,select,rewrite, not profile,chunk,select,rewrite."""
     pipelines: list[str] = []
     build_pipeline = PassRegistry.build_pipeline
 
@@ -125,7 +125,7 @@ def test_budget_run_skips_profiling_when_none_saved_a_matching_profile(
     monkeypatch.chdir(REPO)
     none = run_configuration(CONFIG, 64, "none", tmp_path, device="cpu")
     budget = run_configuration(CONFIG, 64, "0.95", tmp_path, device="cpu")
-    assert pipelines == ["profile", "select,rewrite"]
+    assert pipelines == ["profile", "chunk,select,rewrite"]
     assert "error" not in none and "error" not in budget, (none, budget)
     assert budget["profile_seconds"] == none["profile_seconds"]
     assert budget["iteration_ms"] > 0

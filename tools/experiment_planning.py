@@ -72,7 +72,8 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
     context = pass_context(lowered, budget, out_dir=folder if profiles else None, log=log)
     context.services.update(backend_services(backend), measure_choice=measure_choice)
     planning = ["optimizer"] if optimizer_passes else []
-    planning += (["swap"] if swap else ["select", "rewrite"]) if budget is not None else []
+    # recompute only: the default pipeline's passes after the optimizer's (chunk slices a language-model head)
+    planning += (["swap"] if swap else ["chunk", "select", "rewrite"]) if budget is not None else []
     # The run without a budget saves the profile the others reuse: on CUDA it measures the copies'
     # contention too, which only swap pipelines read (and which their profile pass measures anyway).
     profile_options = [*(["isolate=true"] if isolate_profile else []),
@@ -150,7 +151,7 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
             row["measured_choice"] = {"skipped": "select-swap's plan swaps nothing: it is recompute only already"}
             return planned
         started = time.perf_counter()
-        recompute_only = ",".join([*(["optimizer"] if optimizer_passes else []), "select", "rewrite"])
+        recompute_only = ",".join([*(["optimizer"] if optimizer_passes else []), "chunk", "select", "rewrite"])
         other = _recompute_only_step(pristine, lowered, recompute_only, swap_plan.budget_bytes, backend, profile,
                                      calibrate, log, device_lock)  # fmt: skip
         row["planning_seconds"] = round(row["planning_seconds"] + time.perf_counter() - started, 2)
