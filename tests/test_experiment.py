@@ -107,7 +107,7 @@ def test_cpu_run_names_the_failed_pass_after_the_reused_profile(cpu_run: tuple[i
     """The budget run plans with the profile of ``none``: select fails after it, not "as the first pass"."""
     _, _, results = cpu_run
     error = rows_by_key(results)[(32, "0.95")]["error"]
-    assert error.startswith("pass 'select' failed after [profile (from b32/profile.json), chunk]: budget 0.95 "), error
+    assert error.startswith("pass 'select' failed after [profile (from b32/profile.json),chunk]: budget 0.95 "), error
     assert "first pass" not in error
 
 
