@@ -15,6 +15,13 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.l2(torch.relu(self.l1(x)))
 
+def sharded_mlp():
+    """The MLP from seed 0, each layer and the root wrapped with fully_shard."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    m = MLP(); fully_shard(m.l1); fully_shard(m.l2); fully_shard(m)
+    return m
+
 def log(*a):
     if dist.get_rank() == 0 or os.environ.get("ALL_RANKS"):
         print(f"[rank{dist.get_rank()}]", *a, flush=True)

@@ -2,11 +2,9 @@
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard, FSDPModule
 from torch.distributed.tensor import DTensor
-from common import init, MLP, log
+from common import init, MLP, log, sharded_mlp
 rank, ws = init()
-torch.manual_seed(0)
-m = MLP()
-fully_shard(m.l1); fully_shard(m.l2); fully_shard(m)
+m = sharded_mlp()
 log("type:", type(m).__mro__[:3])
 for n, p in m.named_parameters():
     log(n, type(p).__name__, p.placements, "global", tuple(p.shape), "local", tuple(p.to_local().shape),

@@ -2,18 +2,13 @@
 import sys, traceback, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.fx.experimental.proxy_tensor import make_fx
-from common import init, MLP, log
+from common import init, MLP, log, sharded_mlp
 rank, ws = init()
-
-def fresh():
-    torch.manual_seed(0)
-    m = MLP(); fully_shard(m.l1); fully_shard(m.l2); fully_shard(m)
-    return m
 
 x = torch.randn(4, 8)
 
 def attempt(name, build):
-    m = fresh()
+    m = sharded_mlp()
     try:
         gm = build(m)
         ops = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})

@@ -3,15 +3,11 @@ with _allow_non_fake_inputs=True."""
 import sys, traceback, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.fx.experimental.proxy_tensor import make_fx
-from common import init, MLP, log
+from common import init, MLP, log, sharded_mlp
 rank, ws = init()
-def fresh():
-    torch.manual_seed(0)
-    m = MLP(); fully_shard(m.l1); fully_shard(m.l2); fully_shard(m)
-    return m
 x = torch.randn(4, 8)
 
-m = fresh()
+m = sharded_mlp()
 def step(x):
     loss = m(x).square().mean(); loss.backward()
     return loss
@@ -29,7 +25,7 @@ except Exception as e:
 dist.barrier()
 
 # fake mode after an eager step did the lazy init
-m = fresh(); m(x).sum().backward()
+m = sharded_mlp(); m(x).sum().backward()
 for p in m.parameters(): p.grad = None
 try:
     gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(x)

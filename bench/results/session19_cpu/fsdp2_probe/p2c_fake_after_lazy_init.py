@@ -3,10 +3,9 @@ it 'works', but what is in the graph, and what did it do to the module?"""
 import collections, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.fx.experimental.proxy_tensor import make_fx
-from common import init, MLP, log
+from common import init, MLP, log, sharded_mlp
 rank, ws = init()
-torch.manual_seed(0)
-m = MLP(); fully_shard(m.l1); fully_shard(m.l2); fully_shard(m)
+m = sharded_mlp()
 x = torch.randn(4, 8)
 m(x).sum().backward()
 for p in m.parameters(): p.grad = None

@@ -3,12 +3,11 @@ and whether writing the plain local tensors in place is seen by FSDP2 (its padde
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard, FSDPModule
 from torch.distributed.tensor import DTensor
-from common import init, MLP, log
+from common import init, MLP, log, sharded_mlp
 import os; os.environ["ALL_RANKS"] = "1"
 from fsdp_capture import shard_layouts
 rank, ws = init()
-torch.manual_seed(0)
-m = MLP(); fully_shard(m.l1); fully_shard(m.l2); fully_shard(m)
+m = sharded_mlp()
 opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
 m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
 p = m.l1.weight
