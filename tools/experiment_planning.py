@@ -29,6 +29,11 @@ from mutwo.tools.experiment_measure import Training, device_turn
 TRANSFER_FILE = "transfer.json"
 
 
+#: A recompute-only plan: the default pipeline's passes after the profile and the optimizer passes
+#: (chunk slices a language-model head where the budget needs it or select's plan is faster so).
+RECOMPUTE_PASSES = ("chunk", "select", "rewrite")
+
+
 def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, Any],
                  log: Callable[[str], None], optimizer_passes: bool = False,
                  swap: bool = False, backend: str = "eager",
@@ -72,8 +77,7 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
     context = pass_context(lowered, budget, out_dir=folder if profiles else None, log=log)
     context.services.update(backend_services(backend), measure_choice=measure_choice)
     planning = ["optimizer"] if optimizer_passes else []
-    # recompute only: the default pipeline's passes after the optimizer's (chunk slices a language-model head)
-    planning += (["swap"] if swap else ["chunk", "select", "rewrite"]) if budget is not None else []
+    planning += (["swap"] if swap else list(RECOMPUTE_PASSES)) if budget is not None else []
     # The run without a budget saves the profile the others reuse: on CUDA it measures the copies'
     # contention too, which only swap pipelines read (and which their profile pass measures anyway).
     profile_options = [*(["isolate=true"] if isolate_profile else []),
@@ -151,7 +155,7 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
             row["measured_choice"] = {"skipped": "select-swap's plan swaps nothing: it is recompute only already"}
             return planned
         started = time.perf_counter()
-        recompute_only = ",".join([*(["optimizer"] if optimizer_passes else []), "chunk", "select", "rewrite"])
+        recompute_only = ",".join([*(["optimizer"] if optimizer_passes else []), *RECOMPUTE_PASSES])
         other = _recompute_only_step(pristine, lowered, recompute_only, swap_plan.budget_bytes, backend, profile,
                                      calibrate, log, device_lock)  # fmt: skip
         row["planning_seconds"] = round(row["planning_seconds"] + time.perf_counter() - started, 2)
