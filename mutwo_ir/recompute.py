@@ -93,12 +93,45 @@ def _writes_own_output_only(node: Node) -> bool:
 
 
 def replayable(node: Node) -> bool:
-    """Whether a forward node can be cloned into the backward without changing any result."""
-    if node.op != "call_function" or node.phase is not Phase.FORWARD or node.is_collective:
+    """Whether a forward node can be cloned into the backward without changing any result.
+
+    Collectives are not, since every rank must issue the same ones once per iteration, with one
+    exception: gathering parameter shards again (a ``fully_shard`` step's all-gather and its
+    wait, :func:`regathers_shards`) is what FSDP2 does before the backward, and every rank plans
+    the same graph, so every rank replays the same ones."""
+    if node.op != "call_function" or node.phase is not Phase.FORWARD:
+        return False
+    if node.is_collective and not regathers_shards(node):
         return False
     if node.is_random and rng_refusal(node) is not None:
         return False
     return _writes_own_output_only(node)
+
+
+#: The all-gather of a ``fully_shard`` step (:mod:`mutwo.runtime.capture.fully_sharded`).
+ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
+
+
+def regathers_shards(node: Node) -> bool:
+    """Whether ``node`` is an all-gather (or its wait) of values computed from parameters alone:
+    a ``fully_shard`` step gathering its shards, which can be gathered again for the backward."""
+    gather = node.args[0] if node.is_wait and isinstance(node.args[0], Node) else node
+    if gather.op_name != ALL_GATHER:
+        return False
+    stack, seen = [gather], set()
+    while stack:
+        current = stack.pop()
+        if current.id in seen:
+            continue
+        seen.add(current.id)
+        if current.op == "placeholder":
+            if current.kind is not NodeKind.PARAMETER:
+                return False
+            continue
+        if current is not gather and (current.is_collective or current.is_random or current.mutated_operands):
+            return False
+        stack.extend(current.operands)
+    return True
 
 
 def _mutation_positions(graph: Graph, liveness: Liveness) -> dict[StorageKey, list[int]]:

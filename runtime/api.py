@@ -229,8 +229,11 @@ class MutwoStep:
             self.micro_index = (self.micro_index + 1) % self.options["training"].accumulation_steps
         if self.keep_grads:
             params = dict(self.model.named_parameters())
+            dp = self.options.get("data_parallel")
+            sharded = dp.sharded if dp is not None else None
             for name, grad in gradients.items():
-                params[name].grad = grad
+                # fully_shard's gradients are DTensors of the local rows, as eager FSDP2 leaves them
+                params[name].grad = grad if sharded is None else sharded.local_dtensor(name, grad, params[name])
         return MutwoLoss.returned(output.loss)
 
     def _failed(self, failure: Failure | None, error: BaseException) -> None:
@@ -502,7 +505,7 @@ def optimize(
     limit = parse_bytes(memory_limit) if isinstance(memory_limit, str) else memory_limit
     wrapped = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     model, dp = distributed.data_parallel_for(model, data_parallel, bucket_cap_mb)
-    if dp is not None and not wrapped:
+    if dp is not None and not wrapped and dp.sharded is None:  # DDP broadcasts when it wraps; FSDP2 never does
         distributed.broadcast_model(model, dp)
     lead = dp is None or dp.rank == 0
     say = (lambda message: print(message, file=sys.stderr)) if lead else (lambda message: None)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,6 +81,25 @@ def _assert_same_state(a: dict, b: dict, what: str) -> None:
             assert a[key] == b[key], f"{what} {key}"
 
 
+def in_lockstep(step: Callable[[Any], torch.Tensor], optimizer: torch.optim.Optimizer, eager: torch.nn.Module,
+                eager_optimizer: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], torch.Tensor],
+                batch: Any) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Train ``eager`` eagerly and mutwo's ``step`` side by side for ``len(LR_FACTORS)`` iterations,
+    the learning rate changed between them as a scheduler would and the same seed before each (the
+    same dropout masks); yield each iteration's index, mutwo's loss and eager's."""
+    base_lr = optimizer.param_groups[0]["lr"]
+    for iteration, factor in enumerate(LR_FACTORS):
+        for group in (*optimizer.param_groups, *eager_optimizer.param_groups):
+            group["lr"] = base_lr * factor
+        torch.manual_seed(100 + iteration)
+        eager_optimizer.zero_grad(set_to_none=True)
+        expected = loss_fn(models.call_model(eager, batch), batch)
+        expected.backward()
+        eager_optimizer.step()
+        torch.manual_seed(100 + iteration)
+        yield iteration, step(batch), expected.detach()
+
+
 #: name -> (the workload, its optimizer, whether mutwo is given the DDP model (with small buckets)
 #: or detects the process group (DDP's default buckets)).
 CASES: dict[str, tuple[Callable[[], models.Workload], str, bool]] = {
@@ -109,18 +129,8 @@ def _against_ddp(rank: int, world: int, device: torch.device, case: str) -> None
     plans: list[str | None] = [None] * world
     dist.all_gather_object(plans, json.dumps(step.last.plan.to_json(), sort_keys=True))
     assert plans[0] == plans[rank], "the ranks planned differently"
-    base_lr = optimizer.param_groups[0]["lr"]
-    for iteration, factor in enumerate(LR_FACTORS):
-        for group in (*optimizer.param_groups, *eager_optimizer.param_groups):
-            group["lr"] = base_lr * factor
-        torch.manual_seed(100 + iteration)  # the same dropout masks in both
-        eager_optimizer.zero_grad(set_to_none=True)
-        expected = workload.loss_fn(models.call_model(eager, batch), batch)
-        expected.backward()
-        eager_optimizer.step()
-        torch.manual_seed(100 + iteration)
-        loss = step(batch)
-        _assert_same(loss, expected.detach(), f"rank {rank} iteration {iteration}: the loss")
+    for iteration, loss, expected in in_lockstep(step, optimizer, eager, eager_optimizer, workload.loss_fn, batch):
+        _assert_same(loss, expected, f"rank {rank} iteration {iteration}: the loss")
         for (name, mine), theirs in zip(model.named_parameters(), eager.module.parameters(), strict=True):
             _assert_same(mine.grad, theirs.grad, f"rank {rank} iteration {iteration}: the gradient of {name}")
     _assert_same_state(model.state_dict(), eager.module.state_dict(), f"rank {rank}: the model state")
@@ -251,19 +261,23 @@ def test_a_batch_that_does_not_split_evenly_is_refused() -> None:
     assert shard["x"].tolist() == [[4, 5], [6, 7]] and shard["scale"].item() == 2.0
 
 
-def test_sharded_and_single_process_parallel_models_are_refused(one_rank: None) -> None:
+def test_fsdp1_tensor_parallel_and_single_process_parallel_models_are_refused(one_rank: None) -> None:
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
     workload = models.mlp()
-    sharded = copy.deepcopy(workload.model)
-    fully_shard(sharded, mesh=mesh)
+    with warnings.catch_warnings():  # FSDP1 warns that it is deprecated
+        warnings.simplefilter("ignore")
+        fsdp1 = FullyShardedDataParallel(copy.deepcopy(workload.model), device_id=torch.device("cpu"))
     replicated = copy.deepcopy(workload.model)
     name, module = next((n, m) for n, m in replicated.named_modules() if isinstance(m, torch.nn.Linear))
     module.weight = torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
-    for model, message in ((sharded, "sharded with FSDP"), (replicated, f"parameter {name}.weight is a DTensor"),
+    for model, message in ((fsdp1, "FullyShardedDataParallel \\(FSDP1\\)"),
+                           (replicated, f"parameter {name}.weight is a DTensor outside fully_shard"),
                            (torch.nn.DataParallel(workload.model), "nn.DataParallel")):  # fmt: skip
         with pytest.raises(DataParallelError, match=message):
             optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), workload.batch, workload.loss_fn)

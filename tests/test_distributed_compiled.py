@@ -49,7 +49,7 @@ from mutwo.tools import mutwo_opt
 from mutwo.tools.cli import EXIT_USAGE
 from mutwo.tools.workloads import to_device
 from tests import models
-from tests.test_distributed import BUCKET_CAP_MB, LR_FACTORS, REPO, _free_port, rank_group
+from tests.test_distributed import BUCKET_CAP_MB, REPO, _free_port, in_lockstep, rank_group
 from tests.tinylm import tinylm
 
 TOLERANCE = Tolerance()
@@ -141,18 +141,9 @@ def _against_ddp(rank: int, world: int, device: torch.device, case: str, backend
     within = (TOLERANCE.rtol, TOLERANCE.atol) if backend.startswith("inductor") else (CUDA_RTOL, CUDA_ATOL)
     adaptive = optimizer_name.startswith("adam")
     base_lr = optimizer.param_groups[0]["lr"]
-    for iteration, factor in enumerate(LR_FACTORS):
-        for group in (*optimizer.param_groups, *eager_optimizer.param_groups):
-            group["lr"] = base_lr * factor
-        torch.manual_seed(100 + iteration)  # the same dropout masks in both
-        eager_optimizer.zero_grad(set_to_none=True)
-        expected = loss_fn(models.call_model(eager, batch), batch)
-        expected.backward()
-        eager_optimizer.step()
-        torch.manual_seed(100 + iteration)
-        loss = step(batch)
+    for iteration, loss, expected in in_lockstep(step, optimizer, eager, eager_optimizer, loss_fn, batch):
         where = f"{case} under {backend}, rank {rank}, iteration {iteration}"
-        _assert_close(loss, expected.detach(), f"{where}: the loss", within)
+        _assert_close(loss, expected, f"{where}: the loss", within)
         for (name, mine), theirs in zip(model.named_parameters(), eager.module.parameters(), strict=True):
             _assert_close(mine.grad, theirs.grad, f"{where}: the gradient of {name}", within)
     slack = TOLERANCE.lr_factor * base_lr if adaptive else 0.0

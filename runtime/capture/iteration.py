@@ -34,6 +34,13 @@ from mutwo.runtime.capture import optim as functional_optim
 from mutwo.runtime.capture.batch_call import BatchCall, batch_call
 from mutwo.runtime.capture.collectives import GradientBuckets, broadcast_coalesced
 from mutwo.runtime.capture.device_state import state_for_cuda_graphs, state_on_device
+from mutwo.runtime.capture.fully_sharded import (
+    ELEMENTWISE_OPTIMIZERS,
+    FullySharded,
+    ShardedGradients,
+    fsdp_hooks_removed,
+)
+from mutwo.runtime.capture.gather_schedule import schedule_gathers
 from mutwo.runtime.capture.guards import RecordedGuard, TraceDecider
 from mutwo.runtime.capture.input_aliasing import refuse_written_aliases, separate_aliases
 from mutwo.runtime.capture.rnn import run_rnn_layers_in_training_mode
@@ -139,6 +146,10 @@ class StepBinding:
         if not trainable:
             raise CaptureError("the optimizer has no parameter that requires grad; nothing would be trained")
         functional_optim.init_state(optimizer, [params[n] for n in trainable])
+        sharded = data_parallel.sharded if data_parallel is not None else None
+        if sharded is not None:
+            refuse_with_fully_shard(optimizer, training or TrainingOptions())
+            sharded.pad_state(optimizer, {n: params[n] for n in trainable})
         device_state: set[torch.Tensor] = set()
         if graphed:
             device_state = state_for_cuda_graphs(optimizer, [params[n] for n in trainable])
@@ -169,17 +180,31 @@ class StepBinding:
                   if isinstance(leaf, torch.Tensor)]  # fmt: skip
         return slots
 
+    @property
+    def sharded(self) -> FullySharded | None:
+        """The sharding of a ``fully_shard`` model, else None."""
+        return self.data_parallel.sharded if self.data_parallel is not None else None
+
     def flat_inputs(self, batch: Any) -> list[torch.Tensor]:
-        """The tensors to call the captured graph with, in slot order (the real, live tensors)."""
+        """The tensors to call the captured graph with, in slot order (the real, live tensors; of a
+        ``fully_shard`` model, the padded shards of its parameters and optimizer state)."""
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
-        flat: list[torch.Tensor] = [params[n].detach() for n in self.param_names]
+        sharded = self.sharded
+        if sharded is not None:
+            flat: list[torch.Tensor] = [sharded.padded(n, params[n]) for n in self.param_names]
+        else:
+            flat = [params[n].detach() for n in self.param_names]
         flat += [buffers[n] for n in self.buffer_names]
         for name in self.trainable:
             state = self.optimizer.state[params[name]]
             if name in self.device_state:  # load_state_dict may have brought step counts back to the CPU
                 state_on_device(state, params[name].device)
-            flat += [state[s] for s in self.state_layout[name]]
+            if sharded is not None:
+                flat += [sharded.padded(name, state[s]) if state[s].shape == params[name].shape else state[s]
+                         for s in self.state_layout[name]]  # fmt: skip
+            else:
+                flat += [state[s] for s in self.state_layout[name]]
             flat += [tensor for (owner, _), tensor in self.fresh.items() if owner == name]
         flat += list(self.accumulated_inputs().values())
         flat += self.training.scaler_state(params[self.trainable[0]].device)
@@ -191,7 +216,8 @@ class StepBinding:
     def trace_inputs(self, batch: Any) -> list[torch.Tensor]:
         """Like :meth:`flat_inputs`, with trainable parameters marked as requiring grad."""
         flat = self.flat_inputs(batch)
-        trainable = set(self.trainable)
+        # A fully_shard step differentiates the gathered parameters, not the shards.
+        trainable = set(self.trainable) if self.sharded is None else set()
         for index, name in enumerate(self.param_names):
             flat[index] = flat[index].requires_grad_(name in trainable)
         return flat
@@ -214,7 +240,10 @@ class StepBinding:
     def install_fresh(self) -> None:
         """After a run: hand the state the optimizer created to the optimizer, as its step() would."""
         params = dict(self.model.named_parameters())
+        sharded = self.sharded
         for (name, key), tensor in self.fresh.items():
+            if sharded is not None and tensor.shape == sharded.parameters[name].padded_shape:
+                tensor = sharded.local_dtensor(name, tensor, params[name])
             self.optimizer.state[params[name]][key] = tensor
         self.fresh = {}
 
@@ -253,15 +282,17 @@ class StepBinding:
             traced_batch = pytree.tree_unflatten(batch_leaves, batch_spec)
 
             device = next(iter(params.values())).device
-            averaging = self._begin_data_parallel(params, buffers)
-            with torch.enable_grad(), self.training.forward_context(device):
+            averaging, weights = self._begin_data_parallel(params, buffers)
+            sharded = self.sharded
+            with torch.enable_grad(), self.training.forward_context(device), \
+                    fsdp_hooks_removed(self.model) if sharded is not None else contextlib.nullcontext():  # fmt: skip
                 args, kwargs = self.call.model_arguments(traced_batch)
-                output = torch.func.functional_call(self.model, (params, buffers), args, kwargs, tie_weights=True,
+                output = torch.func.functional_call(self.model, (weights, buffers), args, kwargs, tie_weights=True,
                                                     strict=False)  # fmt: skip
                 loss = self._loss(output, traced_batch)
             _check_loss(loss)
             _end_phase(Phase.FORWARD)
-            wanted = [params[n] for n in self.trainable]
+            wanted = [weights[n] for n in self.trainable]
             # An eager loop accumulating over k micro-batches calls (loss / k).backward() on each;
             # with a grad scaler, scaler.scale(loss / k).backward().
             objective = loss / k if k > 1 else loss
@@ -321,19 +352,40 @@ class StepBinding:
                                "takes the inputs, so the loss is called as loss_fn(output, batch[1]), with the "
                                "labels (F.cross_entropy works as it is)") from (error if debug_enabled() else None)
 
-    def _begin_data_parallel(self, params: dict[str, torch.Tensor],
-                             buffers: dict[str, torch.Tensor]) -> GradientBuckets | None:  # fmt: skip
+    def _begin_data_parallel(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> tuple[
+            GradientBuckets | ShardedGradients | None, dict[str, torch.Tensor]]:  # fmt: skip
         """Data parallel: trace rank 0's buffers into every rank's, and hook the trainable
-        parameters so that their gradients are bucketed and all-reduced as they become final."""
+        parameters so that their gradients are bucketed and all-reduced as they become final. A
+        ``fully_shard`` model's parameters are all-gathered instead, and the gathered ones hooked
+        to be reduce-scattered. Returns the hooks and the parameters the model runs with."""
         dp = self.data_parallel
         if dp is None:
-            return None
+            return None, params
+        if dp.sharded is not None:
+            full = dp.sharded.gathered(params, set(self.trainable))
+            return dp.sharded.reduce_scatter(full, self.trainable), full
         if dp.sync_buffers:
             broadcast_coalesced([b for n, b in buffers.items() if n not in dp.ignored], dp.group_name)
         buckets = GradientBuckets(dp.group_name, dp.world_size, dp.bucket_limits,
                                   [n for n in self.trainable if n not in dp.ignored])  # fmt: skip
         buckets.watch(params)
-        return buckets
+        return buckets, params
+
+
+def refuse_with_fully_shard(optimizer: torch.optim.Optimizer, training: TrainingOptions) -> None:
+    """What a ``fully_shard`` step cannot capture yet, in one sentence each: options that need a
+    norm or a sum over every rank's shards, and an optimizer whose update is not element-wise."""
+    name = type(optimizer).__name__
+    if name not in ELEMENTWISE_OPTIMIZERS:
+        raise CaptureError(f"{name} is not an element-wise torch.optim optimizer, so its update of a shard is not "
+                           f"that of the whole parameter; with fully_shard use one of "
+                           f"{', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}")  # fmt: skip
+    for option, asked in (("max_grad_norm", training.max_grad_norm is not None),
+                          ("accumulation_steps", training.accumulation_steps > 1),
+                          ("grad_scaler", training.grad_scaler is not None)):  # fmt: skip
+        if asked:
+            raise CaptureError(f"{option} is not supported with fully_shard yet (it needs the gradients of every "
+                               f"rank's shard together); drop {option}")  # fmt: skip
 
 
 def _accumulate(accumulated: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -405,6 +457,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
     except functional_optim.FreshStateCreated as fresh:
         binding.allocate_fresh(fresh.created)  # and trace again, writing the new state into them
         graph_module, gradient_labels, guards, aliases = _trace(binding, batch)
+    if binding.sharded is not None:
+        schedule_gathers(graph_module, len(binding.param_names), binding.sharded)
     slots = binding.slots(batch)
     refuse_written_aliases(graph_module.graph, aliases, [s.label for s in slots])
     run_rnn_layers_in_training_mode(graph_module.graph)

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.graph import Graph
 from mutwo.ir.printer import print_graph
 from mutwo.runtime.capture.collectives import broadcast_coalesced
+from mutwo.runtime.capture.fully_sharded import FullySharded, FullyShardedError, fully_sharded_layout, is_fully_sharded
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, Mismatch
 from mutwo.runtime.measurement.profiler import Profile
 
@@ -58,6 +59,9 @@ class DataParallel:
     sync_buffers: bool = True
     ignored: frozenset[str] = frozenset()
     wrapper: nn.parallel.DistributedDataParallel | None = field(default=None, compare=False)  #: the DDP given
+    #: a ``fully_shard`` model's sharding: parameters all-gathered and gradients reduce-scattered
+    #: per group (:mod:`mutwo.runtime.capture.fully_sharded`) instead of all-reduced in buckets
+    sharded: FullySharded | None = field(default=None, compare=False)
 
     def require_sync(self) -> None:
         """Refuse a step inside the DDP wrapper's ``no_sync()``: mutwo's step always averages the
@@ -104,6 +108,15 @@ class DataParallel:
         return cls(group if group is not None else dist.group.WORLD, limits, sync_buffers)
 
     @classmethod
+    def from_fully_shard(cls, model: nn.Module) -> DataParallel:
+        """The sharding of a ``fully_shard`` model; FSDP2 broadcasts no buffers, so neither does the step."""
+        try:
+            sharded = fully_sharded_layout(model)
+        except FullyShardedError as error:
+            raise DataParallelError(str(error)) from None
+        return cls(sharded.mesh.get_group(), (), sync_buffers=False, sharded=sharded)
+
+    @classmethod
     def from_ddp(cls, ddp: nn.parallel.DistributedDataParallel) -> DataParallel:
         """The settings of a ``DistributedDataParallel`` wrapper, refused where mutwo would compute
         something else than it (communication hooks, its mixed precision, delayed all-reduces)."""
@@ -130,16 +143,25 @@ def data_parallel_for(model: nn.Module, enabled: bool | None = None, bucket_cap_
         nn.Module, DataParallel | None]:  # fmt: skip
     """The module to capture and how to average its gradients.
 
-    A ``DistributedDataParallel`` model is unwrapped and its settings are kept. Otherwise, with
+    A ``DistributedDataParallel`` model is unwrapped and its settings are kept; a ``fully_shard``
+    (FSDP2) model is captured with its all-gathers and reduce-scatters. Otherwise, with
     ``enabled=None``, gradients are averaged when a process group of more than one rank is
-    initialised; ``True`` requires one, ``False`` never averages. Sharded or single-process
-    parallelism (FSDP, DTensor parameters, ``nn.DataParallel``) is refused.
+    initialised; ``True`` requires one, ``False`` never averages. FSDP1, other DTensor parameters
+    and ``nn.DataParallel`` are refused.
     """
     refuse_other_parallelism(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         if bucket_cap_mb is not None:
             raise DataParallelError("the model is a DistributedDataParallel: give bucket_cap_mb to it, not to mutwo")
         return model.module, (DataParallel.from_ddp(model) if enabled is not False else None)
+    if dist.is_available() and is_fully_sharded(model):
+        if enabled is False:
+            raise DataParallelError("the model is sharded with fully_shard, so its step must gather and reduce "
+                                    "across ranks; drop data_parallel=False")  # fmt: skip
+        if bucket_cap_mb is not None:
+            raise DataParallelError("bucket_cap_mb sets DistributedDataParallel's buckets; a fully_shard model "
+                                    "communicates per fully_shard module, so drop it")  # fmt: skip
+        return model, DataParallel.from_fully_shard(model)
     if enabled is None:
         enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     return model, (DataParallel.for_group(bucket_cap_mb=bucket_cap_mb) if enabled else None)
@@ -147,7 +169,7 @@ def data_parallel_for(model: nn.Module, enabled: bool | None = None, bucket_cap_
 
 def refuse_other_parallelism(model: nn.Module) -> None:
     """Raise :class:`DataParallelError` for a model that another form of parallelism wraps or
-    shards: mutwo captures replicated data parallelism only, every rank holding every parameter."""
+    shards than the two mutwo captures: DDP (every rank holds every parameter) and FSDP2."""
     if isinstance(model, nn.DataParallel):
         raise DataParallelError(
             "nn.DataParallel (one process driving several GPUs) is not supported; launch one "
@@ -155,21 +177,27 @@ def refuse_other_parallelism(model: nn.Module) -> None:
         )
     if not dist.is_available():
         return
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
+    inner = model.module if wrapped else model
     for name, module in inner.named_modules():
-        if isinstance(module, (FullyShardedDataParallel, FSDPModule)):
+        if isinstance(module, FullyShardedDataParallel):
             where = f" at {name}" if name else ""
-            raise DataParallelError(f"the model{where} is sharded with FSDP, which mutwo cannot capture; use "
-                                    "DistributedDataParallel (every rank holds the whole model), with a memory "
-                                    "budget to make it fit")  # fmt: skip
+            raise DataParallelError(f"the model{where} is wrapped in FullyShardedDataParallel (FSDP1), which mutwo "
+                                    "cannot capture; shard it with FSDP2's fully_shard, or use "
+                                    "DistributedDataParallel with a memory budget")  # fmt: skip
+    if is_fully_sharded(inner):
+        if wrapped:
+            raise DataParallelError("the model is both DistributedDataParallel and sharded with fully_shard; "
+                                    "give mutwo one of the two")  # fmt: skip
+        return
     sharded = next((name for name, p in inner.named_parameters() if isinstance(p, DTensor)), None)
     if sharded is not None:
         raise DataParallelError(
-            f"parameter {sharded} is a DTensor (tensor parallel or FSDP2), which mutwo cannot "
-            "capture; give it a model of plain tensors wrapped in DistributedDataParallel"
+            f"parameter {sharded} is a DTensor outside fully_shard (tensor parallel), which mutwo cannot "
+            "capture; shard the model with fully_shard, or give it plain tensors wrapped in DistributedDataParallel"
         )
 
 
