@@ -498,3 +498,24 @@ def test_cuda_recordings_released_leave_no_cublas_workspace_behind() -> None:
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert allocated[1] == allocated[2], allocated
+
+
+def test_release_all_resets_every_live_recording_now() -> None:
+    """``release_all`` resets each live runner's CUDA graph at once (a data-parallel run calls it
+    before destroying an NCCL group, which hangs while a recording of its collectives lives)."""
+    from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, release_all
+
+    reset: list[str] = []
+
+    class Recording:  # stands in for torch.cuda.CUDAGraph, which needs a GPU
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def reset(self) -> None:
+            reset.append(self.name)
+
+    runners = [CudaGraphRunner(lambda x: (x,), [False]) for _ in range(3)]
+    runners[0].graph, runners[2].graph = Recording("first"), Recording("third")  # the second never recorded
+    assert release_all() == 2
+    assert sorted(reset) == ["first", "third"] and all(r.graph is None for r in runners)
+    assert release_all() == 0

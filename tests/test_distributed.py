@@ -39,6 +39,7 @@ from mutwo.ir.pass_base import PassContext
 from mutwo.ir.verifier import VerificationError, verify
 from mutwo.passes.dce import DeadCodeEliminationPass
 from mutwo.runtime.api import optimize
+from mutwo.runtime.execution.cuda_graphs import release_all
 from mutwo.runtime.measurement.equivalence import CUDA_ATOL, CUDA_RTOL, deterministic_algorithms
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel, DataParallelError
@@ -156,6 +157,8 @@ def rank_group(rank: int, world: int, port: int, device_type: str) -> Iterator[t
         with deterministic_algorithms() if cuda else contextlib.nullcontext():
             yield torch.device("cuda", rank) if cuda else torch.device("cpu")
     finally:
+        if cuda:  # a live recording of NCCL collectives hangs the group's destruction
+            release_all()
         dist.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ ops that read device values on the host.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,6 +95,23 @@ def _reads_the_device(node: Node) -> bool:
                for source in (sources if isinstance(sources, (list, tuple)) else [sources]))  # fmt: skip
 
 
+#: Every runner alive, so that :func:`release_all` can drop their recordings.
+_RUNNERS: weakref.WeakSet[CudaGraphRunner] = weakref.WeakSet()
+
+
+def release_all() -> int:
+    """Drop every live step's CUDA-graph recording; the next call of a step records again.
+    Returns how many were dropped.
+
+    Call it before ``torch.distributed.destroy_process_group()`` in a data-parallel run: torch
+    hangs destroying an NCCL process group while a CUDA graph that recorded its collectives lives
+    (pytorch/pytorch#115388), and a step kept by a reference cycle may outlive its last use."""
+    live = [runner for runner in list(_RUNNERS) if runner.graph is not None]
+    for runner in live:
+        runner.release()
+    return len(live)
+
+
 class CudaGraphRunner:
     """``run`` (the step, called with its flat inputs) recorded as a CUDA graph on the first call
     and replayed on every call after; ``kept[i]``: input ``i`` is state updated in place;
@@ -123,6 +141,7 @@ class CudaGraphRunner:
         self.recorded_peak_absolute = 0
         #: the swap runtime's host buffers the recording copies into and out of (none without swaps)
         self.host_buffers: list[torch.Tensor] = []
+        _RUNNERS.add(self)
 
     def __call__(self, *flat: torch.Tensor) -> Any:
         changed = self.changed_host_values(flat)
@@ -167,6 +186,8 @@ class CudaGraphRunner:
         swap runtime); the next call records again. Planning that measures one compiled step after
         another (peak calibration, a measured choice between plans) releases each after measuring
         it, so that no pool outlives its measurement and skews the next one's peak."""
+        if self.graph is not None:
+            self.graph.reset()  # now, not when the last reference goes (see release_all)
         self.graph, self.outputs, self.static = None, None, []
         if self.host_buffers:  # the graph's replays have ended before its buffers go back to the pool
             torch.cuda.synchronize()
