@@ -41,14 +41,14 @@
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
-# Owed after session 19: i39-chunk-tests (its CUDA test of a sliced head under every backend, with
-#   --check, is not run yet); i39-chunk-memory's inductor rows again (the Llama since 14a74d0 stores
-#   forward values its backward reads); headline-resnet, then headline-gpt2 and headline-bert again
-#   (their eager, checkpointing and torch.compile rows emptied the cache after their first step,
-#   fixed in 25ea60d; their mutwo rows predate slicing by cost); the restarts of ResNet-152 b128 and
-#   the 0.5B Llama. The three headline sections need about 45 minutes of device time.
-#   Done in session 19 (session19_h100/): COST_ONLY=1 i39-cost-bert and i39-cost-gpt2 (before and
-#   after 14a74d0 and 30243cf), i39-output-code-bert, tests-all.
+# Owed after session 20: headline-resnet's two mutwo rows (its reference rows are in session20_h100/;
+#   the mutwo rows were still planning after 17 minutes: run the section alone on a fresh machine),
+#   then headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows
+#   emptied the cache after their first step, fixed in 25ea60d; their mutwo rows predate slicing by
+#   cost); the restarts of ResNet-152 b128 and the 0.5B Llama; on two GPUs, the cuda tests of
+#   tests/test_fully_sharded.py, test_distributed.py and test_distributed_compiled.py (run each with
+#   a timeout of its own: torch hangs destroying an NCCL group a live CUDA graph recorded).
+#   Done in session 20 (session20_h100/): i39-chunk-tests, i39-chunk-memory.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
