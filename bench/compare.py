@@ -177,11 +177,12 @@ class PeakSinceStart:
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
-    """Wrap every ResNet bottleneck / BERT encoder layer / GPT-2 block; return how many were wrapped."""
+    """Wrap every ResNet bottleneck / BERT encoder layer / GPT-2 block / Llama decoder layer; return
+    how many were wrapped."""
     wrapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child).__name__ in ("Bottleneck", "BasicBlock", "BertLayer", "GPT2Block"):
+            if type(child).__name__ in ("Bottleneck", "BasicBlock", "BertLayer", "GPT2Block", "LlamaDecoderLayer"):
                 setattr(module, name, Checkpointed(child))
                 wrapped += 1
     return wrapped

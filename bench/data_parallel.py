@@ -18,11 +18,24 @@ seed and trains on its shard of a global batch of ``batch × world size`` sample
 - *mutwo, no recompute*: the graph that ``optimize`` captured, before its passes (no second
   capture or profile).
 
+With ``--sharding fsdp2`` (issue 42), each rank instead holds a shard of every parameter: the
+model's repeated blocks (ResNet bottlenecks, BERT, GPT-2 and Llama layers) are each
+``fully_shard``-ed, then the model itself, as FSDP2's users do, and the variants are:
+
+- *eager FSDP2*, and *eager FSDP2 + per-layer checkpointing* (each block under non-reentrant
+  ``torch.utils.checkpoint``, then sharded);
+- *mutwo FSDP2 at checkpointing's held memory*: ``mutwo.optimize`` of the sharded model (its
+  all-gathers and reduce-scatters in the graph, :mod:`mutwo.runtime.capture.fully_sharded`) at
+  a budget of what the checkpointing row held (max reserved, the largest over the ranks; on
+  CPU, ``fraction`` of mutwo's own simulated peak);
+- *mutwo FSDP2 no recompute*: the graph ``optimize`` captured, before its passes.
+
 Each variant: 3 warm-up iterations, then 10 measured
 (``mutwo.tools.experiment_measure.measure_step``); per rank, peak = ``torch.cuda.max_memory_allocated``
 over the measured iterations (everything: parameters, gradients, DDP's or mutwo's buckets,
-optimizer state, activations) and time = their median CUDA-event time; a row keeps every rank's
-numbers and their maximum. Rank 0 rewrites ``--out`` after every variant, so a run cut short keeps
+optimizer state, activations), held = ``torch.cuda.max_memory_reserved`` (what the process
+holds) and time = their median CUDA-event time; a row keeps every rank's numbers and their
+maximum. Rank 0 rewrites ``--out`` after every variant, so a run cut short keeps
 what it measured.
 """
 
@@ -46,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.compare import checkpoint_blocks  # noqa: E402
 from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
 from mutwo.ir.pass_manager import PipelineFailure  # noqa: E402
 from mutwo.runtime.api import optimize  # noqa: E402
@@ -55,9 +69,16 @@ from mutwo.tools.config import Config, apply_overrides, load_config  # noqa: E40
 from mutwo.tools.experiment_measure import Training, measure_after_planning  # noqa: E402
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, to_device  # noqa: E402
 
-CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml"}
+CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml",
+           "llama": "examples/llama_0_5b.yaml", "llama32k": "examples/llama_32k.yaml"}  # fmt: skip
 MODELS = "resnet152:64:0.5,bert:16:0.65"
+#: The default of ``--sharding fsdp2``: issue 42's Llama-shaped model of about 0.5B parameters, s1024.
+FSDP2_MODELS = "llama:8:0.5"
+#: The repeated blocks ``fully_shard`` wraps one by one (and their checkpointing wrappers).
+BLOCKS = ("Bottleneck", "BasicBlock", "BertLayer", "GPT2Block", "LlamaDecoderLayer", "Checkpointed")
 WARMUP, MEASURED = 3, 10
+#: What every rank measures of a variant; a row keeps each rank's and their maximum.
+MEASURES = ("peak_bytes", "held_bytes", "iteration_ms")
 
 
 @dataclasses.dataclass
@@ -76,10 +97,10 @@ class Bench:
 
     def record(self, row: dict[str, Any]) -> dict[str, Any]:
         ranks: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, {k: row.get(k) for k in ("peak_bytes", "iteration_ms", "error")})
-        row = {k: v for k, v in row.items() if k not in ("iteration_ms_all", "peak_bytes", "iteration_ms")}
+        dist.all_gather_object(ranks, {k: row.get(k) for k in (*MEASURES, "error")})
+        row = {k: v for k, v in row.items() if k not in ("iteration_ms_all", *MEASURES)}
         row["ranks"] = ranks
-        for key in ("peak_bytes", "iteration_ms"):
+        for key in MEASURES:
             values = [r[key] for r in ranks if r.get(key) is not None]
             row[key] = max(values) if values else None
         self.rows.append(row)
@@ -142,19 +163,85 @@ def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> No
     bench.measure(lambda: captured(batch), {**base, "variant": "mutwo no recompute", "nodes": len(optimized.original)})
 
 
+def fully_sharded(model: torch.nn.Module, checkpointed: bool) -> int:
+    """``fully_shard`` each outermost block of :data:`BLOCKS` (checkpointed first if asked), then
+    the model; return how many blocks were sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    if checkpointed:
+        checkpoint_blocks(model)
+    sharded: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in BLOCKS and not any(name.startswith(f"{outer}.") for outer in sharded):
+            sharded.append(name)
+            fully_shard(module)
+    fully_shard(model)
+    return len(sharded)
+
+
+def fsdp2_training(config: Config, workload: Workload, batch: Any, device: torch.device,
+                   checkpointed: bool = False) -> tuple[Training, int]:  # fmt: skip
+    """A fresh copy of the workload's model on ``device``, sharded with FSDP2, with a fresh optimizer."""
+    model = copy.deepcopy(workload.model).to(device)
+    blocks = fully_sharded(model, checkpointed)
+    return Training(model, build_optimizer(config, model), batch, workload.loss_fn, device), blocks
+
+
+def bench_fsdp2(bench: Bench, name: str, batch_size: int, fraction: float) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = apply_overrides(load_config(ROOT / CONFIGS[name]), batch_size=batch_size * world)
+    workload = build_workload(config)
+    batch = to_device(distributed.shard_batch(workload.batch, rank, world), bench.device)
+    base = {"model": name, "sharding": "fsdp2", "batch_per_gpu": batch_size, "global_batch": batch_size * world}
+    for checkpointed in (False, True):
+        eager, blocks = fsdp2_training(config, workload, batch, bench.device, checkpointed)
+        variant = "eager FSDP2" + (" + per-layer checkpointing" if checkpointed else "")
+        reference = bench.measure(eager.eager_step(), {**base, "variant": variant, "blocks": blocks}, planned=False)
+        del eager
+    if reference["held_bytes"] is not None:
+        budget: Budget = Budget(bytes=reference["held_bytes"])
+        spec = "at checkpointing's held memory"
+    else:
+        budget, spec = parse_budget(str(fraction)), f"{fraction} x mutwo's simulated peak"
+    mutwo, blocks = fsdp2_training(config, workload, batch, bench.device)
+    started = time.perf_counter()
+    row = {**base, "variant": f"mutwo FSDP2 {spec}", "blocks": blocks, "budget_bytes": budget.bytes}
+    try:
+        step = optimize(mutwo.model, mutwo.optimizer, batch, workload.loss_fn, budget=budget)
+    except PipelineFailure as failure:
+        bench.record({**row, "error": str(failure).splitlines()[0]})
+        return
+    row["planning_seconds"] = round(time.perf_counter() - started, 2)
+    optimized = step.last
+    assert optimized is not None
+    plan = optimized.plan
+    gathers = [n for n in optimized.graph if n.op_name.startswith("_c10d_functional.all_gather_into_tensor")]
+    row.update(budget_bytes=plan.budget_bytes, nodes=len(optimized.graph), all_gathers=len(gathers),
+               unoptimized_simulated_peak=plan.unoptimized_peak, predicted_peak=plan.predicted_peak,
+               recomputed_tensors=len(plan.entries), predicted_added_ms=round(plan.added_seconds * 1e3, 3))  # fmt: skip
+    bench.measure(lambda: step(batch), row)
+    captured = GraphStep(optimized.original, optimized.captured, optimized.binding)
+    bench.measure(lambda: captured(batch),
+                  {**base, "variant": "mutwo FSDP2 no recompute", "nodes": len(optimized.original)})  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="JSON file rank 0 writes (rewritten after every variant)")
-    parser.add_argument("--models", default=MODELS, help=f"model:batch per GPU:budget fraction,... ({MODELS})")
+    parser.add_argument("--models", help=f"model:batch per GPU:budget fraction,... (DDP: {MODELS}; FSDP2: "
+                                          f"{FSDP2_MODELS}; models: {', '.join(CONFIGS)})")
+    parser.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
+                        help="ddp: every rank holds the model (eager DDP against mutwo); fsdp2: fully_shard")
     args = parser.parse_args()
     if not distributed.launched_by_torchrun():
         parser.error("launch it with torchrun --nproc-per-node N bench/data_parallel.py ...")
     device = distributed.join_from_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     bench = Bench(device, args.out)
     try:
-        for item in args.models.split(","):
+        run = bench_fsdp2 if args.sharding == "fsdp2" else bench_model
+        for item in (args.models or (FSDP2_MODELS if args.sharding == "fsdp2" else MODELS)).split(","):
             name, batch, fraction = item.split(":")
-            bench_model(bench, name, int(batch), float(fraction))
+            run(bench, name, int(batch), float(fraction))
         # Every rank done before any tears the group down: a rank that leaves while another's
         # gloo work is in flight aborts ("terminate called without an active exception").
         dist.barrier()

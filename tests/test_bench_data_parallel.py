@@ -1,4 +1,5 @@
-"""bench/data_parallel.py on CPU: two gloo ranks under torchrun, the tiny MLP, every variant."""
+"""bench/data_parallel.py on CPU: two gloo ranks under torchrun, the tiny MLP, every variant, with DDP and
+with FSDP2."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ def test_two_ranks_measure_eager_ddp_and_mutwo(tmp_path: Path) -> None:
     planned = result["runs"][1]
     assert planned["recomputed_tensors"] >= 1 and planned["predicted_peak"] <= planned["budget_bytes"]
     assert planned["collectives"] >= 2 * planned["buckets"]  # an all-reduce and a wait per bucket
+
+
+def test_two_ranks_measure_eager_fsdp2_and_mutwo_sharded(tmp_path: Path) -> None:
+    out = tmp_path / "fsdp2.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), str(SCRIPT), "--sharding", "fsdp2", "--models", "tiny:64:0.95", "--out",
+               str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
+    runs = json.loads(out.read_text())["runs"]
+    assert [row["variant"] for row in runs] == ["eager FSDP2", "eager FSDP2 + per-layer checkpointing",
+                                                "mutwo FSDP2 0.95 x mutwo's simulated peak",
+                                                "mutwo FSDP2 no recompute"]  # fmt: skip
+    assert all(row["sharding"] == "fsdp2" and row["iteration_ms"] > 0 and len(row["ranks"]) == 2 for row in runs)
+    planned = runs[2]
+    assert planned["recomputed_tensors"] >= 1 and planned["predicted_peak"] <= planned["budget_bytes"]
+    assert planned["all_gathers"] >= 1
 
 
 def test_without_torchrun_it_says_how_to_launch() -> None:
