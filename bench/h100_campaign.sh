@@ -46,8 +46,8 @@
 #   then headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows
 #   emptied the cache after their first step, fixed in 25ea60d; their mutwo rows predate slicing by
 #   cost); the restarts of ResNet-152 b128 and the 0.5B Llama; on two GPUs, the cuda tests of
-#   tests/test_fully_sharded.py, test_distributed.py and test_distributed_compiled.py (run each with
-#   a timeout of its own: torch hangs destroying an NCCL group a live CUDA graph recorded).
+#   tests/test_fully_sharded.py, test_distributed.py and test_distributed_compiled.py and FSDP2's
+#   comparison: dp-two-gpus (about 15 minutes).
 #   Done in session 20 (session20_h100/): i39-chunk-tests, i39-chunk-memory.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
@@ -59,7 +59,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: dp-two-gpus, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -194,6 +194,17 @@ case "$section" in
     if [ $section = i40-restart-sampled ]; then
       python3 bench/stack_sampler.py "$OUT/restart_bert_b64_second.folded" --top 60
     fi ;;
+  dp-two-gpus)
+    # Issue 42 on two GPUs (run it on nvidia-h100-x2): the cuda tests of FSDP2, DDP and compiled
+    # DDP, each file under a timeout of its own (verbose, so a hang shows where), then FSDP2's
+    # comparison (bench/data_parallel.py --sharding fsdp2: the 0.5B Llama, eager FSDP2 with and
+    # without per-layer checkpointing, mutwo at checkpointing's held memory).
+    for t in tests/test_fully_sharded.py tests/test_distributed.py tests/test_distributed_compiled.py; do
+      timeout 300 python3 -m pytest -v -m cuda -p no:cacheprovider $t > "$OUT/two_gpu_$(basename $t .py).log" 2>&1
+      echo "$t exit $?"
+    done
+    NCCL_NVLS_ENABLE=0 timeout 1500 torchrun --nproc-per-node 2 bench/data_parallel.py --sharding fsdp2 \
+      --out "$OUT/fsdp2_llama_two_gpus.json" ;;
   i39-chunk-tests)
     # The chunk pass's CPU tests under the GPU machine's torch (2.11 captures what 2.14 keeps as an
     # alias as a detach), then the 32k-vocabulary Llama example sliced and checked on the GPU.
