@@ -251,3 +251,15 @@ def test_cpu_offload_is_refused() -> None:
     _refuse_policies(module(OffloadPolicy()), "layers.0")  # fully_shard's default: nothing offloaded
     with pytest.raises(FullyShardedError, match="CPUOffloadPolicy on layers.0 is not supported"):
         _refuse_policies(module(CPUOffloadPolicy()), "layers.0")
+
+
+def test_optimizer_state_of_the_whole_parameter_is_refused(one_rank: None) -> None:
+    from mutwo.runtime.capture.fully_sharded import FullyShardedError
+
+    workload = models.mlp()
+    model = _shard(workload.model, _linears)
+    sharded = DataParallel.from_fully_shard(model).sharded
+    weight = dict(model.named_parameters())["net.0.weight"]
+    assert sharded.padded("net.0.weight", weight).shape == weight.shape  # one rank: the whole parameter
+    with pytest.raises(FullyShardedError, match="a state tensor of net.0.weight is a plain tensor of shape"):
+        sharded.padded("net.0.weight", torch.zeros(8, 16))

@@ -96,8 +96,12 @@ class FullySharded:
         """The padded shard behind parameter ``name``'s DTensor (or a state tensor shaped like it):
         a view of the storage its local rows start, ``padded_rows`` rows long."""
         layout = self.parameters[name]
-        local = tensor._local_tensor if _is_dtensor(tensor) else tensor
         shape = layout.padded_shape
+        if not _is_dtensor(tensor) and tuple(tensor.shape) != shape:
+            raise FullyShardedError(f"a state tensor of {name} is a plain tensor of shape {tuple(tensor.shape)}, not "
+                                    "a DTensor of this rank's shard; load the optimizer's state as FSDP2 keeps it "
+                                    "(DTensors, e.g. through torch.distributed.checkpoint)")  # fmt: skip
+        local = tensor._local_tensor if _is_dtensor(tensor) else tensor
         rows_bytes = math.prod(shape) * local.element_size()
         storage = local.untyped_storage()
         if not local.is_contiguous() or storage.nbytes() < local.storage_offset() * local.element_size() + rows_bytes:
