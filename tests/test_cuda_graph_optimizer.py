@@ -172,6 +172,9 @@ class _Replay:
     def replay(self) -> None:
         self.runner.outputs = self.runner.run(*self.runner.static)
 
+    def reset(self) -> None:
+        """As ``torch.cuda.CUDAGraph.reset``, which a release calls: nothing to free here."""
+
 
 class _CpuRunner(CudaGraphRunner):
     """The runner with recording replaced by keeping its inputs: when it records is what is tested."""
