@@ -49,6 +49,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ from mutwo.ir.pass_manager import PipelineFailure  # noqa: E402
 from mutwo.runtime.api import optimize  # noqa: E402
 from mutwo.runtime.execution.step import GraphStep  # noqa: E402
 from mutwo.runtime.parallel import distributed  # noqa: E402
+from mutwo.runtime.planning.step_planning import Optimized  # noqa: E402
 from mutwo.tools.config import Config, apply_overrides, load_config  # noqa: E402
 from mutwo.tools.experiment_measure import Training, measure_after_planning  # noqa: E402
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, to_device  # noqa: E402
@@ -125,12 +127,41 @@ def training(config: Config, workload: Workload, batch: Any, device: torch.devic
     return Training(model, build_optimizer(config, copied), batch, workload.loss_fn, device)
 
 
-def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> None:
+def this_rank(bench: Bench, name: str, batch_size: int) -> tuple[Config, Workload, Any, dict[str, Any]]:
+    """The config of ``name`` at a global batch of ``batch_size`` per rank, its workload, this
+    rank's shard of the batch on its device, and the keys every row of the model shares."""
     world, rank = dist.get_world_size(), dist.get_rank()
     config = apply_overrides(load_config(ROOT / CONFIGS[name]), batch_size=batch_size * world)
     workload = build_workload(config)
     batch = to_device(distributed.shard_batch(workload.batch, rank, world), bench.device)
-    base = {"model": name, "batch_per_gpu": batch_size, "global_batch": batch_size * world}
+    return config, workload, batch, {"model": name, "batch_per_gpu": batch_size, "global_batch": batch_size * world}
+
+
+def bench_mutwo(bench: Bench, mutwo: Training, budget: Budget, row: dict[str, Any], unplanned: dict[str, Any],
+                details: Callable[[Optimized], dict[str, Any]], **options: Any) -> None:  # fmt: skip
+    """Plan ``mutwo`` at ``budget`` and measure it as ``row``, then the graph it captured, before
+    its passes, as ``unplanned``; ``details`` adds what the row says of the optimized iteration."""
+    started = time.perf_counter()
+    try:
+        step = optimize(mutwo.model, mutwo.optimizer, mutwo.batch, mutwo.loss_fn, budget=budget, **options)
+    except PipelineFailure as failure:
+        bench.record({**row, "error": str(failure).splitlines()[0]})
+        return
+    row["planning_seconds"] = round(time.perf_counter() - started, 2)
+    optimized = step.last
+    assert optimized is not None
+    plan = optimized.plan
+    row.update(budget_bytes=plan.budget_bytes, nodes=len(optimized.graph),
+               unoptimized_simulated_peak=plan.unoptimized_peak, predicted_peak=plan.predicted_peak,
+               recomputed_tensors=len(plan.entries), predicted_added_ms=round(plan.added_seconds * 1e3, 3),
+               **details(optimized))  # fmt: skip
+    bench.measure(lambda: step(mutwo.batch), row)
+    captured = GraphStep(optimized.original, optimized.captured, optimized.binding)
+    bench.measure(lambda: captured(mutwo.batch), {**unplanned, "nodes": len(optimized.original)})
+
+
+def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> None:
+    config, workload, batch, base = this_rank(bench, name, batch_size)
 
     eager = training(config, workload, batch, bench.device, ddp=True)
     measured = bench.measure(eager.eager_step(), {**base, "variant": "eager DDP"}, planned=False)
@@ -142,25 +173,13 @@ def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> No
         budget, spec = parse_budget(str(fraction)), f"{fraction} x mutwo's simulated peak"
 
     mutwo = training(config, workload, batch, bench.device, ddp=False)
-    started = time.perf_counter()
-    row = {**base, "variant": f"mutwo {spec}", "budget_bytes": budget.bytes}
-    try:
-        step = optimize(mutwo.model, mutwo.optimizer, batch, workload.loss_fn, budget=budget, data_parallel=True)
-    except PipelineFailure as failure:
-        bench.record({**row, "error": str(failure).splitlines()[0]})
-        return
-    row["planning_seconds"] = round(time.perf_counter() - started, 2)
-    optimized = step.last
-    assert optimized is not None
-    plan = optimized.plan
-    row.update(budget_bytes=plan.budget_bytes, buckets=len(optimized.binding.gradient_buckets),
-               nodes=len(optimized.graph), collectives=sum(1 for n in optimized.graph if n.is_collective),
-               unoptimized_simulated_peak=plan.unoptimized_peak, predicted_peak=plan.predicted_peak,
-               recomputed_tensors=len(plan.entries), predicted_added_ms=round(plan.added_seconds * 1e3, 3),
-               recomputed_ops=dict(Counter(e["op"] for e in plan.entries).most_common(8)))  # fmt: skip
-    bench.measure(lambda: step(batch), row)
-    captured = GraphStep(optimized.original, optimized.captured, optimized.binding)
-    bench.measure(lambda: captured(batch), {**base, "variant": "mutwo no recompute", "nodes": len(optimized.original)})
+    bench_mutwo(bench, mutwo, budget, {**base, "variant": f"mutwo {spec}", "budget_bytes": budget.bytes},
+                {**base, "variant": "mutwo no recompute"},
+                lambda optimized: {"buckets": len(optimized.binding.gradient_buckets),
+                                   "collectives": sum(1 for n in optimized.graph if n.is_collective),
+                                   "recomputed_ops": dict(Counter(e["op"] for e in optimized.plan.entries)
+                                                          .most_common(8))},
+                data_parallel=True)  # fmt: skip
 
 
 def fully_sharded(model: torch.nn.Module, checkpointed: bool) -> int:
@@ -188,11 +207,8 @@ def fsdp2_training(config: Config, workload: Workload, batch: Any, device: torch
 
 
 def bench_fsdp2(bench: Bench, name: str, batch_size: int, fraction: float) -> None:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    config = apply_overrides(load_config(ROOT / CONFIGS[name]), batch_size=batch_size * world)
-    workload = build_workload(config)
-    batch = to_device(distributed.shard_batch(workload.batch, rank, world), bench.device)
-    base = {"model": name, "sharding": "fsdp2", "batch_per_gpu": batch_size, "global_batch": batch_size * world}
+    config, workload, batch, base = this_rank(bench, name, batch_size)
+    base["sharding"] = "fsdp2"
     for checkpointed in (False, True):
         eager, blocks = fsdp2_training(config, workload, batch, bench.device, checkpointed)
         variant = "eager FSDP2" + (" + per-layer checkpointing" if checkpointed else "")
@@ -204,25 +220,11 @@ def bench_fsdp2(bench: Bench, name: str, batch_size: int, fraction: float) -> No
     else:
         budget, spec = parse_budget(str(fraction)), f"{fraction} x mutwo's simulated peak"
     mutwo, blocks = fsdp2_training(config, workload, batch, bench.device)
-    started = time.perf_counter()
-    row = {**base, "variant": f"mutwo FSDP2 {spec}", "blocks": blocks, "budget_bytes": budget.bytes}
-    try:
-        step = optimize(mutwo.model, mutwo.optimizer, batch, workload.loss_fn, budget=budget)
-    except PipelineFailure as failure:
-        bench.record({**row, "error": str(failure).splitlines()[0]})
-        return
-    row["planning_seconds"] = round(time.perf_counter() - started, 2)
-    optimized = step.last
-    assert optimized is not None
-    plan = optimized.plan
-    gathers = [n for n in optimized.graph if n.op_name.startswith("_c10d_functional.all_gather_into_tensor")]
-    row.update(budget_bytes=plan.budget_bytes, nodes=len(optimized.graph), all_gathers=len(gathers),
-               unoptimized_simulated_peak=plan.unoptimized_peak, predicted_peak=plan.predicted_peak,
-               recomputed_tensors=len(plan.entries), predicted_added_ms=round(plan.added_seconds * 1e3, 3))  # fmt: skip
-    bench.measure(lambda: step(batch), row)
-    captured = GraphStep(optimized.original, optimized.captured, optimized.binding)
-    bench.measure(lambda: captured(batch),
-                  {**base, "variant": "mutwo FSDP2 no recompute", "nodes": len(optimized.original)})  # fmt: skip
+    gathers = "_c10d_functional.all_gather_into_tensor"
+    bench_mutwo(bench, mutwo, budget,
+                {**base, "variant": f"mutwo FSDP2 {spec}", "blocks": blocks, "budget_bytes": budget.bytes},
+                {**base, "variant": "mutwo FSDP2 no recompute"},
+                lambda optimized: {"all_gathers": sum(1 for n in optimized.graph if n.op_name.startswith(gathers))})
 
 
 def main() -> None:
