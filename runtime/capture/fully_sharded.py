@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mutwo.runtime.capture.tracing import CaptureError
+
 _C10D = torch.ops._c10d_functional
 
 #: The optimizers whose update is the same function of every element on its own, so that the
@@ -178,8 +180,6 @@ class ShardedGradients:
         return [names for names, _ in self.issued]
 
     def ready(self, name: str, grad: torch.Tensor) -> None:
-        from mutwo.runtime.capture.tracing import CaptureError
-
         if name in self.arrived:
             raise CaptureError(f"the gradient of {name} became ready twice in one backward; a fully_shard step "
                                "needs one gradient per parameter per iteration")  # fmt: skip

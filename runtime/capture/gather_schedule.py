@@ -73,17 +73,11 @@ def _gather_again(graph: fx.Graph, from_shards: set[fx.Node], wanted: set[fx.Nod
     if not wanted:
         return 0
 
-    def reads_wanted(node: fx.Node) -> bool:
-        stack, seen = [node], set()
-        while stack:
-            current = stack.pop()
-            if current in wanted:
-                return True
-            if current in seen or current.op == "placeholder":
-                continue
-            seen.add(current)
-            stack.extend(i for i in current.all_input_nodes if i in from_shards)
-        return False
+    # The forward values computed from those shards: one pass, the graph being in topological order.
+    from_wanted = set(wanted)
+    for node in graph.nodes:
+        if node in from_shards and node.op != "placeholder" and any(i in from_wanted for i in node.all_input_nodes):
+            from_wanted.add(node)
 
     copies: dict[fx.Node, fx.Node] = {}
     added = 0
@@ -106,7 +100,7 @@ def _gather_again(graph: fx.Graph, from_shards: set[fx.Node], wanted: set[fx.Nod
         if user.op != "call_function" or user.meta.get(PHASE_META) is not Phase.BACKWARD:
             continue
         for source in user.all_input_nodes:
-            if source in from_shards and source.op != "placeholder" and reads_wanted(source):
+            if source in from_wanted and source.op != "placeholder":
                 user.replace_input_with(source, copy_of(source, user))
                 _refresh_views(user, _storages(source))
     return added
