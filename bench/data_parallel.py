@@ -9,12 +9,13 @@ seed and trains on its shard of a global batch of ``batch × world size`` sample
 
 - *eager DDP*: ``DistributedDataParallel(model)`` (DDP's default buckets), ``loss.backward()``,
   ``optimizer.step()``;
-- *mutwo, budget*: ``mutwo.optimize(model, ..., budget=B, data_parallel=True)``, the whole
-  iteration with its bucketed all-reduces (DDP's default buckets) in one graph, recomputing to
-  fit ``B`` = ``fraction`` × eager DDP's measured peak (the largest over the ranks; on CPU,
-  where no peak is measured, ``fraction`` of mutwo's own simulated peak). The model is not
-  wrapped in DDP here: a DDP wrapper allocates its own gradient buckets when it is built and
-  keeps them while it lives, memory mutwo's graph does not use;
+- *mutwo, budget*: ``mutwo.optimize(model, ..., budget=B, data_parallel=True, backend=...)``, the
+  whole iteration with its bucketed all-reduces (DDP's default buckets) in one graph, recomputing
+  to fit ``B`` = ``fraction`` × what eager DDP held (max reserved, the largest over the ranks; on
+  CPU, where nothing is held, ``fraction`` of mutwo's own simulated peak), calibrated on CUDA so
+  that every rank holds at most ``B``. ``--backend`` (default: ``inductor-cudagraphs`` on CUDA,
+  ``eager`` on CPU) runs it. The model is not wrapped in DDP here: a DDP wrapper allocates its own
+  gradient buckets when it is built and keeps them while it lives, memory mutwo's graph does not use;
 - *mutwo, no recompute*: the graph that ``optimize`` captured, before its passes (no second
   capture or profile).
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -64,6 +66,8 @@ from bench.compare import checkpoint_blocks  # noqa: E402
 from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
 from mutwo.ir.pass_manager import PipelineFailure  # noqa: E402
 from mutwo.runtime.api import optimize  # noqa: E402
+from mutwo.runtime.execution.backends import BACKENDS  # noqa: E402
+from mutwo.runtime.execution.cuda_graphs import release_all  # noqa: E402
 from mutwo.runtime.execution.step import GraphStep  # noqa: E402
 from mutwo.runtime.parallel import distributed  # noqa: E402
 from mutwo.runtime.planning.step_planning import Optimized  # noqa: E402
@@ -71,9 +75,12 @@ from mutwo.tools.config import Config, apply_overrides, load_config  # noqa: E40
 from mutwo.tools.experiment_measure import Training, measure_after_planning  # noqa: E402
 from mutwo.tools.workloads import Workload, build_optimizer, build_workload, to_device  # noqa: E402
 
-CONFIGS = {"resnet152": "examples/resnet152.yaml", "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml",
-           "llama": "examples/llama_0_5b.yaml", "llama32k": "examples/llama_32k.yaml"}  # fmt: skip
-MODELS = "resnet152:64:0.5,bert:16:0.65"
+CONFIGS = {"resnet152": "examples/resnet152.yaml", "resnet152-cl": "examples/resnet152_channels_last.yaml",
+           "bert": "examples/bert.yaml", "tiny": "examples/tiny_mlp.yaml", "llama": "examples/llama_0_5b.yaml",
+           "llama32k": "examples/llama_32k.yaml"}  # fmt: skip
+#: Issue 42's DDP rows: ResNet-152-cl at 64 images and BERT-base at 16 sequences per GPU, each at
+#: half of what eager DDP holds.
+MODELS = "resnet152-cl:64:0.5,bert:16:0.5"
 #: The default of ``--sharding fsdp2``: issue 42's Llama-shaped model of about 0.5B parameters, s1024.
 FSDP2_MODELS = "llama:8:0.5"
 #: The repeated blocks ``fully_shard`` wraps one by one (and their checkpointing wrappers).
@@ -89,6 +96,8 @@ class Bench:
 
     device: torch.device
     out: Path | None
+    backend: str = "eager"  #: what runs mutwo's planned steps
+    calibrate_peak: int | None = None  #: re-plans of peak calibration (None: mutwo's default)
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def measure(self, step: Any, base: dict[str, Any], planned: bool = True) -> dict[str, Any]:
@@ -142,8 +151,10 @@ def bench_mutwo(bench: Bench, mutwo: Training, budget: Budget, row: dict[str, An
     """Plan ``mutwo`` at ``budget`` and measure it as ``row``, then the graph it captured, before
     its passes, as ``unplanned``; ``details`` adds what the row says of the optimized iteration."""
     started = time.perf_counter()
+    row["backend"] = bench.backend
     try:
-        step = optimize(mutwo.model, mutwo.optimizer, mutwo.batch, mutwo.loss_fn, budget=budget, **options)
+        step = optimize(mutwo.model, mutwo.optimizer, mutwo.batch, mutwo.loss_fn, budget=budget, backend=bench.backend,
+                        calibrate_peak=bench.calibrate_peak, **options)  # fmt: skip
     except PipelineFailure as failure:
         bench.record({**row, "error": str(failure).splitlines()[0]})
         return
@@ -151,13 +162,20 @@ def bench_mutwo(bench: Bench, mutwo: Training, budget: Budget, row: dict[str, An
     optimized = step.last
     assert optimized is not None
     plan = optimized.plan
-    row.update(budget_bytes=plan.budget_bytes, nodes=len(optimized.graph),
+    original, capture, binding = optimized.original, optimized.captured, optimized.binding
+    if row.get("budget_bytes") is None:  # a fraction (on CPU): the bytes it came to
+        row["budget_bytes"] = plan.budget_bytes
+    row.update(planned_budget_bytes=plan.budget_bytes, nodes=len(optimized.graph),
                unoptimized_simulated_peak=plan.unoptimized_peak, predicted_peak=plan.predicted_peak,
                recomputed_tensors=len(plan.entries), predicted_added_ms=round(plan.added_seconds * 1e3, 3),
+               calibration=optimized.calibration.describe() if optimized.calibration is not None else None,
                **details(optimized))  # fmt: skip
-    bench.measure(lambda: step(mutwo.batch), row)
-    captured = GraphStep(optimized.original, optimized.captured, optimized.binding)
-    bench.measure(lambda: captured(mutwo.batch), {**unplanned, "nodes": len(optimized.original)})
+    bench.measure(functools.partial(step, mutwo.batch), row)
+    # The planned step's CUDA graph (and its pool) goes before the unplanned step is measured.
+    del step, optimized
+    release_all()
+    captured = GraphStep(original, capture, binding)
+    bench.measure(lambda: captured(mutwo.batch), {**unplanned, "nodes": len(original), "backend": "eager"})
 
 
 def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> None:
@@ -166,9 +184,9 @@ def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> No
     eager = training(config, workload, batch, bench.device, ddp=True)
     measured = bench.measure(eager.eager_step(), {**base, "variant": "eager DDP"}, planned=False)
     del eager
-    if measured["peak_bytes"] is not None:
-        budget: Budget = Budget(bytes=int(fraction * measured["peak_bytes"]))
-        spec = f"{fraction} x eager DDP peak"
+    if measured["held_bytes"] is not None:
+        budget: Budget = Budget(bytes=int(fraction * measured["held_bytes"]))
+        spec = f"{fraction} x eager DDP's held memory"
     else:
         budget, spec = parse_budget(str(fraction)), f"{fraction} x mutwo's simulated peak"
 
@@ -234,11 +252,16 @@ def main() -> None:
                                           f"{FSDP2_MODELS}; models: {', '.join(CONFIGS)})")
     parser.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
                         help="ddp: every rank holds the model (eager DDP against mutwo); fsdp2: fully_shard")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="what runs mutwo's planned steps (default: inductor-cudagraphs on CUDA, eager on CPU)")
+    parser.add_argument("--calibrate-peak", type=int, metavar="N",
+                        help="re-plans of peak calibration (default: mutwo's, 2 on CUDA; each compiles the step again)")
     args = parser.parse_args()
     if not distributed.launched_by_torchrun():
         parser.error("launch it with torchrun --nproc-per-node N bench/data_parallel.py ...")
     device = distributed.join_from_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    bench = Bench(device, args.out)
+    bench = Bench(device, args.out, args.backend or ("inductor-cudagraphs" if device.type == "cuda" else "eager"),
+                  args.calibrate_peak)  # fmt: skip
     try:
         run = bench_fsdp2 if args.sharding == "fsdp2" else bench_model
         for item in (args.models or (FSDP2_MODELS if args.sharding == "fsdp2" else MODELS)).split(","):
@@ -248,6 +271,7 @@ def main() -> None:
         # gloo work is in flight aborts ("terminate called without an active exception").
         dist.barrier()
     finally:
+        release_all()  # torch hangs destroying a group while a CUDA graph that recorded NCCL lives
         dist.destroy_process_group()
     # Leave without the interpreter's teardown: with everything measured and written, a gloo
     # rank still aborted there once in ~35 CPU runs (rank 1, "terminate called without an active

@@ -196,15 +196,23 @@ case "$section" in
     fi ;;
   dp-two-gpus)
     # Issue 42 on two GPUs (run it on nvidia-h100-x2): the cuda tests of FSDP2, DDP and compiled
-    # DDP, each file under a timeout of its own (verbose, so a hang shows where), then FSDP2's
-    # comparison (bench/data_parallel.py --sharding fsdp2: the 0.5B Llama, eager FSDP2 with and
-    # without per-layer checkpointing, mutwo at checkpointing's held memory).
-    for t in tests/test_fully_sharded.py tests/test_distributed.py tests/test_distributed_compiled.py; do
-      timeout 300 python3 -m pytest -v -m cuda -p no:cacheprovider $t > "$OUT/two_gpu_$(basename $t .py).log" 2>&1
-      echo "$t exit $?"
+    # DDP, each file under a timeout of its own (verbose, so a hang shows where); then
+    # bench/data_parallel.py, mutwo under inductor-cudagraphs calibrated once over the ranks: BERT-base
+    # 16 per GPU at half of eager DDP's held memory, FSDP2's comparison (the 0.5B Llama: eager FSDP2
+    # with and without per-layer checkpointing, mutwo at checkpointing's held memory), then
+    # ResNet-152-cl 64 per GPU at half of eager DDP's. Each JSON is rewritten after every row.
+    for t in tests/test_fully_sharded.py:240 tests/test_distributed.py:150 tests/test_distributed_compiled.py:240; do
+      timeout ${t##*:} python3 -m pytest -v -m cuda -p no:cacheprovider ${t%%:*} > "$OUT/two_gpu_$(basename ${t%%:*} .py).log" 2>&1
+      echo "${t%%:*} exit $?"
     done
-    NCCL_NVLS_ENABLE=0 timeout 1500 torchrun --nproc-per-node 2 bench/data_parallel.py --sharding fsdp2 \
-      --out "$OUT/fsdp2_llama_two_gpus.json" ;;
+    export NCCL_NVLS_ENABLE=0
+    dp="torchrun --nproc-per-node 2 bench/data_parallel.py --calibrate-peak 1"
+    timeout 900 $dp --models bert:16:0.5 --out "$OUT/ddp_bert_two_gpus.json" > "$OUT/ddp_bert_two_gpus.log" 2>&1
+    echo "bert exit $?"
+    timeout 900 $dp --sharding fsdp2 --out "$OUT/fsdp2_llama_two_gpus.json" > "$OUT/fsdp2_llama_two_gpus.log" 2>&1
+    echo "fsdp2 exit $?"
+    timeout 1200 $dp --models resnet152-cl:64:0.5 --out "$OUT/ddp_resnet_two_gpus.json" > "$OUT/ddp_resnet_two_gpus.log" 2>&1
+    echo "resnet exit $?" ;;
   i39-chunk-tests)
     # The chunk pass's CPU tests under the GPU machine's torch (2.11 captures what 2.14 keeps as an
     # alias as a detach), then the 32k-vocabulary Llama example sliced and checked on the GPU.

@@ -31,6 +31,7 @@ def test_two_ranks_measure_eager_ddp_and_mutwo(tmp_path: Path) -> None:
         assert row["iteration_ms"] == max(r["iteration_ms"] for r in row["ranks"]) > 0
     planned = result["runs"][1]
     assert planned["recomputed_tensors"] >= 1 and planned["predicted_peak"] <= planned["budget_bytes"]
+    assert planned["backend"] == "eager" and planned["calibration"] is None  # the CPU's defaults
     assert planned["collectives"] >= 2 * planned["buckets"]  # an all-reduce and a wait per bucket
 
 

@@ -43,6 +43,7 @@ from mutwo.runtime.execution.cuda_graphs import release_all
 from mutwo.runtime.measurement.equivalence import CUDA_ATOL, CUDA_RTOL, deterministic_algorithms
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel, DataParallelError
+from mutwo.runtime.planning import peak_calibration
 from mutwo.runtime.planning.captured import capture_graph
 from mutwo.tools.workloads import to_device
 from tests import models
@@ -179,11 +180,57 @@ def test_two_gpus_with_nccl_train_like_eager_ddp() -> None:
     mp.spawn(_two_rank_worker, args=(2, _free_port(), "cuda", ("cnn", "mlp")), nprocs=2)
 
 
-def test_mutwo_opt_under_torchrun_writes_from_rank_zero(tmp_path: Path) -> None:
+#: How much more rank 1 measures than it held in the calibration test: enough that the rounds
+#: each rank would make from its own measurement differ.
+RANK_ONE_SKEW = 1.05
+
+
+def _calibrated_together(rank: int, world: int, port: int) -> None:
+    """Calibrate a data-parallel MLP (3 rounds at most) while rank 1 reports 5% more than it
+    measured; every rank must see the largest measurement, keep the same round and graph, and
+    train bitwise like eager DDP."""
+    raw: list[int] = []
+    measure = peak_calibration.measured_peak
+
+    def skewed(run: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[int, int | None]:
+        held, allocated = measure(run, inputs)
+        held = int(held * (RANK_ONE_SKEW if rank == 1 else 1.0))
+        raw.append(held)
+        return held, allocated
+
+    peak_calibration.measured_peak = skewed  # this spawned process's own module
+    with rank_group(rank, world, port, "cpu") as device:
+        workload = models.mlp(seed=0, batch_size=1024)
+        batch = to_device(distributed.shard_batch(workload.batch, rank, world), device)
+        eager = DistributedDataParallel(copy.deepcopy(workload.model))
+        eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+        model = copy.deepcopy(workload.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = optimize(model, optimizer, batch, workload.loss_fn, budget=0.95, calibrate_peak=2, keep_grads=True)
+        calibration = step.last.calibration
+        assert calibration is not None and len(calibration.rounds) > 1, "the skew should make calibration re-plan"
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, (calibration.describe(), raw))
+        (rank_zero, raw_zero), (rank_one, raw_one) = everyone
+        assert rank_zero == rank_one, "the ranks calibrated differently"
+        # A round that plans a graph measured before is not measured again: the distinct peaks.
+        measured = {r["measured_peak_bytes"] for r in rank_zero["rounds"]}
+        assert measured == {max(a, b) for a, b in zip(raw_zero, raw_one, strict=True)}
+        assert measured == set(raw_one) and raw_one != raw_zero, "rank 1's larger measurement moves both"
+        for iteration, loss, expected in in_lockstep(step, optimizer, eager, eager_optimizer, workload.loss_fn, batch):
+            _assert_same(loss, expected, f"rank {rank} iteration {iteration}: the loss")
+        _assert_same_state(model.state_dict(), eager.module.state_dict(), f"rank {rank}: the model state")
+
+
+def test_two_ranks_calibrate_from_the_largest_measurement_and_keep_one_plan() -> None:
+    mp.spawn(_calibrated_together, args=(2, _free_port()), nprocs=2)
+
+
+def test_mutwo_opt_under_torchrun_writes_from_rank_zero_and_calibrates(tmp_path: Path) -> None:
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(_free_port()), "-m", "mutwo.tools.mutwo_opt", "--check", "--device", "cpu", "--bucket-cap-mb",
-               "0.01", "-o", str(out), "examples/tiny_mlp.yaml"]  # fmt: skip
+               "0.01", "--calibrate-peak", "1", "-o", str(out), "examples/tiny_mlp.yaml"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -193,6 +240,7 @@ def test_mutwo_opt_under_torchrun_writes_from_rank_zero(tmp_path: Path) -> None:
     parallel = summary["data_parallel"]
     assert parallel["world_size"] == 2 and parallel["global_batch_size"] == 2 * summary["batch_size"]
     assert len(parallel["buckets"]) == 2 and parallel["bucket_limits_bytes"] == [int(0.01 * 2**20)]
+    assert summary["calibration"]["rounds"], "the ranks calibrate together (their agreement: the test above)"
 
 
 # -- the IR of a data-parallel iteration, on one rank ---------------------------------------------------

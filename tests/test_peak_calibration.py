@@ -112,22 +112,20 @@ def test_every_round_out_of_memory_is_one_sentence() -> None:
     assert "lower budget" in str(raised.value) and "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize(("rounds", "device", "passes", "data_parallel", "expected"), [
-    (None, "cpu", "profile,select,rewrite", False, 0),  # the CPU holds what it allocates
-    (None, "cuda", "profile,select,rewrite", False, peak_calibration.DEFAULT_ROUNDS),
-    (None, "cuda", "profile,select-swap,insert-swap", False, peak_calibration.DEFAULT_ROUNDS),
-    (None, "cuda", "profile,select,rewrite", True, 0),  # the ranks keep one plan
-    (None, "cuda", "profile,select{budget=0.5},rewrite", False, 0),  # the pass's own budget
-    (None, "cuda", "profile", False, 0),
-    (0, "cuda", "profile,select,rewrite", False, 0),
-    (3, "cpu", "profile,select,rewrite", False, 3),
-], ids=["cpu", "cuda", "cuda-swap", "data-parallel", "pass-budget", "no-select", "zero", "given"])  # fmt: skip
-def test_calibration_rounds_by_default(rounds: int | None, device: str, passes: str, data_parallel: bool,
-                                       expected: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(("rounds", "device", "passes", "expected"), [
+    (None, "cpu", "profile,select,rewrite", 0),  # the CPU holds what it allocates
+    (None, "cuda", "profile,select,rewrite", peak_calibration.DEFAULT_ROUNDS),
+    (None, "cuda", "profile,select-swap,insert-swap", peak_calibration.DEFAULT_ROUNDS),
+    (None, "cuda", "profile,select{budget=0.5},rewrite", 0),  # the pass's own budget
+    (None, "cuda", "profile", 0),
+    (0, "cuda", "profile,select,rewrite", 0),
+    (3, "cpu", "profile,select,rewrite", 3),
+], ids=["cpu", "cuda", "cuda-swap", "pass-budget", "no-select", "zero", "given"])  # fmt: skip
+def test_calibration_rounds_by_default(rounds: int | None, device: str, passes: str, expected: int) -> None:
     from mutwo.ir.registry import PassRegistry
 
     pipeline = PassRegistry().build_pipeline(passes)
-    assert peak_calibration.calibration_rounds(rounds, torch.device(device), pipeline, data_parallel) == expected
+    assert peak_calibration.calibration_rounds(rounds, torch.device(device), pipeline) == expected
 
 
 def test_nothing_fits_keeps_the_lowest_peak() -> None:
@@ -378,5 +376,5 @@ def test_no_calibration_by_default_without_a_budget() -> None:
 
     pipeline = PassRegistry().build_pipeline("profile,select,rewrite")
     cuda = torch.device("cuda")
-    assert peak_calibration.calibration_rounds(None, cuda, pipeline, False, budgeted=False) == 0
-    assert peak_calibration.calibration_rounds(2, cuda, pipeline, False, budgeted=False) == 2
+    assert peak_calibration.calibration_rounds(None, cuda, pipeline, budgeted=False) == 0
+    assert peak_calibration.calibration_rounds(2, cuda, pipeline, budgeted=False) == 2

@@ -427,7 +427,7 @@ class MutwoOpt:
         ctx.artifacts.update(reused_artifacts)
         result: PipelineResult | None = None
         failure: PipelineFailure | None = None
-        rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes, self.dp is not None,
+        rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes,
                                     budgeted=config.budget is not None or limit is not None)  # fmt: skip
         with self.timed("plan cache"):
             self.plan_cache = self.look_up_plan(config, lowered, manager, ctx, limit, rounds)
@@ -457,9 +457,13 @@ class MutwoOpt:
             with self.timed("calibrate"), stage_noted(CALIBRATION, self.memory):
                 try:
                     kept = calibrated_step(rounds, manager, lowered, original, first,
-                                           lambda g: self.compile(config, g, inputs), staged, self.log)
+                                           lambda g: self.compile(config, g, inputs), staged, self.log, self.dp)
+                    if self.dp is not None:
+                        distributed.require_same_graph(kept.graph, self.dp, "calibrated")
                 except CalibrationOutOfMemory as error:  # a budget the memory limit cannot hold: the user's to change
                     raise UsageError(str(error)) from None
+                except distributed.RanksDisagreeError as disagreement:
+                    raise Failure(str(disagreement)) from None
             final = graph = kept.graph
             compiled, ctx, self.calibration = kept.compiled, kept.ctx, kept.calibration
         if self.args.measure_choice and compiled is not None and not self.plan_cache.hit:

@@ -172,8 +172,7 @@ def refuse_backend_choices(args: argparse.Namespace, config: Config, device: tor
         refusal = distributed.backend_refusal(config.backend, data_parallel, "--backend inductor")
         if refusal is not None:
             raise UsageError(refusal)
-        refusal = distributed.planning_refusal(args.calibrate_peak, args.measure_choice,
-                                               ("--calibrate-peak", "--measure-choice"))  # fmt: skip
+        refusal = distributed.planning_refusal(args.measure_choice, "--measure-choice")
     refusal = refusal or calibration_refusal(args.calibrate_peak, config.backend, passes, "--calibrate-peak",
                                              "--budget")  # fmt: skip
     refusal = refusal or choice_refusal(args.measure_choice, config.backend, passes, "--measure-choice",

@@ -238,16 +238,27 @@ def backend_refusal(backend: str, dp: DataParallel, inductor: str = "backend='in
     return None
 
 
-def planning_refusal(calibrate_peak: int | None, measure_choice: bool, options: tuple[str, str]) -> str | None:
-    """Why a data-parallel step cannot run peak calibration (``calibrate_peak`` re-plans) or a
-    measured choice (``options``: how the caller names the two); None when neither is asked for.
-    Both measure each rank's own step and plan from what it measured: ranks could keep different
-    plans, whose collectives would not match."""
-    asked = [option for option, on in zip(options, (bool(calibrate_peak), measure_choice), strict=True) if on]
-    if not asked:
+def planning_refusal(measure_choice: bool, option: str) -> str | None:
+    """Why a data-parallel step cannot run a measured choice (``option``: how the caller names it);
+    None when it is not asked for. The choice compares two plans' measured times, and the ranks
+    would each keep the faster on their own measurement: plans whose collectives need not match.
+    (Peak calibration runs: each round's measurement is agreed over the ranks first,
+    :func:`largest_measured`.)"""
+    if not measure_choice:
         return None
-    return (f"{asked[0]} plans from what each rank measures on its own, so the ranks of a data-parallel step "
+    return (f"{option} plans from what each rank measures on its own, so the ranks of a data-parallel step "
             "could keep different plans and their collectives would not match; drop it")
+
+
+def largest_measured(held: int, allocated: int | None, dp: DataParallel) -> tuple[int, int | None]:
+    """The largest ``held`` and ``allocated`` bytes over the ranks (``allocated`` None on every rank
+    or on none: the CPU measures no allocated peak beside its held one). Peak calibration moves
+    every rank's budget by these, so that the ranks keep one plan, the one whose fullest rank
+    holds at most the budget: each rank's budget is what that rank holds."""
+    values = torch.tensor([held, -1 if allocated is None else allocated], dtype=torch.int64, device=dp.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=dp.group)
+    largest_held, largest_allocated = (int(v) for v in values.tolist())
+    return largest_held, None if largest_allocated < 0 else largest_allocated
 
 
 def broadcast_model(model: nn.Module, dp: DataParallel) -> None:

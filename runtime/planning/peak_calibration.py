@@ -29,6 +29,10 @@ Calibration closes that loop by measurement, not by a model of Inductor's buffer
    ran out of memory (under a memory limit) is planned again 10% of the budget lower. Then
    compile and measure again.
 
+A data-parallel step is calibrated the same way, every rank at once: each round's measurement
+is the largest over the ranks, so that all plan the same budgets and keep the same round, and a
+budget is what each rank holds (docs/data-parallel.md).
+
 Each round costs a compile: ~150 s for BERT-base and ~4 min for ResNet-152 on the H100's host.
 The step kept is a round within the tolerance; failing that, one under the budget. Among those it
 takes the largest budget, since that recomputes least. When no round qualifies, the step with the
@@ -53,6 +57,7 @@ from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.ir.printer import print_graph
 from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import cpu_iteration_peak, device_bytes, device_of, measure_iterations
+from mutwo.runtime.parallel.distributed import DataParallel, largest_measured
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 
 #: How far under the budget a compiled step's measured peak may be (the fused-executor issue's 3%).
@@ -261,18 +266,18 @@ def calibration_refusal(rounds: int | None, backend: str, passes: Sequence[Pass]
     return None
 
 
-def calibration_rounds(rounds: int | None, device: torch.device, passes: Sequence[Pass], data_parallel: bool,
+def calibration_rounds(rounds: int | None, device: torch.device, passes: Sequence[Pass],
                        budgeted: bool = True) -> int:  # fmt: skip
     """The re-plans calibration makes: ``rounds`` when given (0: none). By default
     :data:`DEFAULT_ROUNDS` on CUDA, where what the process holds differs from the plan's simulated
     peak, when the run has a budget or a memory limit (``budgeted``: without either the step is
-    planned for the whole device, and measuring it would only record its CUDA graph once more),
-    the pipeline plans the run's budget (select or select-swap without a budget of its own) and
-    the step is not data-parallel (each rank would measure its own peak, and the ranks must keep
-    one plan); none on the CPU, which holds what it allocates."""
+    planned for the whole device, and measuring it would only record its CUDA graph once more) and
+    the pipeline plans the run's budget (select or select-swap without a budget of its own); none
+    on the CPU, which holds what it allocates. A data-parallel step is calibrated too: its ranks
+    agree on each round's measurement (:func:`calibrated_step`)."""
     if rounds is not None:
         return rounds
-    if device.type != "cuda" or data_parallel or not budgeted:
+    if device.type != "cuda" or not budgeted:
         return 0
     select = next((p for p in passes if p.name in ("select", "select-swap")), None)
     return DEFAULT_ROUNDS if select is not None and getattr(select, "budget", None) is None else 0
@@ -300,11 +305,18 @@ def pipeline_plan(artifacts: dict[str, Any]) -> Any:
 
 def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
                     compile_graph: Callable[[Graph], CompiledStep], out_dir: Path | None,
-                    log: Callable[[str], None]) -> Calibrated:  # fmt: skip
+                    log: Callable[[str], None], data_parallel: DataParallel | None = None) -> Calibrated:  # fmt: skip
     """Measure ``first`` (the pipeline's result, compiled), then re-plan ``original`` with the
     pipeline's passes after the profile, at budgets moved by the measured gap, up to ``rounds``
     times. When a later round is kept, its passes run once more with ``out_dir`` so that
-    plan.json and the other files describe the kept plan."""
+    plan.json and the other files describe the kept plan.
+
+    With ``data_parallel``, every rank calls this together. Each round's measurement is the
+    largest over the ranks (:func:`~mutwo.runtime.parallel.distributed.largest_measured`); with
+    the profile agreed before, every rank then plans the same budgets, compiles the same graphs
+    and keeps the same round, whose fullest rank holds at most the budget. A round that runs out
+    of memory on a rank is not re-planned: the other ranks' collectives of that step are left
+    unmatched, so the error is raised (as eager DDP's would be)."""
     target = pipeline_plan(first.ctx.artifacts)
     if target is None or target.budget_bytes <= 0:
         # No budget in bytes (a step planned without one, which recomputes nothing): nothing to
@@ -349,7 +361,11 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
             peak, allocated = measured_peak(made.compiled.run, lowered.inputs)
             out_of_memory = False
         except torch.OutOfMemoryError:  # under a memory limit: this plan is over it
+            if data_parallel is not None:  # the other ranks wait in this step's collectives: nothing to agree on
+                raise
             peak, allocated, out_of_memory = budget_bytes, None, True
+        if data_parallel is not None:
+            peak, allocated = largest_measured(peak, allocated, data_parallel)
         measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak, made_plan.unoptimized_peak,
                                           allocated, out_of_memory), made  # fmt: skip
         return measured[text]

@@ -156,7 +156,7 @@ def optimize_graph(
         context = pass_context(lowered, budget, out_dir=out_dir, log=log, keep_grads=keep_grads,
                                memory_limit=memory_limit)
         context.services.update(backend_services(backend), measure_choice=measure_choice)
-        planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline, data_parallel is not None,
+        planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline,
                                             budgeted=budget is not None or memory_limit is not None)  # fmt: skip
         settings = run_settings(budget=budget, memory_limit=memory_limit, backend=backend, keep_grads=keep_grads,
                                 calibration_rounds=planned_rounds, measure_choice=measure_choice,
@@ -194,7 +194,9 @@ def optimize_graph(
             with stages.stage("calibration", f"peak calibration: measuring the step, then up to {rounds} re-plans"), \
                     stage_noted(CALIBRATION, memory):
                 kept = calibrated_step(rounds, PassManager(pipeline), lowered, original, first, compiled_for,
-                                       out_dir, stages.telling(log, "peak calibration"))  # fmt: skip
+                                       out_dir, stages.telling(log, "peak calibration"), data_parallel)  # fmt: skip
+            if data_parallel is not None:
+                distributed.require_same_graph(kept.graph, data_parallel, "calibrated")
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
         if measure_choice and not cached.hit:
@@ -225,14 +227,14 @@ def optimize_graph(
 def _refuse_options(backend: str, pipeline: list[Pass], data_parallel: DataParallel | None, calibrate_peak: int | None,
                     measure_choice: bool, budget: Budget | None) -> None:  # fmt: skip
     """Refuse, before planning, options ``backend`` cannot run: a data-parallel step under a backend
-    that cannot run it, calibration or a measured choice where they cannot run (or the step is
-    data-parallel: :func:`~mutwo.runtime.parallel.distributed.planning_refusal`)."""
+    that cannot run it, calibration or a measured choice where they cannot run (a measured choice
+    when the step is data-parallel: :func:`~mutwo.runtime.parallel.distributed.planning_refusal`)."""
     refusal = None
     if data_parallel is not None:
         refusal = distributed.backend_refusal(backend, data_parallel)
         if refusal is not None:
             raise BackendError(refusal)
-        refusal = distributed.planning_refusal(calibrate_peak, measure_choice, ("calibrate_peak", "measure_choice"))
+        refusal = distributed.planning_refusal(measure_choice, "measure_choice")
     refusal = refusal or calibration_refusal(calibrate_peak, backend, pipeline, "calibrate_peak", "budget=")
     refusal = refusal or choice_refusal(measure_choice, backend, pipeline, "measure_choice", budget)
     if refusal is not None:
