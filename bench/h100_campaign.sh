@@ -196,21 +196,21 @@ case "$section" in
     fi ;;
   dp-two-gpus)
     # Issue 42 on two GPUs (run it on nvidia-h100-x2): the cuda tests of FSDP2, DDP and compiled
-    # DDP, each file under a timeout of its own (verbose, so a hang shows where); then
-    # bench/data_parallel.py, mutwo under inductor-cudagraphs calibrated once over the ranks: BERT-base
-    # 16 per GPU at half of eager DDP's held memory, FSDP2's comparison (the 0.5B Llama: eager FSDP2
-    # with and without per-layer checkpointing, mutwo at checkpointing's held memory), then
-    # ResNet-152-cl 64 per GPU at half of eager DDP's. Each JSON is rewritten after every row.
-    for t in tests/test_fully_sharded.py:240 tests/test_distributed.py:150 tests/test_distributed_compiled.py:240; do
+    # DDP, each file under a timeout of its own (verbose, so a hang shows where; DP_TESTS names
+    # fewer); then bench/data_parallel.py, mutwo under inductor-cudagraphs calibrated once over the
+    # ranks: FSDP2's comparison (the 0.5B Llama: eager FSDP2 with and without per-layer
+    # checkpointing, mutwo at checkpointing's held memory), BERT-base 16 per GPU and ResNet-152-cl
+    # 64 per GPU at half of eager DDP's held memory. Each JSON is rewritten after every row.
+    for t in ${DP_TESTS:-tests/test_fully_sharded.py:240 tests/test_distributed.py:150 tests/test_distributed_compiled.py:240}; do
       timeout ${t##*:} python3 -m pytest -v -m cuda -p no:cacheprovider ${t%%:*} > "$OUT/two_gpu_$(basename ${t%%:*} .py).log" 2>&1
       echo "${t%%:*} exit $?"
     done
     export NCCL_NVLS_ENABLE=0
     dp="torchrun --nproc-per-node 2 bench/data_parallel.py --calibrate-peak 1"
-    timeout 900 $dp --models bert:16:0.5 --out "$OUT/ddp_bert_two_gpus.json" > "$OUT/ddp_bert_two_gpus.log" 2>&1
-    echo "bert exit $?"
     timeout 900 $dp --sharding fsdp2 --out "$OUT/fsdp2_llama_two_gpus.json" > "$OUT/fsdp2_llama_two_gpus.log" 2>&1
     echo "fsdp2 exit $?"
+    timeout 900 $dp --models bert:16:0.5 --out "$OUT/ddp_bert_two_gpus.json" > "$OUT/ddp_bert_two_gpus.log" 2>&1
+    echo "bert exit $?"
     timeout 1200 $dp --models resnet152-cl:64:0.5 --out "$OUT/ddp_resnet_two_gpus.json" > "$OUT/ddp_resnet_two_gpus.log" 2>&1
     echo "resnet exit $?" ;;
   i39-chunk-tests)

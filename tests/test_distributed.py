@@ -305,6 +305,22 @@ def test_ddp_with_a_communication_hook_or_a_second_bucket_size_is_refused(one_ra
         optimize(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), workload.batch, workload.loss_fn)
 
 
+def test_a_budget_in_bytes_under_the_unplanned_step_profiles_a_data_parallel_step_in_memory(one_rank: None) -> None:
+    # Out of core does not run collectives yet: the budget caps the plan, not the profile (it
+    # refused every byte budget under the unplanned step before, measured on two H100s).
+    workload = models.mlp(seed=0, batch_size=1024)
+    planned = copy.deepcopy(workload.model)
+    first = optimize(planned, torch.optim.SGD(planned.parameters(), lr=0.1), workload.batch, workload.loss_fn,
+                     budget=0.95)  # fmt: skip
+    assert first.last is not None
+    below = int(0.95 * first.last.plan.unoptimized_peak)
+    model = copy.deepcopy(workload.model)
+    step = optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), workload.batch, workload.loss_fn,
+                    budget=f"{below}B", data_parallel=True)  # fmt: skip
+    assert step.last is not None and step.last.plan.entries and step.last.plan.budget_bytes == below
+    assert step.last.context.artifacts["profile"].meta["memory"].startswith("in memory")
+
+
 def test_a_batch_that_does_not_split_evenly_is_refused() -> None:
     with pytest.raises(DataParallelError, match="cannot be split evenly over 2 ranks"):
         distributed.shard_batch((torch.zeros(5, 3), torch.zeros(5)), 0, 2)

@@ -104,14 +104,20 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
 
     def run_profile(g: Graph, runs: int, warmup: int, isolate: bool = False, contention: bool = True,
                     out_of_core: bool | None = None) -> Profile:  # fmt: skip
-        choice = profiling_choice(g, lowered.inputs, budget, memory_limit, out_of_core)  # a limit under them refused
+        data_parallel = lowered.binding.data_parallel is not None
+        # A data-parallel step is not profiled out of core (below), so its budget caps the plan
+        # and not the profile: only a memory limit or the device's memory makes it out of core.
+        choice = profiling_choice(g, lowered.inputs, None if data_parallel else budget, memory_limit,
+                                  out_of_core)  # a limit under them refused  # fmt: skip
         refuse_budget_under_inputs(budget, lowered.inputs)
-        if choice.device_limit is not None and lowered.binding.data_parallel is not None:
+        if choice.device_limit is not None and data_parallel:
             # Its all-reduces run beside the backward until their waits: sending a bucket home while
             # one is in flight would copy a buffer the collective still writes.
             raise OutOfCoreError(f"profile: {choice.reason}, which data-parallel steps do not support yet; give "
-                                 "each rank a larger budget or memory limit, or more ranks")  # fmt: skip
-        log(f"profile: {choice.reason}")
+                                 "each rank a larger memory limit, or more ranks")  # fmt: skip
+        log(f"profile: {choice.reason}" + ("; a data-parallel step's budget does not cap its profile, which runs "
+                                           "out of core only under a memory limit" if data_parallel and budget
+                                           is not None and budget.bytes is not None else ""))  # fmt: skip
         try:
             profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,
                                     contention=contention, device_limit=choice.device_limit)  # fmt: skip
