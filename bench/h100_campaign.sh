@@ -41,14 +41,14 @@
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
-# Owed after session 20: headline-resnet's two mutwo rows (its reference rows are in session20_h100/;
+#   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-27;
+#                session21_gpus/)                                                          ~25 min
+# Owed after session 21: headline-resnet's two mutwo rows (its reference rows are in session20_h100/;
 #   the mutwo rows were still planning after 17 minutes: run the section alone on a fresh machine),
 #   then headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows
 #   emptied the cache after their first step, fixed in 25ea60d; their mutwo rows predate slicing by
-#   cost); the restarts of ResNet-152 b128 and the 0.5B Llama; on two GPUs, the cuda tests of
-#   tests/test_fully_sharded.py, test_distributed.py and test_distributed_compiled.py and FSDP2's
-#   comparison: dp-two-gpus (about 15 minutes).
-#   Done in session 20 (session20_h100/): i39-chunk-tests, i39-chunk-memory.
+#   cost); the restarts of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus' ResNet-152-cl row
+#   (still planning when the GPU time ended).
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
