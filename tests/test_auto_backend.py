@@ -45,17 +45,15 @@ UNDRAWABLE = ("the inductor backend cannot draw the random numbers of %12 (aten.
      "cannot record this step: node item (aten._local_scalar_dense) reads a tensor's value on the host; the inductor "
      "backend cannot draw the random numbers of %12 (aten.normal_.default) as eager does: it fills a tensor the step "
      "computes, which Inductor may lay out otherwise)"),
-    (StepFacts("cuda", data_parallel=True),
-     "backend auto: eager (a data-parallel step; name a compiled backend to compile it)"),
 ])  # fmt: skip
 def test_the_choice_is_the_fastest_backend_the_step_allows(facts: StepFacts, sentence: str) -> None:
     assert choose_backend(facts).sentence() == sentence
 
 
-def test_the_device_and_data_parallelism_decide_before_the_capture() -> None:
-    assert early_choice(torch.device("cpu"), data_parallel=False).backend == "eager"
-    assert early_choice(torch.device("cuda", 0), data_parallel=True).backend == "eager"
-    assert early_choice(torch.device("cuda", 0), data_parallel=False) is None  # the captured step decides
+def test_the_device_decides_before_the_capture() -> None:
+    choice = early_choice(torch.device("cpu"))
+    assert choice is not None and choice.backend == "eager"
+    assert early_choice(torch.device("cuda", 0)) is None  # the captured step decides, data parallel or not
 
 
 class _Captures:
@@ -87,8 +85,8 @@ def test_auto_on_cuda_captures_for_a_recording_then_as_its_choice_runs(
     captures = _Captures(refused)
     monkeypatch.setattr(auto_capture, "capture_graph", captures)
 
-    def facts(graph: Any, inputs: Any, data_parallel: bool, known: str | None) -> StepFacts:
-        return StepFacts("cuda", data_parallel, known or unrecordable)
+    def facts(graph: Any, inputs: Any, known: str | None) -> StepFacts:
+        return StepFacts("cuda", known or unrecordable)
 
     monkeypatch.setattr(auto_capture, "step_facts", facts)
     optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])
@@ -97,6 +95,38 @@ def test_auto_on_cuda_captures_for_a_recording_then_as_its_choice_runs(
     assert captures.graphed == graphed and lowered.binding.graphed == graphed[-1]
     if refused is not None:
         assert "Adagrad keeps its step on the cpu" in choice.why and "train it with" not in choice.why
+
+
+GLOO = ("the inductor-cudagraphs backend cannot record this data-parallel step: its process group runs on gloo, "
+        "whose collectives run on the host, and a CUDA graph records NCCL's only; use backend='inductor', the "
+        "fastest backend that runs it")  # fmt: skip
+
+
+@pytest.mark.parametrize(("refusal", "graphed", "backend"), [
+    (None, [True], "inductor-cudagraphs"),  # NCCL: recorded with its collectives
+    (GLOO, [False], "inductor"),  # captured once, as inductor captures
+])  # fmt: skip
+def test_auto_on_cuda_chooses_for_a_data_parallel_step_from_its_process_group(
+        refusal: str | None, graphed: list[bool], backend: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    captures = _Captures()
+    monkeypatch.setattr(auto_capture, "capture_graph", captures)
+    asked: list[str] = []
+
+    def refused(name: str, dp: Any) -> str | None:
+        asked.append(name)
+        return refusal
+
+    monkeypatch.setattr(auto_capture, "backend_refusal", refused)
+    monkeypatch.setattr(auto_capture, "step_facts", lambda graph, inputs, known: StepFacts("cuda", known))
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])
+    lowered, choice = auto_capture.capture_for_backend("auto", None, optimizer, None, None,
+                                                       data_parallel=SimpleNamespace())  # fmt: skip
+    assert asked == ["inductor-cudagraphs"] and choice is not None and choice.backend == backend
+    assert captures.graphed == graphed and lowered.binding.graphed == graphed[-1]
+    if refusal is not None:
+        assert choice.sentence() == ("backend auto: inductor (CUDA; the inductor-cudagraphs backend cannot record "
+                                     "this data-parallel step: its process group runs on gloo, whose collectives "
+                                     "run on the host, and a CUDA graph records NCCL's only)")  # fmt: skip
 
 
 def test_a_named_backend_is_captured_as_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -385,7 +385,7 @@ class MutwoOpt:
                 return run_fit(self, config, device, out)
             except FitError as error:
                 raise Failure(str(error)) from None
-        chosen = early_choice(device, self.dp is not None) if config.backend == AUTO else None
+        chosen = early_choice(device) if config.backend == AUTO else None
         if chosen is not None:  # said once the usage is checked
             config.backend = chosen.backend
         auto = config.backend == AUTO  # on CUDA: chosen once the step is captured

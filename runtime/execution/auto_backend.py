@@ -4,10 +4,11 @@ The default of ``mutwo.optimize`` and ``mutwo-opt``. On the CPU it is ``eager``:
 the captured step, with no compile to wait for. On CUDA, fastest first (docs/backends.md):
 ``inductor-cudagraphs`` when a CUDA graph can record the step; ``inductor`` when it cannot;
 ``cudagraphs`` when the step can be recorded but Inductor cannot draw its random numbers as eager
-does; else ``eager``. A data-parallel step runs ``eager``: the compiled backends run it when named
-(docs/data-parallel.md), but ``auto`` picks one for it only once its steps are checked against
-DDP on GPUs. A plan that swaps runs under every backend (docs/swap.md), so swapping changes nothing
-here.
+does; else ``eager``. A data-parallel step is chosen for the same way (its steps are checked
+against eager DDP and FSDP2 under every backend on two GPUs, docs/data-parallel.md): a CUDA graph
+records its collectives where torch allows it, NCCL's, and where it does not (gloo) the refusal
+says why (:func:`mutwo.runtime.parallel.distributed.backend_refusal`). A plan that swaps runs
+under every backend (docs/swap.md), so swapping changes nothing here.
 
 The choice is made from what the backends themselves check before compiling
 (:func:`~mutwo.runtime.execution.cuda_graphs.refuse_uncapturable`,
@@ -45,12 +46,11 @@ def check_backend_choice(name: str) -> str:
 
 @dataclass(frozen=True)
 class StepFacts:
-    """What the choice reads of a step: its ``device`` type, whether it is ``data_parallel``, why
-    a CUDA graph cannot record it (``unrecordable``) and why Inductor cannot draw its random numbers
-    as eager does (``undrawable``): each None when they can."""
+    """What the choice reads of a step: its ``device`` type, why a CUDA graph cannot record it
+    (``unrecordable``) and why Inductor cannot draw its random numbers as eager does
+    (``undrawable``): each None when they can."""
 
     device: str
-    data_parallel: bool = False
     unrecordable: str | None = None
     undrawable: str | None = None
 
@@ -71,8 +71,6 @@ def choose_backend(facts: StepFacts) -> Choice:
     """The fastest backend that runs a step with these ``facts`` (see the module docstring)."""
     if facts.device != "cuda":
         return Choice("eager", facts.device.upper())
-    if facts.data_parallel:
-        return Choice("eager", "a data-parallel step; name a compiled backend to compile it")
     recorded = "CUDA, the step can be recorded" if facts.unrecordable is None \
         else f"CUDA; {_first_clause(facts.unrecordable)}"  # fmt: skip
     if facts.undrawable is None:
@@ -81,27 +79,27 @@ def choose_backend(facts: StepFacts) -> Choice:
     return Choice("cudagraphs" if facts.unrecordable is None else "eager", f"{recorded}; {drawn}")
 
 
-def early_choice(device: torch.device, data_parallel: bool) -> Choice | None:
-    """The choice when the step's device or data parallelism decides it (the CPU, several ranks),
-    before anything is captured; None when it depends on the captured step (:func:`step_facts`)."""
-    if device.type == "cuda" and not data_parallel:
+def early_choice(device: torch.device) -> Choice | None:
+    """The choice when the step's device decides it (not CUDA), before anything is captured; None
+    when it depends on the captured step (:func:`step_facts`)."""
+    if device.type == "cuda":
         return None
-    return choose_backend(StepFacts(device.type, data_parallel))
+    return choose_backend(StepFacts(device.type))
 
 
-def step_facts(graph: Graph, inputs: Sequence[torch.Tensor], data_parallel: bool = False,
-               unrecordable: str | None = None) -> StepFacts:  # fmt: skip
+def step_facts(graph: Graph, inputs: Sequence[torch.Tensor], unrecordable: str | None = None) -> StepFacts:
     """The facts of a captured step (``graph`` and its ``inputs``); ``unrecordable``: why a CUDA
-    graph cannot record it when that is known already (its capture for one refused the optimizer)."""
+    graph cannot record it when that is known already (its capture for one refused the optimizer,
+    or its collectives run where a recording cannot go)."""
     device = device_of(list(inputs))
-    if device.type != "cuda" or data_parallel:
-        return StepFacts(device.type, data_parallel)
+    if device.type != "cuda":
+        return StepFacts(device.type)
     if unrecordable is None:
         try:
             refuse_uncapturable(graph, inputs)
         except BackendError as refusal:
             unrecordable = str(refusal)
-    return StepFacts("cuda", False, unrecordable, undrawable(to_fx(graph), graph, "inductor"))
+    return StepFacts("cuda", unrecordable, undrawable(to_fx(graph), graph, "inductor"))
 
 
 def _first_clause(reason: str) -> str:

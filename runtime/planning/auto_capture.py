@@ -22,7 +22,7 @@ from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 from mutwo.runtime.capture.training import TrainingOptions
 from mutwo.runtime.execution.auto_backend import AUTO, Choice, choose_backend, step_facts
 from mutwo.runtime.execution.backends import records_cuda_graphs
-from mutwo.runtime.parallel.distributed import DataParallel
+from mutwo.runtime.parallel.distributed import DataParallel, backend_refusal
 from mutwo.runtime.planning.captured import CapturedGraph, capture_graph
 
 
@@ -31,9 +31,10 @@ def capture_for_backend(backend: str, model: torch.nn.Module, optimizer: torch.o
                         accumulated: dict[str, torch.Tensor] | None = None,
                         data_parallel: DataParallel | None = None) -> tuple[CapturedGraph, Choice | None]:  # fmt: skip
     """The step captured as :func:`capture_graph` does (its arguments) for ``backend``; for ``auto``,
-    also the backend chosen (None for any other). Call it with ``auto`` on CUDA only without data
-    parallelism: elsewhere :func:`~mutwo.runtime.execution.auto_backend.early_choice` decides before
-    capturing."""
+    also the backend chosen (None for any other). Call it with ``auto`` on CUDA only: elsewhere
+    :func:`~mutwo.runtime.execution.auto_backend.early_choice` decides before capturing. A
+    data-parallel step whose collectives a CUDA graph cannot record (gloo's) is captured as the
+    backends that do not record capture it, the reason kept for the log line."""
 
     def captured(graphed: bool) -> CapturedGraph:
         return capture_graph(model, optimizer, batch, loss_fn, training, micro, accumulated, data_parallel, graphed)
@@ -41,13 +42,18 @@ def capture_for_backend(backend: str, model: torch.nn.Module, optimizer: torch.o
     if backend != AUTO:
         return captured(records_cuda_graphs(backend)), None
     unrecordable = None
+    if data_parallel is not None:  # every rank decides alike: the group's backend and NCCL are the same
+        unrecordable = backend_refusal("inductor-cudagraphs", data_parallel)
     before = state_entries(optimizer)
-    try:
-        lowered = captured(graphed=True)
-    except UnsupportedOptimizerError as refusal:  # an optimizer unsupported any way is refused again below
-        put_state_back(optimizer, before)
-        unrecordable, lowered = str(refusal), captured(graphed=False)
-    choice = choose_backend(step_facts(lowered.graph, lowered.inputs, data_parallel is not None, unrecordable))
+    if unrecordable is not None:
+        lowered = captured(graphed=False)
+    else:
+        try:
+            lowered = captured(graphed=True)
+        except UnsupportedOptimizerError as refusal:  # an optimizer unsupported any way is refused again below
+            put_state_back(optimizer, before)
+            unrecordable, lowered = str(refusal), captured(graphed=False)
+    choice = choose_backend(step_facts(lowered.graph, lowered.inputs, unrecordable))
     if records_cuda_graphs(choice.backend) != lowered.binding.graphed:
         # The capture for a recording put the step counts on the device; the backend chosen runs
         # the optimizer as eager does, with them where the user had them (else one sync each).

@@ -136,7 +136,7 @@ def optimize_graph(
     check_backend_choice(backend)
     pipeline = PassRegistry().build_pipeline(passes)
     memory = MemorySettings(device_of([*model.parameters(), *model.buffers()]), budget, memory_limit)
-    chosen = early_choice(memory.device, data_parallel is not None) if backend == AUTO else None
+    chosen = early_choice(memory.device) if backend == AUTO else None
     backend = chosen.backend if chosen is not None else backend
     if backend != AUTO:  # auto on CUDA is refused what its choice cannot do once it has chosen, below
         _refuse_options(backend, pipeline, data_parallel, calibrate_peak, measure_choice, budget)
