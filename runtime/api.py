@@ -462,9 +462,10 @@ def optimize(
     MiB). Every rank must call this, and every step, together, with batches (its shard) of the
     same shape; rank 0 alone writes to ``out_dir`` and logs. ``eager`` and ``inductor`` run such a
     step, and on CUDA with NCCL the CUDA-graph backends, which record its collectives; ``auto``
-    records it on CUDA where NCCL allows, else compiles it with ``inductor`` (docs/data-parallel.md). ``calibrate_peak`` runs over the ranks' largest
-    measurement, so each rank holds at most the budget and all keep one plan; ``measure_choice``
-    is refused for it: each rank would keep the plan it measured faster.
+    records it on CUDA where NCCL allows, else compiles it with ``inductor`` (docs/data-parallel.md).
+    ``calibrate_peak`` runs over the ranks' largest measurement, so each rank holds at most the
+    budget and all keep one plan; ``measure_choice`` is refused for it: each rank would keep the
+    plan it measured faster.
 
     ``backend``: what runs the optimized graph: ``eager`` (one aten kernel per node), ``inductor``
     (fused by torch's Inductor, compiled now), ``cudagraphs`` or ``inductor-cudagraphs`` (replayed
