@@ -34,7 +34,7 @@ the stretch between the two insertion points; a join is made only where the call
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -118,20 +118,25 @@ def regathers_shards(node: Node) -> bool:
     gather = node.args[0] if node.is_wait and isinstance(node.args[0], Node) else node
     if gather.op_name != ALL_GATHER:
         return False
-    stack, seen = [gather], set()
+    for current in upstream(gather):
+        if current.op == "placeholder":
+            if current.kind is not NodeKind.PARAMETER:
+                return False
+        elif current is not gather and (current.is_collective or current.is_random or current.mutated_operands):
+            return False
+    return True
+
+
+def upstream(node: Node) -> Iterator[Node]:
+    """``node`` and every node it is computed from, each once."""
+    stack, seen = [node], set()
     while stack:
         current = stack.pop()
         if current.id in seen:
             continue
         seen.add(current.id)
-        if current.op == "placeholder":
-            if current.kind is not NodeKind.PARAMETER:
-                return False
-            continue
-        if current is not gather and (current.is_collective or current.is_random or current.mutated_operands):
-            return False
+        yield current
         stack.extend(current.operands)
-    return True
 
 
 def _mutation_positions(graph: Graph, liveness: Liveness) -> dict[StorageKey, list[int]]:

@@ -33,6 +33,7 @@ BUILTIN_PASSES: dict[str, str] = {
     "select": "mutwo.passes.select:SelectPass",
     "extract": "mutwo.passes.extract:ExtractPass",
     "insert-recompute": "mutwo.passes.insert_recompute:InsertRecomputePass",
+    "share-gathers": "mutwo.passes.share_gathers:ShareGathersPass",
     "optimizer-in-backward": "mutwo.passes.optimizer_in_backward:OptimizerInBackwardPass",
     "foreach-buckets": "mutwo.passes.foreach_buckets:ForeachBucketsPass",
     "select-swap": "mutwo.passes.select_swap:SelectSwapPass",
@@ -41,7 +42,7 @@ BUILTIN_PASSES: dict[str, str] = {
 
 #: Names that stand for several passes.
 BUILTIN_ALIASES: dict[str, tuple[str, ...]] = {
-    "rewrite": ("extract", "insert-recompute"),
+    "rewrite": ("extract", "insert-recompute", "share-gathers"),
     "optimizer": ("optimizer-in-backward", "foreach-buckets"),  # each applies only where the peak drops
     "swap": ("select-swap", "insert-swap"),  # keep, recompute or swap each activation, then rewrite
 }

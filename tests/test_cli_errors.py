@@ -774,7 +774,8 @@ def test_a_reused_file_of_the_wrong_kind_is_named(planned: Path, swap_planned: P
     named for what it is, before the capture."""
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p", "rewrite",
                               "--plan-from", swap_planned / "swap_plan.json", TINY_MLP)  # fmt: skip
-    assert "gives a swap_plan.json, but no pass of this pipeline (extract,insert-recompute) reads it" in line
+    assert ("gives a swap_plan.json, but no pass of this pipeline (extract,insert-recompute,share-gathers) reads "
+            "it") in line
     assert "insert-swap applies it (-p insert-swap --plan-from FILE)" in line
     line = expect_usage_error(capsys, tmp_path / "out", "--device", "cpu", "--batch-size", "64", "-p",
                               "select,rewrite", "--profile-from", planned / "plan.json", TINY_MLP)  # fmt: skip
@@ -873,7 +874,7 @@ def test_print_ir_after_an_alias_prints_after_its_last_pass(tmp_path: Path,
     code, stdout, err = run_cli(capsys, "-q", "--device", "cpu", "--batch-size", "64", "--budget", "min",
                                 "--print-ir-after", "rewrite", "-o", tmp_path / "out", TINY_MLP)  # fmt: skip
     assert code == EXIT_OK, err
-    assert "IR after insert-recompute" in stdout and "IR after extract" not in stdout
+    assert "IR after share-gathers" in stdout and "IR after insert-recompute" not in stdout
 
 
 def test_print_ir_after_an_alias_of_which_the_pipeline_runs_one_pass(

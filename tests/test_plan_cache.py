@@ -208,7 +208,7 @@ def test_mutwo_opt_reuses_the_plan_with_cache_dir_and_not_with_no_cache(
     assert first["plan_cache"]["hit"] is False and second["plan_cache"]["hit"] is True
     assert second["plan_cache"]["key"] == first["plan_cache"]["key"]
     assert "mutwo-opt: plan cache hit" in err and "profile run" not in err
-    assert [p.split("{")[0] for p in second["pipeline"]] == ["extract", "insert-recompute"]
+    assert [p.split("{")[0] for p in second["pipeline"]] == ["extract", "insert-recompute", "share-gathers"]
     assert second["equivalent"] is True and second["recomputed"] == first["recomputed"]
     for name in ("plan.json", "profile.json"):  # what the skipped passes write, from the entry
         assert json.loads((tmp_path / "second" / name).read_text()) == \
@@ -234,7 +234,7 @@ def test_which_pipelines_are_kept_and_what_a_hit_runs() -> None:
     assert uncacheable(default) is None
     # chunk runs again on a hit (it decides from the graph and the budget, which the key holds).
     assert [p.name for p in Entry({}).passes(default)] == ["optimizer-in-backward", "foreach-buckets", "chunk",
-                                                           "extract", "insert-recompute"]  # fmt: skip
+                                                           "extract", "insert-recompute", "share-gathers"]  # fmt: skip
     assert uncacheable(registry.build_pipeline("profile,swap")) is None
     for nothing_to_skip in ("stats,dce", "profile", "profile,select,rewrite,profile"):
         reason = uncacheable(registry.build_pipeline(nothing_to_skip))
@@ -242,7 +242,8 @@ def test_which_pipelines_are_kept_and_what_a_hit_runs() -> None:
     swap = registry.build_pipeline("profile,select-swap,insert-swap")
     assert [p.name for p in Entry({}).passes(swap)] == ["insert-swap"]
     # The measured choice kept recompute only: its plan is select's, applied by the rewrite.
-    assert [p.name for p in Entry({}, recompute_only=True).passes(swap)] == ["extract", "insert-recompute"]
+    assert [p.name for p in Entry({}, recompute_only=True).passes(swap)] == ["extract", "insert-recompute",
+                                                                             "share-gathers"]  # fmt: skip
     assert Entry({"profile": None}, recompute_only=True).missing(swap) == "it holds no plan"
 
 

@@ -124,7 +124,8 @@ def test_a_candidate_that_ran_out_of_memory_is_not_kept() -> None:
 def test_the_recompute_only_pipeline_keeps_select_swaps_budget_and_the_other_passes() -> None:
     passes = PassRegistry().build_pipeline("profile,optimizer,select-swap{budget=0.6,fused=false},insert-swap")
     names = [p.name for p in recompute_only_passes(passes)]
-    assert names == ["optimizer-in-backward", "foreach-buckets", "select", "extract", "insert-recompute"]
+    assert names == ["optimizer-in-backward", "foreach-buckets", "select", "extract", "insert-recompute",
+                     "share-gathers"]  # fmt: skip
     assert recompute_only_passes(passes)[2].budget == "0.6"
 
 

@@ -27,6 +27,7 @@ from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.passes.extract import ExtractPass
 from mutwo.passes.insert_recompute import InsertRecomputePass
 from mutwo.passes.select import SelectPass
+from mutwo.passes.share_gathers import ShareGathersPass
 from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import measure_iterations
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
@@ -70,7 +71,7 @@ def recompute_only_passes(passes: Sequence[Pass]) -> list[Pass]:
         if p.name == "select-swap":
             planning.append(SelectPass(budget=getattr(p, "budget", None), fused=getattr(p, "fused", False)))
         elif p.name == "insert-swap":
-            planning += [ExtractPass(), InsertRecomputePass()]
+            planning += [ExtractPass(), InsertRecomputePass(), ShareGathersPass()]
         else:
             planning.append(p)
     return planning

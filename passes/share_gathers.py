@@ -1,0 +1,180 @@
+"""The ``share-gathers`` transform: one all-gather per ``fully_shard`` group in the backward.
+
+A ``fully_shard`` step gathers a group's shards again before the backward's first read of its
+weights (``reshard_after_forward=True``, :mod:`mutwo.runtime.capture.gather_schedule`), and
+``insert-recompute`` may replay the forward's gather of the same group for each recompute block
+that reads those weights (:func:`mutwo.ir.recompute.regathers_shards`). Each is the same
+collective on the same shards, so the backward can gather the group once: this pass keeps the
+group's first backward gather and has every later one's readers read it, then erases the later
+gathers (their waits, and what only fed them). Measured on two H200s, the 0.5B Llama's plan at
+per-layer checkpointing's held memory held 96 all-gathers where the unplanned step had 33
+(docs/benchmarks.md, "Data parallel and FSDP2 on two GPUs").
+
+The kept gather's value then lives until the last of the merged ones' readers: one group's
+gathered weights held longer. The pass simulates the graph with the merges and applies them when
+its peak stays within the plan's budget (or does not rise); otherwise it takes them one by one,
+each that keeps the peak there, and says how many it left. Two gathers are merged only when no
+node between them writes the shards (an update scheduled into the backward,
+``optimizer-in-backward``, would make them differ). Every rank runs the same graph, so every rank
+drops the same collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+from mutwo.ir.budget import counted
+from mutwo.ir.classify import classify
+from mutwo.ir.graph import Graph
+from mutwo.ir.memory import simulate
+from mutwo.ir.node import Node, Phase
+from mutwo.ir.pass_base import Pass, PassContext
+from mutwo.ir.recompute import ALL_GATHER, follow_storage, upstream
+from mutwo.passes.dce import is_removable
+
+
+@dataclass(frozen=True)
+class Merge:
+    """A later gather (``dropped``, with its wait ``dropped_wait``) whose readers read the first
+    gather's wait (``kept_wait``) instead."""
+
+    kept_wait: int
+    dropped: int
+    dropped_wait: int
+
+
+def value_key(node: Node, memo: dict[int, Hashable]) -> Hashable:
+    """What ``node`` computes, as a key equal for two nodes that compute the same value from the
+    same placeholders by the same ops and arguments (a replayed chain and its original)."""
+    if node.id in memo:
+        return memo[node.id]
+    if node.op == "placeholder":
+        key: Hashable = ("placeholder", node.id)
+    else:
+        leaves = tuple(value_key(leaf, memo) if isinstance(leaf, Node) else repr(leaf)
+                       for leaf in pytree.tree_leaves((node.args, node.kwargs)))  # fmt: skip
+        key = (str(node.target), leaves)
+    memo[node.id] = key
+    return key
+
+
+def _placeholders(node: Node) -> frozenset[int]:
+    """The placeholders ``node`` is computed from (a gather's: its group's shards, a few ops up)."""
+    return frozenset(n.id for n in upstream(node) if n.op == "placeholder")
+
+
+def _written_placeholder(target: Node) -> int | None:
+    """The placeholder an in-place write to ``target`` writes: itself, or the one it is a view of."""
+    while target.op != "placeholder":
+        if not target.is_alias or not target.operands:
+            return None
+        target = target.operands[0]
+    return target.id
+
+
+def _wait_of(gather: Node) -> Node | None:
+    waits = [user for user in gather.users if user.is_wait]
+    return waits[0] if len(waits) == 1 and len(gather.users) == 1 else None
+
+
+def planned_merges(graph: Graph) -> list[Merge]:
+    """The merges of every backward all-gather into the first backward one of the same group,
+    where nothing between them writes the group's shards."""
+    keys: dict[int, Hashable] = {}
+    #: per group: its first backward gather (since its shards were last written), that gather's
+    #: wait, and its position
+    first: dict[Hashable, tuple[Node, int]] = {}
+    written_at: dict[int, int] = {}  # placeholder id -> the position of its last write so far
+    merges: list[Merge] = []
+    for position, node in enumerate(graph.nodes):
+        for target in node.mutated_operands:
+            placeholder = _written_placeholder(target)
+            if placeholder is not None:
+                written_at[placeholder] = position
+        if node.op_name != ALL_GATHER or node.phase is not Phase.BACKWARD:
+            continue
+        wait = _wait_of(node)
+        if wait is None:
+            continue
+        key = value_key(node, keys)
+        kept = first.get(key)
+        if kept is None or any(written_at.get(p, -1) > kept[1] for p in _placeholders(node)):
+            first[key] = (wait, position)
+            continue
+        merges.append(Merge(kept[0].id, node.id, wait.id))
+    return merges
+
+
+def apply_merges(graph: Graph, merges: list[Merge]) -> int:
+    """Make each dropped gather's readers read the kept one's wait, erase the dropped gathers and
+    their waits, then what fed only them; returns how many nodes were erased."""
+    erased = 0
+    for merge in merges:
+        kept, dropped, wait = graph.node(merge.kept_wait), graph.node(merge.dropped), graph.node(merge.dropped_wait)
+        follow_storage(wait, kept, list(wait.users))  # the readers' views now view the kept gather's storage
+        graph.replace_uses_after(wait, kept, wait)
+        feeding: list[Node] = list(dropped.operands)
+        graph.erase(wait)
+        graph.erase(dropped)
+        erased += 2
+        while feeding:
+            node = feeding.pop()
+            if node.graph is graph and is_removable(node):
+                feeding.extend(node.operands)
+                graph.erase(node)
+                erased += 1
+    return erased
+
+
+@dataclass(frozen=True)
+class ShareGathersPass(Pass):
+    """Gather each ``fully_shard`` group once in the backward: later all-gathers of the same
+    shards (FSDP2's re-gather, and those recompute blocks replay) read the first one instead,
+    where the simulated peak stays within the budget. Nothing changes in a graph without them."""
+
+    name = "share-gathers"
+    provides = ("shared-gathers",)
+    is_transform = True
+
+    def run(self, graph: Graph, ctx: PassContext) -> dict[str, Any]:
+        merges = planned_merges(graph)
+        outcome: dict[str, Any] = {"merged": 0, "erased": 0, "planned": len(merges)}
+        if merges:
+            before = simulate(graph).peak_bytes
+            plan = ctx.artifacts.get("plan")
+            ceiling = max(before, plan.budget_bytes if plan is not None and plan.budget_bytes > 0 else 0)
+            kept = _within(graph, merges, ceiling)
+            outcome["erased"] = apply_merges(graph, kept)
+            outcome.update(merged=len(kept), peak_before=before, peak_after=simulate(graph).peak_bytes,
+                           ceiling=ceiling)  # fmt: skip
+            if kept:
+                classify(graph)
+        ctx.artifacts["shared-gathers"] = outcome
+        if merges:
+            ctx.save_json("shared_gathers.json", outcome)
+            left = outcome["planned"] - outcome["merged"]
+            ctx.log(f"share-gathers: {counted(outcome['merged'], 'all-gather')} read an earlier gather of the same "
+                    f"shards instead" + (f"; {left} kept, sharing them would raise the simulated peak over "
+                                         f"{ceiling:,} bytes" if left else "")
+                    + f"; simulated peak {outcome['peak_before']:,} -> {outcome['peak_after']:,} bytes")
+        return outcome
+
+
+def _within(graph: Graph, merges: list[Merge], ceiling: int) -> list[Merge]:
+    """The merges to apply: all of them when the graph with them simulates at most ``ceiling``
+    bytes, else, one by one in order, each that keeps it there with those taken before it."""
+    trial = graph.copy()
+    apply_merges(trial, merges)
+    if simulate(trial).peak_bytes <= ceiling:
+        return merges
+    taken: list[Merge] = []
+    for merge in merges:
+        trial = graph.copy()
+        apply_merges(trial, [*taken, merge])
+        if simulate(trial).peak_bytes <= ceiling:
+            taken.append(merge)
+    return taken
