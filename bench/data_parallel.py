@@ -181,6 +181,7 @@ def bench_mutwo(bench: Bench, mutwo: Training, budget: Budget, row: dict[str, An
     bench.measure(functools.partial(step, mutwo.batch), row)
     # The planned step's CUDA graph (and its pool) goes before the unplanned step is measured.
     del step, optimized
+    gc.collect()  # a step kept alive by a reference cycle would keep its recording
     release_all()
     captured = GraphStep(original, capture, binding)
     bench.measure(lambda: captured(mutwo.batch), {**unplanned, "nodes": len(original), "backend": "eager"})

@@ -33,7 +33,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.memory import simulate
 from mutwo.ir.node import Node, Phase
 from mutwo.ir.pass_base import Pass, PassContext
-from mutwo.ir.recompute import ALL_GATHER, follow_storage, upstream
+from mutwo.ir.recompute import ALL_GATHER, follow_storage, regathers_shards, upstream
 from mutwo.passes.dce import is_removable
 
 
@@ -95,14 +95,17 @@ def planned_merges(graph: Graph) -> list[Merge]:
             placeholder = _written_placeholder(target)
             if placeholder is not None:
                 written_at[placeholder] = position
-        if node.op_name != ALL_GATHER or node.phase is not Phase.BACKWARD:
+        if node.op_name != ALL_GATHER or node.phase is not Phase.BACKWARD or not regathers_shards(node):
             continue
         wait = _wait_of(node)
         if wait is None:
             continue
         key = value_key(node, keys)
         kept = first.get(key)
-        if kept is None or any(written_at.get(p, -1) > kept[1] for p in _placeholders(node)):
+        # The kept gather must be waited for before this one is issued (so before any of its
+        # readers), and its shards unwritten since; else this gather becomes the group's first.
+        if kept is None or graph.position(kept[0]) > position or \
+                any(written_at.get(p, -1) > kept[1] for p in _placeholders(node)):  # fmt: skip
             first[key] = (wait, position)
             continue
         merges.append(Merge(kept[0].id, node.id, wait.id))
@@ -144,13 +147,15 @@ class ShareGathersPass(Pass):
         merges = planned_merges(graph)
         outcome: dict[str, Any] = {"merged": 0, "erased": 0, "planned": len(merges)}
         if merges:
-            before = simulate(graph).peak_bytes
+            profile = ctx.artifacts.get("profile")
+            workspace = _workspace(graph, profile.workspace() if profile is not None else {})
+            before = simulate(graph, workspace=workspace).peak_bytes
             plan = ctx.artifacts.get("plan")
             ceiling = max(before, plan.budget_bytes if plan is not None and plan.budget_bytes > 0 else 0)
-            kept = _within(graph, merges, ceiling)
+            kept = _within(graph, merges, ceiling, workspace)
             outcome["erased"] = apply_merges(graph, kept)
-            outcome.update(merged=len(kept), peak_before=before, peak_after=simulate(graph).peak_bytes,
-                           ceiling=ceiling)  # fmt: skip
+            outcome.update(merged=len(kept), peak_before=before, ceiling=ceiling,
+                           peak_after=simulate(graph, workspace=workspace).peak_bytes)  # fmt: skip
             if kept:
                 classify(graph)
         ctx.artifacts["shared-gathers"] = outcome
@@ -164,17 +169,28 @@ class ShareGathersPass(Pass):
         return outcome
 
 
-def _within(graph: Graph, merges: list[Merge], ceiling: int) -> list[Merge]:
+def _workspace(graph: Graph, profiled: dict[int, int]) -> dict[int, int]:
+    """Each node's profiled workspace, a recompute clone's its original's, as ``select`` prices the
+    peak it plans (:func:`mutwo.passes.select.plan_peak`)."""
+    return {n.id: profiled[origin] for n in graph
+            if (origin := n.origin if n.origin is not None else n.id) in profiled}  # fmt: skip
+
+
+def _within(graph: Graph, merges: list[Merge], ceiling: int, workspace: dict[int, int]) -> list[Merge]:
     """The merges to apply: all of them when the graph with them simulates at most ``ceiling``
-    bytes, else, one by one in order, each that keeps it there with those taken before it."""
+    bytes, else, one by one in order, each that keeps it there with those taken before it (a
+    trial graph is copied again only after a merge it must undo)."""
     trial = graph.copy()
     apply_merges(trial, merges)
-    if simulate(trial).peak_bytes <= ceiling:
+    if simulate(trial, workspace=workspace).peak_bytes <= ceiling:
         return merges
     taken: list[Merge] = []
+    trial = graph.copy()
     for merge in merges:
-        trial = graph.copy()
-        apply_merges(trial, [*taken, merge])
-        if simulate(trial).peak_bytes <= ceiling:
+        apply_merges(trial, [merge])
+        if simulate(trial, workspace=workspace).peak_bytes <= ceiling:
             taken.append(merge)
+        else:
+            trial = graph.copy()
+            apply_merges(trial, taken)
     return taken

@@ -118,10 +118,13 @@ def test_auto_on_cuda_chooses_for_a_data_parallel_step_from_its_process_group(
 
     monkeypatch.setattr(auto_capture, "backend_refusal", refused)
     monkeypatch.setattr(auto_capture, "step_facts", lambda graph, inputs, known: StepFacts("cuda", known))
+    agreed: list[str] = []  # every rank's choice is compared before any captures again
+    monkeypatch.setattr(auto_capture, "require_same_choice", lambda choice, dp, what: agreed.append(choice))
     optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])
     lowered, choice = auto_capture.capture_for_backend("auto", None, optimizer, None, None,
                                                        data_parallel=SimpleNamespace())  # fmt: skip
     assert asked == ["inductor-cudagraphs"] and choice is not None and choice.backend == backend
+    assert agreed == [backend]
     assert captures.graphed == graphed and lowered.binding.graphed == graphed[-1]
     if refusal is not None:
         assert choice.sentence() == ("backend auto: inductor (CUDA; the inductor-cudagraphs backend cannot record "

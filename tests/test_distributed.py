@@ -227,6 +227,27 @@ def test_two_ranks_calibrate_from_the_largest_measurement_and_keep_one_plan() ->
     mp.spawn(_calibrated_together, args=(2, _free_port()), nprocs=2)
 
 
+def _disagreeing(rank: int, world: int, port: int) -> None:
+    with rank_group(rank, world, port, "cpu") as device:
+        dp = DataParallel.for_group()
+        assert dp.device == device
+        with pytest.raises(distributed.RanksDisagreeError, match="rank 1 chose the backend inductor where rank 0"):
+            distributed.require_same_choice("inductor-cudagraphs" if rank == 0 else "inductor", dp, "the backend")
+        with pytest.raises(distributed.RanksDisagreeError, match="the re-planned graph of rank 1 differs"):
+            distributed.require_same_graph(_tiny_graph() if rank == 0 else None, dp, "re-planned")
+
+
+def _tiny_graph() -> Graph:
+    workload = models.mlp(batch_size=4)
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
+    return capture_graph(workload.model, optimizer, workload.batch, workload.loss_fn).graph
+
+
+def test_ranks_that_choose_or_plan_differently_all_fail_in_one_line() -> None:
+    # Every rank raises, none waits in a collective the others skipped (a rank without a plan too).
+    mp.spawn(_disagreeing, args=(2, _free_port()), nprocs=2)
+
+
 def test_mutwo_opt_under_torchrun_writes_from_rank_zero_and_calibrates(tmp_path: Path) -> None:
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",

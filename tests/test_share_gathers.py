@@ -82,7 +82,7 @@ def test_sharing_that_would_raise_the_peak_over_the_budget_is_refused(
         def __init__(self) -> None:
             self.peak_bytes = next(peaks)
 
-    monkeypatch.setattr(share_gathers, "simulate", lambda graph: Simulated())
+    monkeypatch.setattr(share_gathers, "simulate", lambda graph, workspace=None: Simulated())
     before = _backward_gathers(graph)
     outcome = ShareGathersPass().run(graph, ctx)
     assert outcome["merged"] == 0 < outcome["planned"] and _backward_gathers(graph) == before

@@ -314,15 +314,27 @@ def graph_digest(graph: Graph) -> str:
     return hashlib.sha256(re.sub(r"cuda:\d+", "cuda", print_graph(graph)).encode()).hexdigest()[:16]
 
 
-def require_same_graph(graph: Graph, dp: DataParallel, what: str) -> None:
-    """Raise :class:`RanksDisagreeError` on every rank unless every rank holds the same ``graph``."""
+def require_same_graph(graph: Graph | None, dp: DataParallel, what: str) -> None:
+    """Raise :class:`RanksDisagreeError` on every rank unless every rank holds the same ``graph``
+    (None: a rank that has no graph, e.g. no plan reached its budget, which the others must agree on)."""
     digests: list[Any] = [None] * dp.world_size
-    dist.all_gather_object(digests, graph_digest(graph), group=dp.group)
+    dist.all_gather_object(digests, graph_digest(graph) if graph is not None else "no graph", group=dp.group)
     different = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
     if different:
         raise RanksDisagreeError(f"the {what} graph of rank {different[0]} differs from rank 0's (digest "
                                  f"{digests[different[0]]} vs {digests[0]}); every rank must capture the same model "
                                  "with batches of the same shape and run the same passes")  # fmt: skip
+
+
+def require_same_choice(choice: str, dp: DataParallel, what: str) -> None:
+    """Raise :class:`RanksDisagreeError` on every rank unless every rank made the same ``choice``
+    (``what`` names it), which each made from what it saw alone (its environment, its device)."""
+    choices: list[Any] = [None] * dp.world_size
+    dist.all_gather_object(choices, choice, group=dp.group)
+    different = [rank for rank, made in enumerate(choices) if made != choices[0]]
+    if different:
+        raise RanksDisagreeError(f"rank {different[0]} chose {what} {choices[different[0]]} where rank 0 chose "
+                                 f"{choices[0]}; give every rank the same environment and settings")  # fmt: skip
 
 
 def agreed_profile(profile: Profile, dp: DataParallel) -> Profile:
@@ -348,6 +360,13 @@ def agreed_profile(profile: Profile, dp: DataParallel) -> Profile:
     if contention is not None:  # select-swap prices copies with the largest slowdown of any rank
         meta["copy_contention"] = {**contention, "slowdown": merged[-1][1]}
     return dataclasses.replace(profile, nodes=nodes, iteration=iteration, meta=meta)
+
+
+def on_any_rank(flag: bool, dp: DataParallel) -> bool:
+    """Whether ``flag`` holds on some rank: what every rank then does alike."""
+    tensor = torch.tensor([int(flag)], dtype=torch.int64, device=dp.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dp.group)
+    return bool(tensor.item())
 
 
 def smallest(value: int, dp: DataParallel) -> int:

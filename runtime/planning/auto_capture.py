@@ -22,7 +22,7 @@ from mutwo.runtime.capture.optim import UnsupportedOptimizerError
 from mutwo.runtime.capture.training import TrainingOptions
 from mutwo.runtime.execution.auto_backend import AUTO, Choice, choose_backend, step_facts
 from mutwo.runtime.execution.backends import records_cuda_graphs
-from mutwo.runtime.parallel.distributed import DataParallel, backend_refusal
+from mutwo.runtime.parallel.distributed import DataParallel, backend_refusal, require_same_choice
 from mutwo.runtime.planning.captured import CapturedGraph, capture_graph
 
 
@@ -54,6 +54,8 @@ def capture_for_backend(backend: str, model: torch.nn.Module, optimizer: torch.o
             put_state_back(optimizer, before)
             unrecordable, lowered = str(refusal), captured(graphed=False)
     choice = choose_backend(step_facts(lowered.graph, lowered.inputs, unrecordable))
+    if data_parallel is not None:  # a rank that captured again alone would leave the others' collectives unmatched
+        require_same_choice(choice.backend, data_parallel, "the backend")
     if records_cuda_graphs(choice.backend) != lowered.binding.graphed:
         # The capture for a recording put the step counts on the device; the backend chosen runs
         # the optimizer as eager does, with them where the user had them (else one sync each).

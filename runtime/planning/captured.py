@@ -110,11 +110,13 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
         choice = profiling_choice(g, lowered.inputs, None if data_parallel else budget, memory_limit,
                                   out_of_core)  # a limit under them refused  # fmt: skip
         refuse_budget_under_inputs(budget, lowered.inputs)
-        if choice.device_limit is not None and data_parallel:
-            # Its all-reduces run beside the backward until their waits: sending a bucket home while
-            # one is in flight would copy a buffer the collective still writes.
-            raise OutOfCoreError(f"profile: {choice.reason}, which data-parallel steps do not support yet; give "
-                                 "each rank a larger memory limit, or more ranks")  # fmt: skip
+        # Its all-reduces run beside the backward until their waits: sending a bucket home while one
+        # is in flight would copy a buffer the collective still writes. Every rank refuses if one
+        # must (its device or limit may differ): a rank left profiling would wait in a collective.
+        if data_parallel and distributed.on_any_rank(choice.device_limit is not None, lowered.binding.data_parallel):
+            why = choice.reason if choice.device_limit is not None else "another rank must profile out of core"
+            raise OutOfCoreError(f"profile: {why}, which data-parallel steps do not support yet; give each rank a "
+                                 "larger memory limit, or more ranks")  # fmt: skip
         log(f"profile: {choice.reason}" + ("; a data-parallel step's budget does not cap its profile, which runs "
                                            "out of core only under a memory limit" if data_parallel and budget
                                            is not None and budget.bytes is not None else ""))  # fmt: skip

@@ -57,7 +57,7 @@ from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.ir.printer import print_graph
 from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import cpu_iteration_peak, device_bytes, device_of, measure_iterations
-from mutwo.runtime.parallel.distributed import DataParallel, largest_measured
+from mutwo.runtime.parallel.distributed import DataParallel, largest_measured, require_same_graph
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 
 #: How far under the budget a compiled step's measured peak may be (the fused-executor issue's 3%).
@@ -345,6 +345,8 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, Calibrated] | None:
         if measured:
             planned = plan(budget_bytes, None)
+            if data_parallel is not None:  # before a compile or a run, whose collectives would not match
+                require_same_graph(planned[0] if planned is not None else None, data_parallel, "re-planned")
             if planned is None:
                 return None
             text = print_graph(planned[0])
