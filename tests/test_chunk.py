@@ -584,7 +584,7 @@ def test_the_plan_cache_replays_chunk_and_reuses_the_plan_of_the_sliced_graph(
     slices = made.last.context.artifacts["chunk"].slices
     assert [r.name for r in again.last.result.records] == ["optimizer-in-backward", "foreach-buckets",
                                                           f"chunk{{k={slices},when=always}}", "extract",
-                                                          "insert-recompute"]  # fmt: skip
+                                                          "insert-recompute", "share-gathers"]  # fmt: skip
     replayed = again.last.context.artifacts["chunk"]
     assert replayed.applied and replayed.slices == slices and not replayed.predicted_seconds
     assert print_graph(again.last.graph) == print_graph(made.last.graph)
@@ -622,7 +622,7 @@ def test_a_hit_slices_as_the_kept_plan_did_whatever_the_budget_would_choose_now(
     sliced = ChunkReport(True, "", 1, slices=8)
     names = [p.describe() for p in Entry({"chunk": ChunkReport.from_json(sliced.to_json())}).passes(default)]
     assert names == ["optimizer-in-backward", "foreach-buckets", "chunk{k=8,when=always}", "extract",
-                     "insert-recompute"]  # fmt: skip
+                     "insert-recompute", "share-gathers"]  # fmt: skip
     whole = Entry({"chunk": ChunkReport(False, "the budget is not below ...", 1)})
     assert "chunk" not in [p.name for p in whole.passes(default)]  # the head stays whole, as it did
     refused = Entry({"chunk": ChunkReport(True, "", 1, slices=4, refused=["%9 ..."])})
