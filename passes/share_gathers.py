@@ -30,10 +30,11 @@ from torch.utils import _pytree as pytree
 from mutwo.ir.budget import counted
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
+from mutwo.ir.liveness import Liveness, compute_liveness
 from mutwo.ir.memory import simulate
-from mutwo.ir.node import Node, Phase
+from mutwo.ir.node import Node, Phase, StorageKey
 from mutwo.ir.pass_base import Pass, PassContext
-from mutwo.ir.recompute import ALL_GATHER, follow_storage, regathers_shards, upstream
+from mutwo.ir.recompute import ALL_GATHER, _mutation_positions, follow_storage, regathers_shards, upstream
 from mutwo.passes.dce import is_removable
 
 
@@ -62,18 +63,14 @@ def value_key(node: Node, memo: dict[int, Hashable]) -> Hashable:
     return key
 
 
-def _placeholders(node: Node) -> frozenset[int]:
-    """The placeholders ``node`` is computed from (a gather's: its group's shards, a few ops up)."""
-    return frozenset(n.id for n in upstream(node) if n.op == "placeholder")
+def _shard_storages(gather: Node) -> list[StorageKey]:
+    """The storages of the placeholders ``gather`` is computed from: its group's shards."""
+    return [t.storage for n in upstream(gather) if n.op == "placeholder" for t in n.tensors if t is not None]
 
 
-def _written_placeholder(target: Node) -> int | None:
-    """The placeholder an in-place write to ``target`` writes: itself, or the one it is a view of."""
-    while target.op != "placeholder":
-        if not target.is_alias or not target.operands:
-            return None
-        target = target.operands[0]
-    return target.id
+def _writes_to(storages: list[StorageKey], writes: dict[StorageKey, list[int]]) -> list[int]:
+    """The positions of every in-place write to ``storages``."""
+    return [w for storage in storages for w in writes.get(storage, ())]
 
 
 def _wait_of(gather: Node) -> Node | None:
@@ -81,31 +78,29 @@ def _wait_of(gather: Node) -> Node | None:
     return waits[0] if len(waits) == 1 and len(gather.users) == 1 else None
 
 
-def planned_merges(graph: Graph) -> list[Merge]:
+def planned_merges(graph: Graph, liveness: Liveness) -> list[Merge]:
     """The merges of every backward all-gather into the first backward one of the same group,
-    where nothing between them writes the group's shards."""
+    where nothing between them writes the group's shards (in place, through any view: the
+    storages' writes, as recomputation checks them)."""
     keys: dict[int, Hashable] = {}
-    #: per group: its first backward gather (since its shards were last written), that gather's
-    #: wait, and its position
+    writes = _mutation_positions(graph, liveness)
+    rank = liveness.rank
+    #: per group: the wait of its first backward gather (since its shards were last written), and
+    #: that gather's position
     first: dict[Hashable, tuple[Node, int]] = {}
-    written_at: dict[int, int] = {}  # placeholder id -> the position of its last write so far
     merges: list[Merge] = []
-    for position, node in enumerate(graph.nodes):
-        for target in node.mutated_operands:
-            placeholder = _written_placeholder(target)
-            if placeholder is not None:
-                written_at[placeholder] = position
+    for node in graph.nodes:
         if node.op_name != ALL_GATHER or node.phase is not Phase.BACKWARD or not regathers_shards(node):
             continue
         wait = _wait_of(node)
         if wait is None:
             continue
-        key = value_key(node, keys)
+        key, position = value_key(node, keys), rank[node.id]
         kept = first.get(key)
         # The kept gather must be waited for before this one is issued (so before any of its
         # readers), and its shards unwritten since; else this gather becomes the group's first.
-        if kept is None or graph.position(kept[0]) > position or \
-                any(written_at.get(p, -1) > kept[1] for p in _placeholders(node)):  # fmt: skip
+        if kept is None or rank[kept[0].id] > position or \
+                any(kept[1] < w < position for w in _writes_to(_shard_storages(node), writes)):  # fmt: skip
             first[key] = (wait, position)
             continue
         merges.append(Merge(kept[0].id, node.id, wait.id))
@@ -144,12 +139,13 @@ class ShareGathersPass(Pass):
     is_transform = True
 
     def run(self, graph: Graph, ctx: PassContext) -> dict[str, Any]:
-        merges = planned_merges(graph)
+        liveness = compute_liveness(graph)
+        merges = planned_merges(graph, liveness)
         outcome: dict[str, Any] = {"merged": 0, "erased": 0, "planned": len(merges)}
         if merges:
             profile = ctx.artifacts.get("profile")
             workspace = _workspace(graph, profile.workspace() if profile is not None else {})
-            before = simulate(graph, workspace=workspace).peak_bytes
+            before = simulate(graph, liveness, workspace).peak_bytes
             plan = ctx.artifacts.get("plan")
             ceiling = max(before, plan.budget_bytes if plan is not None and plan.budget_bytes > 0 else 0)
             kept = _within(graph, merges, ceiling, workspace)

@@ -458,8 +458,6 @@ class MutwoOpt:
                 try:
                     kept = calibrated_step(rounds, manager, lowered, original, first,
                                            lambda g: self.compile(config, g, inputs), staged, self.log, self.dp)
-                    if self.dp is not None:
-                        distributed.require_same_graph(kept.graph, self.dp, "calibrated")
                 except CalibrationOutOfMemory as error:  # a budget the memory limit cannot hold: the user's to change
                     raise UsageError(str(error)) from None
                 except distributed.RanksDisagreeError as disagreement:

@@ -314,7 +314,9 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     With ``data_parallel``, every rank calls this together. Each round's measurement is the
     largest over the ranks (:func:`~mutwo.runtime.parallel.distributed.largest_measured`); with
     the profile agreed before, every rank then plans the same budgets, compiles the same graphs
-    and keeps the same round, whose fullest rank holds at most the budget. A round that runs out
+    and keeps the same round, whose fullest rank holds at most the budget; each re-planned graph,
+    before it is compiled, and the kept one are compared over the ranks
+    (:class:`~mutwo.runtime.parallel.distributed.RanksDisagreeError`). A round that runs out
     of memory on a rank is not re-planned: the other ranks' collectives of that step are left
     unmatched, so the error is raised (as eager DDP's would be)."""
     target = pipeline_plan(first.ctx.artifacts)
@@ -385,4 +387,6 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
                 f"again made another plan than round {calibration.chosen + 1}'s; training the step measured, whose "
                 "plan the files in the output folder do not describe")  # fmt: skip
     kept.calibration = calibration
+    if data_parallel is not None:
+        require_same_graph(kept.graph, data_parallel, "calibrated")
     return kept

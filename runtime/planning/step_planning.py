@@ -195,8 +195,6 @@ def optimize_graph(
                     stage_noted(CALIBRATION, memory):
                 kept = calibrated_step(rounds, PassManager(pipeline), lowered, original, first, compiled_for,
                                        out_dir, stages.telling(log, "peak calibration"), data_parallel)  # fmt: skip
-            if data_parallel is not None:
-                distributed.require_same_graph(kept.graph, data_parallel, "calibrated")
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
         if measure_choice and not cached.hit:
