@@ -62,6 +62,10 @@ b2 takes about 6 minutes, BERT-base s512 b2 about 7, on two busy cores):
     python bench/compare.py --out /tmp/dry.json --models resnet152:2 --variants swap-study \
         --stand-in-budget 0.9 --warmup 0 --iterations 1
 
+``--sample-stacks DIR`` samples each mutwo row's planning (capture, passes, compiles, calibration;
+until its measured iterations begin) with ``bench/stack_sampler.py`` into
+``DIR/<config>_b<batch>_<variant>.folded``: where a long setup spends its time.
+
 ``--parallel-planning N`` plans and compiles up to N mutwo variants at once, each in its own
 process, and then measures them one at a time, in order, each alone on the device (a worker waits
 after planning until the others have planned and its turn has come). A whole-iteration Inductor
@@ -119,6 +123,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # stack_sampler, when this file is loaded as a module
+
+from stack_sampler import StackSampler  # noqa: E402
 
 from mutwo.ir.budget import Budget, parse_bytes  # noqa: E402
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, free_planning_leftovers  # noqa: E402
@@ -288,11 +295,19 @@ def wait_for_turn(gate: Path, timings: dict[str, Any], parent: int) -> None:
     timings["measured_from"] = time.time()
 
 
+def sampled_stacks_path(folder: str | None, name: str, batch: str, variant: str) -> Path | None:
+    """Where a worker writes its sampled planning stacks (``--sample-stacks``), or None."""
+    if folder is None or mutwo_variant(variant) is None:
+        return None
+    return Path(folder).resolve() / f"{Path(name).stem}_b{batch}_{variant}.folded"
+
+
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,
            precision: str | None = None, trace: Path | None = None, isolate_profile: bool = False,
            warmup: int = WARMUP, iterations: int = MEASURED, calibrate_peak: int = 0,
            gate: Path | None = None, measure_choice: bool = False,
-           reuse_profile: bool = False, memory_limit: int | None = None) -> dict[str, Any]:  # fmt: skip
+           reuse_profile: bool = False, memory_limit: int | None = None,
+           sample_stacks: Path | None = None) -> dict[str, Any]:  # fmt: skip
     config = config_path(name)
     if memory_limit is not None and torch.cuda.is_available():  # capped before anything is built, as a card
         apply_memory_limit(torch.device("cuda"), memory_limit)
@@ -303,6 +318,10 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         timings: dict[str, Any] = {}
         parent = os.getppid()
         turn: Callable[[], None] | None = None if gate is None else lambda: wait_for_turn(gate, timings, parent)
+        sampler = None
+        if sample_stacks is not None:  # planning's stacks, until measuring begins (the thread would perturb it)
+            sampler = StackSampler().__enter__()
+            turn = sampled_until_measuring(sampler, sample_stacks, turn)
         row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
                                 precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
                                 backend=own.backend, trace=trace, isolate_profile=isolate_profile,
@@ -312,6 +331,12 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
                                 device_lock=None if gate is None else gate.parent / "device.lock")  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
+        if sampler is not None and sample_stacks is not None:
+            sampler.__exit__(None, None, None)
+            row["sampled_stacks"] = str(sample_stacks)
+            if not sample_stacks.exists():  # measuring never began: what was sampled up to the end
+                sample_stacks.parent.mkdir(parents=True, exist_ok=True)
+                sampler.write(sample_stacks)
         if gate is not None:
             row.update(timings, planned_in_parallel=True, measured_until=time.time())
         return row
@@ -338,6 +363,21 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
     return row
 
 
+def sampled_until_measuring(sampler: StackSampler, path: Path,
+                            turn: Callable[[], None] | None) -> Callable[[], None]:  # fmt: skip
+    """A ``before_measuring`` hook that stops ``sampler``, writes its stacks to ``path`` and then
+    waits for ``turn`` (if any)."""
+
+    def stop_then_wait() -> None:
+        sampler.__exit__(None, None, None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sampler.write(path)
+        if turn is not None:
+            turn()
+
+    return stop_then_wait
+
+
 class Job(NamedTuple):
     """A variant to run in a worker process: its row's first keys, its budget, its command line."""
 
@@ -359,6 +399,7 @@ def worker_argv(args: argparse.Namespace, name: str, batch: str, variant: str, e
             *(["--trace"] if args.trace else []),
             *(["--isolate-profile"] if args.isolate_profile else []),
             *(["--memory-limit", args.memory_limit] if getattr(args, "memory_limit", None) else []),
+            *(["--sample-stacks", args.sample_stacks] if getattr(args, "sample_stacks", None) else []),
             "--calibrate-peak", str(args.calibrate_peak), *(["--measure-choice"] if args.measure_choice else []),
             "--warmup", str(args.warmup), "--iterations", str(args.iterations)]  # fmt: skip
 
@@ -533,6 +574,9 @@ def main() -> None:
     parser.add_argument("--parallel-planning", type=int, default=1, metavar="N",
                         help="plan and compile up to N mutwo variants at once, then measure them one at a time "
                         "(they reuse the profile of a mutwo-none row before them; default 1: one after the other)")
+    parser.add_argument("--sample-stacks", metavar="DIR",
+                        help="sample each mutwo row's planning (bench/stack_sampler.py) into "
+                             "DIR/<config>_b<batch>_<variant>.folded")
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "BATCH", "VARIANT", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--gate", type=Path, help=argparse.SUPPRESS)  # a worker planned beside others waits there
     parser.add_argument("--reuse-profile", action="store_true", help=argparse.SUPPRESS)  # an unbudgeted worker
@@ -559,7 +603,8 @@ def main() -> None:
         row = worker(name, int(batch), variant, budget or None, scratch / config_path(name).stem, args.precision,
                      trace, args.isolate_profile, args.warmup, args.iterations, args.calibrate_peak,
                      args.gate, args.measure_choice, args.reuse_profile,
-                     parse_bytes(args.memory_limit) if args.memory_limit else None)  # fmt: skip
+                     parse_bytes(args.memory_limit) if args.memory_limit else None,
+                     sampled_stacks_path(args.sample_stacks, name, batch, variant))  # fmt: skip
         print(json.dumps({**row, "model": name, "batch_size": int(batch), "variant": variant}))
         return
     rows: list[dict[str, Any]] = []

@@ -59,7 +59,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: dp-two-gpus, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -157,6 +157,32 @@ case "$section" in
         --out "$OUT/plain_${stem}_$variant.json" > /dev/null
     done
     exit $status ;;
+  headline-resnet-refs)
+    # headline-resnet in two machine holds (a hold ends after 30 minutes; the whole section needs ~40):
+    # first the reference rows and the plain loop beside them (~10 min), then headline-resnet-mutwo.
+    timeout 1200 python3 bench/compare.py --out "$OUT/headline_resnet152_cl_b128_refs.json" \
+      --models resnet152-cl:128 --timeout 600 --variants eager,checkpoint,compile-0.5
+    status=$?
+    for variant in eager checkpoint; do
+      timeout 300 python3 bench/plain_loop.py --config examples/resnet152_channels_last.yaml --batch-size 128 \
+        --variant $variant --out "$OUT/plain_resnet152_cl_b128_$variant.json" > /dev/null
+    done
+    exit $status ;;
+  headline-resnet-mutwo)
+    # The second hold: mutwo's unplanned row (its profile the planned rows reuse), then the two planned
+    # rows side by side, their budgets what headline-resnet-refs' rows held (REFS: its JSON, kept in
+    # the repo), each worker's planning sampled into $OUT/*.folded (bench/stack_sampler.py). ~25 min.
+    g=inductor-cudagraphs
+    timeout 1700 python3 bench/compare.py --out "$OUT/headline_resnet152_cl_b128_mutwo.json" --models resnet152-cl:128 \
+      --timeout 1500 --reference "${REFS:?set REFS to headline-resnet-refs JSON}" --parallel-planning 2 \
+      --calibrate-peak 1 --sample-stacks "$OUT" --variants mutwo@cudagraphs-none,mutwo@$g-checkpoint,mutwo@$g-compile0.5 ;;
+  compile-sampled-resnet)
+    # Where a whole-iteration compile of ResNet-152-cl b128 goes: mutwo.optimize without a budget
+    # (one compile, no calibration) from an empty Inductor cache, its stacks sampled. ~8 min.
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 900 python3 bench/stock_optimizer_and_restart.py start \
+      --config examples/resnet152_channels_last.yaml --batch-size 128 --backend inductor-cudagraphs \
+      --sample-stacks "$OUT/compile_resnet152_cl_b128.folded" --out "$OUT/compile_resnet152_cl_b128.json"
+    python3 bench/stack_sampler.py --top 120 "$OUT/compile_resnet152_cl_b128.folded" ;;
   i38-opt-bert)
     # Issue 38 through the command line: mutwo-opt under --memory-limit at the same budget,
     # inductor-cudagraphs, calibrated by default; summary.json has the measured held bytes.

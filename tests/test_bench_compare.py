@@ -188,6 +188,7 @@ def test_parallel_planning_plans_the_rows_together_then_measures_each_alone(
     out = tmp_path / "parallel.json"
     monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:512", "--out", str(out), "--stand-in-budget",
                                       "0.9", "--warmup", "0", "--iterations", "1", "--parallel-planning", "2",
+                                      "--sample-stacks", str(tmp_path / "stacks"),
                                       "--variants", "eager,mutwo-none,mutwo-eager0.5,mutwo-swap-eager0.5"])  # fmt: skip
     compare.main()
     runs = json.loads(out.read_text())["runs"]
@@ -198,6 +199,12 @@ def test_parallel_planning_plans_the_rows_together_then_measures_each_alone(
     assert first["profile_reused"] and second["profile_reused"] and not runs[1]["profile_reused"]
     assert max(first["planned_at"], second["planned_at"]) <= first["measured_from"]
     assert first["measured_from"] < first["measured_until"] <= second["measured_from"] < second["measured_until"]
+    # --sample-stacks: each mutwo row's planning sampled, up to its measurement; none for eager
+    for row in runs[1:]:
+        folded = Path(row["sampled_stacks"]).read_text()
+        assert folded.endswith("\n") and "run_configuration" in folded, folded[:500]
+    assert sorted(p.name for p in (tmp_path / "stacks").iterdir()) == sorted(
+        f"tiny_b512_{variant}.folded" for variant in ("mutwo-none", "mutwo-eager0.5", "mutwo-swap-eager0.5"))
     assert second["transfer"] == runs[1]["transfer"]  # priced with the copy model mutwo-none measured
 
 
