@@ -28,8 +28,8 @@
 #   inductor-bert, inductor-calibrated
 #                "Against torch.compile", BERT-base b64 (H100, 2026-11-23 and 24; issue17_h100/,
 #                issue17_h100_cl/)                                                    9 and ~17 min
-#   backends     "Without recompute: the compiled backends", ResNet-152 b32 (H100, 2026-11-23;
-#                issue17_h100/)                                                         ~10-12 min
+#   backends     "Without recompute: the compiled backends" (under "Earlier results"), ResNet-152 b32
+#                (H100, 2026-11-23; issue17_h100/)                                      ~10-12 min
 #   plan-stability, plan-attribution, plan-attribution-steadier
 #                "Why one budget gives several plans" (H100, 2026-11-25; session6_h100/) ~17, 4, 5 min
 #   fit-resnet, fit-alloc
@@ -40,15 +40,16 @@
 #                16GiB under inductor-cudagraphs (H100, 2026-11-26; session14_h100/)        ~9 min
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
-#                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~20 min
+#                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~40 min
+#   headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet
+#                the same for ResNet-152-cl over two machine holds (H100, 2026-11-28; session22_h100/),
+#                and one of its compiles sampled                                  ~10, ~15, ~6 min
 #   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-27;
 #                session21_gpus/)                                                          ~25 min
-# Owed after session 21: headline-resnet's two mutwo rows (its reference rows are in session20_h100/;
-#   the mutwo rows were still planning after 17 minutes: run the section alone on a fresh machine),
-#   then headline-gpt2 and headline-bert again (their eager, checkpointing and torch.compile rows
-#   emptied the cache after their first step, fixed in 25ea60d; their mutwo rows predate slicing by
-#   cost); the restarts of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus' ResNet-152-cl row
-#   (still planning when the GPU time ended).
+# Owed after session 22: headline-gpt2 and headline-bert again (their eager, checkpointing and
+#   torch.compile rows emptied the cache after their first step, fixed in 25ea60d; their mutwo rows
+#   predate slicing by cost); the restarts of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus'
+#   ResNet-152-cl row (still planning when the GPU time ended) and its FSDP2 Llama with share-gathers.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
