@@ -6,7 +6,7 @@
               [--no-verify] [--print-ir-after-all] [--print-ir-after P,...] [--dump-dot]
               [--time-passes] [--fit MEMORY [--fit-margin SHARE] [--fit-max-slowdown FACTOR]]
               [--calibrate-peak ROUNDS] [--measure-choice] [--memory-limit MEMORY] [-q/--quiet]
-              [--bucket-cap-mb MB] [--cache-dir DIR | --no-cache] [--debug]
+              [--bucket-cap-mb MB] [--sharding ddp|fsdp2] [--cache-dir DIR | --no-cache] [--debug]
               [--backend auto|eager|inductor|cudagraphs|inductor-cudagraphs] CONFIG.yaml
 
 Launched by torchrun (``torchrun --nproc-per-node N -m mutwo.tools.mutwo_opt ...``), every rank
@@ -71,6 +71,7 @@ from mutwo.runtime.measurement.out_of_memory import (
 )
 from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
+from mutwo.runtime.parallel.sharding import shard_blocks
 from mutwo.runtime.planning.auto_capture import capture_for_backend
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 from mutwo.runtime.planning.fit import FitError
@@ -132,6 +133,7 @@ class MutwoOpt:
         self.dp: DataParallel | None = None  #: under torchrun: the ranks averaging the gradients
         self.joined = False  #: whether this run joined the process group (and leaves it at the end)
         self.gradient_buckets: list[list[str]] = []  #: data parallel: the all-reduce buckets, in issue order
+        self.sharded_blocks: list[str] | None = None  #: --sharding fsdp2: the blocks fully_shard wrapped
         self.output: OutputFolder | None = None  #: the output folder, once this run has made it
         self.cap_lifted: Callable[[], None] | None = None  #: undoes --memory-limit's cap when the run ends
         #: the device, budget and memory limit an out-of-memory error's note names (set once they are known)
@@ -206,11 +208,16 @@ class MutwoOpt:
 
     def join_data_parallel(self, device: torch.device) -> torch.device:
         """Under torchrun, join its process group; this rank's device (its own GPU) comes back."""
+        sharded = self.args.sharding == "fsdp2"
         if not distributed.launched_by_torchrun():
-            if self.args.bucket_cap_mb is not None:
-                raise UsageError("--bucket-cap-mb applies to data-parallel runs; launch with torchrun "
+            if self.args.bucket_cap_mb is not None or sharded:
+                option = "--bucket-cap-mb" if self.args.bucket_cap_mb is not None else "--sharding fsdp2"
+                raise UsageError(f"{option} applies to data-parallel runs; launch with torchrun "
                                  "--nproc-per-node N -m mutwo.tools.mutwo_opt ...")  # fmt: skip
             return device
+        if sharded and self.args.bucket_cap_mb is not None:
+            raise UsageError("--bucket-cap-mb sets DDP's gradient buckets; a --sharding fsdp2 run communicates per "
+                             "fully_shard block, so drop it")  # fmt: skip
         try:
             self.joined = not torch.distributed.is_initialized()
             device = distributed.join_from_environment(device)
@@ -252,9 +259,14 @@ class MutwoOpt:
             workload, batch = self.build(config)
             model = workload.model.to(device)
             batch = to_device(batch, device)
-            optimizer = build_optimizer(config, model)
             if self.dp is not None:
                 distributed.broadcast_model(model, self.dp)
+            if self.dp is not None and self.args.sharding == "fsdp2":
+                self.sharded_blocks = shard_blocks(model)
+                self.dp = distributed.DataParallel.from_fully_shard(model)
+                self.log(f"sharded {len(self.sharded_blocks)} repeated blocks and the model with fully_shard "
+                         f"over {self.dp.world_size} ranks")  # fmt: skip
+            optimizer = build_optimizer(config, model)
             if config.accumulation_steps == 1:
                 self.log("capturing one training iteration (forward, backward, optimizer step)")
             else:  # capture_graph's default: the micro-batch that holds the most

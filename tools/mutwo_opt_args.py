@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("--bucket-cap-mb", type=float, metavar="MB",
                         help="under torchrun: gradient bucket size in MiB (default: DDP's, 1 MiB first then 25)")
+    parser.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
+                        help="under torchrun: ddp (every rank holds the model, default) or fsdp2 (fully_shard each "
+                        "repeated block, then the model; docs/data-parallel.md)")
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--cache-dir", metavar="DIR",
                        help="the plan cache's folder (default: $MUTWO_CACHE_DIR, else $XDG_CACHE_HOME/mutwo, else "

@@ -110,7 +110,7 @@ def write_outputs(run: RunState, out: Path, config: Config, device: torch.device
         "equivalent": None if report is None else report.equivalent,
         "error": error,
         **outcome,
-        "data_parallel": describe_data_parallel(run.dp, run.gradient_buckets, config),
+        "data_parallel": describe_data_parallel(run.dp, run.gradient_buckets, config, run.sharded_blocks),
         # The simulator models the eager executor: one aten kernel per node, in the plan's order,
         # which the compiled backends keep (docs/backends.md); their peak is the measured one.
         "simulated_backend": "eager",
@@ -165,14 +165,16 @@ def write_final(out: Path, original: Graph, final: Graph, before: Any, ctx: Pass
     }, reports
 
 
-def describe_data_parallel(dp: DataParallel | None, gradient_buckets: list[list[str]],
-                           config: Config) -> dict[str, Any] | None:  # fmt: skip
-    """summary.json's data_parallel: the ranks, the global batch and the gradient buckets (None
-    outside torchrun)."""
+def describe_data_parallel(dp: DataParallel | None, gradient_buckets: list[list[str]], config: Config,
+                           sharded_blocks: list[str] | None = None) -> dict[str, Any] | None:  # fmt: skip
+    """summary.json's data_parallel: the ranks, the global batch, how the model is held
+    (``sharding``: ddp, or fsdp2 with the blocks ``fully_shard`` wrapped besides the model) and the
+    gradient buckets (None outside torchrun)."""
     if dp is None:
         return None
     return {"world_size": dp.world_size, "backend": torch.distributed.get_backend(dp.group),
             "global_batch_size": config.batch_size * dp.world_size,
+            "sharding": "ddp" if dp.sharded is None else "fsdp2", "sharded_blocks": sharded_blocks,
             "bucket_limits_bytes": list(dp.bucket_limits), "sync_buffers": dp.sync_buffers,
             "buckets": gradient_buckets}  # fmt: skip
 
