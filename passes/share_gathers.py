@@ -154,6 +154,7 @@ class ShareGathersPass(Pass):
                            peak_after=simulate(graph, workspace=workspace).peak_bytes)  # fmt: skip
             if kept:
                 classify(graph)
+                _forget_erased_clones(graph, ctx)
         ctx.artifacts["shared-gathers"] = outcome
         if merges:
             ctx.save_json("shared_gathers.json", outcome)
@@ -163,6 +164,19 @@ class ShareGathersPass(Pass):
                                          f"{ceiling:,} bytes" if left else "")
                     + f"; simulated peak {outcome['peak_before']:,} -> {outcome['peak_after']:,} bytes")
         return outcome
+
+
+def _forget_erased_clones(graph: Graph, ctx: PassContext) -> None:
+    """Drop the gathers a merge erased from insert-recompute's clones (its ``recomputed`` artifact
+    and clones.json), which list every clone by id."""
+    clones = ctx.artifacts.get("recomputed")
+    if clones is None:
+        return
+    left = {origin: [i for i in ids if graph.has_node(i)] for origin, ids in clones.items()}
+    left = {origin: ids for origin, ids in left.items() if ids}
+    if left != clones:
+        ctx.artifacts["recomputed"] = left
+        ctx.save_json("clones.json", {str(k): v for k, v in sorted(left.items())})
 
 
 def _workspace(graph: Graph, profiled: dict[int, int]) -> dict[int, int]:

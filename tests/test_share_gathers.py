@@ -71,6 +71,9 @@ def test_the_backward_gathers_each_group_once_and_the_step_is_unchanged(
     outcome = ctx.artifacts["shared-gathers"]
     assert outcome["merged"] == outcome["planned"] == sum(unshared.values()) - len(unshared)
     assert outcome["peak_after"] <= outcome["ceiling"]
+    # insert-recompute's list of clones (clones.json) no longer names the gathers a merge erased
+    listed = [i for ids in ctx.artifacts["recomputed"].values() for i in ids]
+    assert listed and all(graph.has_node(i) for i in listed)
 
 
 def test_sharing_that_would_raise_the_peak_over_the_budget_is_refused(
