@@ -109,6 +109,7 @@ config runs the whole comparison on a CPU in a minute (times and peaks are only 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -318,25 +319,21 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
         timings: dict[str, Any] = {}
         parent = os.getppid()
         turn: Callable[[], None] | None = None if gate is None else lambda: wait_for_turn(gate, timings, parent)
-        sampler = None
-        if sample_stacks is not None:  # planning's stacks, until measuring begins (the thread would perturb it)
-            sampler = StackSampler().__enter__()
-            turn = sampled_until_measuring(sampler, sample_stacks, turn)
-        row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
-                                precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
-                                backend=own.backend, trace=trace, isolate_profile=isolate_profile,
-                                calibrate_peak=calibrate_peak if own.backend != "eager" else 0,
-                                measure_choice=measure_choice and own.swap and own.backend != "eager",
-                                before_measuring=turn, reuse_profile=reuse_profile, memory_limit=memory_limit,
-                                device_lock=None if gate is None else gate.parent / "device.lock")  # fmt: skip
+        sampling = contextlib.nullcontext() if sample_stacks is None else sampled_planning(sample_stacks)
+        with sampling as stop_sampling:
+            if stop_sampling is not None:
+                turn = stopping_first(stop_sampling, turn)
+            row = run_configuration(config, batch_size, plan_for, out, warmup=warmup, iterations=iterations,
+                                    precision=precision, optimizer_passes=own.optimizer_passes, swap=own.swap,
+                                    backend=own.backend, trace=trace, isolate_profile=isolate_profile,
+                                    calibrate_peak=calibrate_peak if own.backend != "eager" else 0,
+                                    measure_choice=measure_choice and own.swap and own.backend != "eager",
+                                    before_measuring=turn, reuse_profile=reuse_profile, memory_limit=memory_limit,
+                                    device_lock=None if gate is None else gate.parent / "device.lock")  # fmt: skip
         if isinstance(spec, dict):
             row["budget_bytes"] = spec["bytes"]
-        if sampler is not None and sample_stacks is not None:
-            sampler.__exit__(None, None, None)
+        if sample_stacks is not None:
             row["sampled_stacks"] = str(sample_stacks)
-            if not sample_stacks.exists():  # measuring never began: what was sampled up to the end
-                sample_stacks.parent.mkdir(parents=True, exist_ok=True)
-                sampler.write(sample_stacks)
         if gate is not None:
             row.update(timings, planned_in_parallel=True, measured_until=time.time())
         return row
@@ -363,15 +360,36 @@ def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Pa
     return row
 
 
-def sampled_until_measuring(sampler: StackSampler, path: Path,
-                            turn: Callable[[], None] | None) -> Callable[[], None]:  # fmt: skip
-    """A ``before_measuring`` hook that stops ``sampler``, writes its stacks to ``path`` and then
-    waits for ``turn`` (if any)."""
+@contextlib.contextmanager
+def sampled_planning(path: Path) -> Iterator[Callable[[], None]]:
+    """Sample the main thread's stacks (``bench/stack_sampler.py``) into ``path`` until the
+    function this yields is called (before measuring: the sampler's thread would perturb the
+    measured steps) or the block ends, however it ends; a file left at ``path`` by an earlier run
+    is removed first. The sampler also runs through the profile pass, whose host-side times it may
+    lengthen a little (it takes the GIL every 5 ms)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    sampler = StackSampler().__enter__()
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            sampler.__exit__(None, None, None)
+            sampler.write(path)
+
+    try:
+        yield stop
+    finally:
+        stop()
+
+
+def stopping_first(stop: Callable[[], None], turn: Callable[[], None] | None) -> Callable[[], None]:
+    """A ``before_measuring`` hook that calls ``stop``, then waits for ``turn`` (if any)."""
 
     def stop_then_wait() -> None:
-        sampler.__exit__(None, None, None)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        sampler.write(path)
+        stop()
         if turn is not None:
             turn()
 
@@ -583,6 +601,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.out:  # workers run in ROOT: they get the path this process means, not one relative to ROOT
         args.out = str(Path(args.out).resolve())
+    if args.sample_stacks:
+        args.sample_stacks = str(Path(args.sample_stacks).resolve())
     scratch = Path(args.out).with_suffix("") if args.out else ROOT / "mutwo-out" / "compare"
     if args.warmup < 0 or args.iterations < 1:
         parser.error("--warmup must be at least 0 and --iterations at least 1")

@@ -167,15 +167,18 @@ class ShareGathersPass(Pass):
 
 
 def _forget_erased_clones(graph: Graph, ctx: PassContext) -> None:
-    """Drop the gathers a merge erased from insert-recompute's clones (its ``recomputed`` artifact
-    and clones.json), which list every clone by id."""
-    clones = ctx.artifacts.get("recomputed")
+    """Drop the gathers a merge erased from the recompute clones insert-recompute (its
+    ``recomputed`` artifact) or insert-swap (its ``swapped`` result's) listed by id, and write
+    clones.json again."""
+    swapped = ctx.artifacts.get("swapped")
+    clones = ctx.artifacts.get("recomputed", swapped.clones if swapped is not None else None)
     if clones is None:
         return
     left = {origin: [i for i in ids if graph.has_node(i)] for origin, ids in clones.items()}
     left = {origin: ids for origin, ids in left.items() if ids}
     if left != clones:
-        ctx.artifacts["recomputed"] = left
+        clones.clear()
+        clones.update(left)  # in place: the artifact (or the swap result) holding it sees it
         ctx.save_json("clones.json", {str(k): v for k, v in sorted(left.items())})
 
 

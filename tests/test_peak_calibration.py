@@ -157,6 +157,16 @@ def test_the_third_round_moves_by_the_slope_the_first_two_measured() -> None:
     # a slope outside the believable range (two plans alike) is not used: the gap alone
     flat = [CalibrationRound(1000, 1000, 880), CalibrationRound(1105, 1105, 880)]
     assert next_budget(1000, flat) == 1105 + 105
+    # a slope under 0.3 is not believed (1135 + 105, not 1135 + 105 / 0.22), and one just above
+    # moves at most three times the gap (an overshoot under a memory limit runs out of memory, and
+    # fails a data-parallel run): 1100 + 3 x 103, not 1100 + 103 / 0.32
+    assert next_budget(1000, [CalibrationRound(1000, 1000, 850), CalibrationRound(1135, 1135, 880)]) == 1240
+    assert next_budget(1000, [CalibrationRound(1000, 1000, 850), CalibrationRound(1100, 1100, 882)]) == 1409
+    # two budgets 0.1% apart: their slope is the measurements' noise, not used
+    assert next_budget(1000, [CalibrationRound(1000, 1000, 850), CalibrationRound(1001, 1001, 880)]) == 1106
+    # after running out of memory, the next plan stays above a budget that fitted
+    fitted_then_failed = [CalibrationRound(1000, 1000, 960), CalibrationRound(1020, 1020, 1020, out_of_memory=True)]
+    assert next_budget(1000, fitted_then_failed) == 1010
 
 
 def test_the_next_budget_stays_between_a_fitting_round_and_one_over() -> None:

@@ -262,7 +262,10 @@ class MutwoOpt:
             if self.dp is not None:
                 distributed.broadcast_model(model, self.dp)
             if self.dp is not None and self.args.sharding == "fsdp2":
-                self.sharded_blocks = shard_blocks(model)
+                try:
+                    self.sharded_blocks = shard_blocks(model, device)
+                except ValueError as error:
+                    raise UsageError(str(error)) from None
                 self.dp = distributed.DataParallel.from_fully_shard(model)
                 self.log(f"sharded {len(self.sharded_blocks)} repeated blocks and the model with fully_shard "
                          f"over {self.dp.world_size} ranks")  # fmt: skip

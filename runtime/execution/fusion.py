@@ -192,24 +192,28 @@ def _merged(parts: list[_Facts]) -> _Facts:
 
 
 #: While :func:`phase_bounded_fusion` is entered: each scheduler node's facts by ``id``, with the
-#: node itself so that its id is not reused. Inductor asks ``can_fuse`` of every candidate pair,
-#: and walking both nodes' origins each time took 43 s of ResNet-152's 272 s compile on the H100.
-_FACTS_SEEN: dict[int, tuple[Any, _Facts]] | None = None
+#: node itself so that its id is not reused, one table for unfused parts and one for the nodes
+#: asked about (a fused node is never taken for a part). Inductor asks ``can_fuse`` of every
+#: candidate pair, and walking both nodes' origins each time took 43 s of ResNet-152's 272 s
+#: compile on the H100.
+_PARTS_SEEN: dict[int, tuple[Any, _Facts]] | None = None
+_NODES_SEEN: dict[int, tuple[Any, _Facts]] | None = None
 
 
-def _remembered(node: Any, gather: Callable[[Any], _Facts]) -> _Facts:
-    """``gather(node)``, once per node while :func:`phase_bounded_fusion` is entered."""
-    if _FACTS_SEEN is None:
+def _remembered(node: Any, seen: dict[int, tuple[Any, _Facts]] | None, gather: Callable[[Any], _Facts]) -> _Facts:
+    """``gather(node)``, once per node in ``seen`` (every time without one)."""
+    if seen is None:
         return gather(node)
-    seen = _FACTS_SEEN.get(id(node))
-    if seen is None or seen[0] is not node:
-        seen = _FACTS_SEEN[id(node)] = (node, gather(node))
-    return seen[1]
+    entry = seen.get(id(node))
+    if entry is None or entry[0] is not node:
+        entry = seen[id(node)] = (node, gather(node))
+    return entry[1]
 
 
 def _facts(node: Any) -> _Facts:
     """:class:`_Facts` of Inductor's scheduler ``node``, fused or not (its parts: ``get_nodes()``)."""
-    return _remembered(node, lambda fused: _merged([_remembered(part, _part_facts) for part in fused.get_nodes()]))
+    return _remembered(node, _NODES_SEEN, lambda whole: _merged(
+        [_remembered(part, _PARTS_SEEN, _part_facts) for part in whole.get_nodes()]))
 
 
 def _forward_and_later(*nodes: Any) -> bool:
@@ -299,13 +303,14 @@ def phase_bounded_fusion() -> Iterator[None]:
                 return False
             return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
 
-    global _FACTS_SEEN
-    outer, _FACTS_SEEN = _FACTS_SEEN, {}
+    global _PARTS_SEEN, _NODES_SEEN
+    outer = _PARTS_SEEN, _NODES_SEEN
+    _PARTS_SEEN, _NODES_SEEN = {}, {}
     try:
         with V.set_choices_handler(PhaseBoundedChoices()):
             yield
     finally:
-        _FACTS_SEEN = outer
+        _PARTS_SEEN, _NODES_SEEN = outer
 
 
 @contextmanager

@@ -11,6 +11,7 @@ A model with none is sharded as one group (its root).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -29,13 +30,22 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def shard_blocks(model: nn.Module) -> list[str]:
-    """``fully_shard`` each of ``model``'s :func:`repeated_blocks`, then ``model`` (under an
-    initialised process group); the blocks' names come back."""
+def shard_blocks(model: nn.Module, device: torch.device) -> list[str]:
+    """``fully_shard`` each of ``model``'s :func:`repeated_blocks`, then ``model``, over every rank
+    of the initialised process group on ``device``'s type (without a mesh, ``fully_shard`` takes
+    the accelerator's: a CPU run on a machine with a GPU would move the model there); the blocks'
+    names come back. ``fully_shard``'s own refusals come back as :class:`ValueError`, in one line."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     blocks = repeated_blocks(model)
-    for _, block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+    try:
+        for _, block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    except (ValueError, RuntimeError, AssertionError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"fully_shard refused the model: {first}") from None
     return [name for name, _ in blocks]
