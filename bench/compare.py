@@ -64,7 +64,7 @@ b2 takes about 6 minutes, BERT-base s512 b2 about 7, on two busy cores):
 
 ``--sample-stacks DIR`` samples each mutwo row's planning (capture, passes, compiles, calibration;
 until its measured iterations begin) with ``bench/stack_sampler.py`` into
-``DIR/<config>_b<batch>_<variant>.folded``: where a long setup spends its time.
+``DIR/<config>_b<batch>_<variant>.folded`` (``@`` written ``-at-``): where a long setup spends its time.
 
 ``--parallel-planning N`` plans and compiles up to N mutwo variants at once, each in its own
 process, and then measures them one at a time, in order, each alone on the device (a worker waits
@@ -300,7 +300,8 @@ def sampled_stacks_path(folder: str | None, name: str, batch: str, variant: str)
     """Where a worker writes its sampled planning stacks (``--sample-stacks``), or None."""
     if folder is None or mutwo_variant(variant) is None:
         return None
-    return Path(folder).resolve() / f"{Path(name).stem}_b{batch}_{variant}.folded"
+    # "@" (mutwo@inductor-...) is a character the GPU machine's file transfer refuses in a name
+    return Path(folder).resolve() / f"{Path(name).stem}_b{batch}_{variant.replace('@', '-at-')}.folded"
 
 
 def worker(name: str, batch_size: int, variant: str, budget: str | None, out: Path,

@@ -101,7 +101,8 @@ case "$section" in
     secs=${2:-560}; waited=0
     while [ ! -e "$BG/done" ] && [ "$waited" -lt "$secs" ]; do sleep 5; waited=$((waited + 5)); done
     # $OUT takes 8 files: the results, the sections' output as one file, the fits' logs and reports.
-    cp "$BG"/*.json "$BG"/*.log "$BG"/*.folded "$OUT"/ 2>/dev/null
+    cp "$BG"/*.json "$BG"/*.log "$OUT"/ 2>/dev/null
+    for f in "$BG"/*.folded; do [ -e "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done  # MBs each
     for f in "$BG"/*.out; do echo "== $f"; cat "$f"; done > "$OUT/campaign.out" 2>/dev/null
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
