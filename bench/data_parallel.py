@@ -71,6 +71,7 @@ from mutwo.runtime.execution.backends import BACKENDS  # noqa: E402
 from mutwo.runtime.execution.cuda_graphs import release_all  # noqa: E402
 from mutwo.runtime.execution.step import GraphStep  # noqa: E402
 from mutwo.runtime.parallel import distributed  # noqa: E402
+from mutwo.runtime.parallel.sharding import shard_blocks  # noqa: E402
 from mutwo.runtime.planning.step_planning import Optimized  # noqa: E402
 from mutwo.tools.config import Config, apply_overrides, load_config  # noqa: E402
 from mutwo.tools.experiment_measure import Training, measure_after_planning  # noqa: E402
@@ -84,8 +85,6 @@ CONFIGS = {"resnet152": "examples/resnet152.yaml", "resnet152-cl": "examples/res
 MODELS = "resnet152-cl:64:0.5,bert:16:0.5"
 #: The default of ``--sharding fsdp2``: issue 42's Llama-shaped model of about 0.5B parameters, s1024.
 FSDP2_MODELS = "llama:8:0.5"
-#: The repeated blocks ``fully_shard`` wraps one by one (and their checkpointing wrappers).
-BLOCKS = ("Bottleneck", "BasicBlock", "BertLayer", "GPT2Block", "LlamaDecoderLayer", "Checkpointed")
 WARMUP, MEASURED = 3, 10
 #: What every rank measures of a variant; a row keeps each rank's and their maximum.
 MEASURES = ("peak_bytes", "held_bytes", "iteration_ms")
@@ -209,27 +208,20 @@ def bench_model(bench: Bench, name: str, batch_size: int, fraction: float) -> No
                 data_parallel=True)  # fmt: skip
 
 
-def fully_sharded(model: torch.nn.Module, checkpointed: bool) -> int:
-    """``fully_shard`` each outermost block of :data:`BLOCKS` (checkpointed first if asked), then
-    the model; return how many blocks were sharded."""
-    from torch.distributed.fsdp import fully_shard
-
+def fully_sharded(model: torch.nn.Module, checkpointed: bool, device: torch.device) -> int:
+    """``fully_shard`` each repeated block (checkpointed first if asked), then the model, as
+    ``mutwo-opt --sharding fsdp2`` does (:func:`~mutwo.runtime.parallel.sharding.shard_blocks`);
+    return how many blocks were sharded."""
     if checkpointed:
         checkpoint_blocks(model)
-    sharded: list[str] = []
-    for name, module in model.named_modules():
-        if type(module).__name__ in BLOCKS and not any(name.startswith(f"{outer}.") for outer in sharded):
-            sharded.append(name)
-            fully_shard(module)
-    fully_shard(model)
-    return len(sharded)
+    return len(shard_blocks(model, device))
 
 
 def fsdp2_training(config: Config, workload: Workload, batch: Any, device: torch.device,
                    checkpointed: bool = False) -> tuple[Training, int]:  # fmt: skip
     """A fresh copy of the workload's model on ``device``, sharded with FSDP2, with a fresh optimizer."""
     model = copy.deepcopy(workload.model).to(device)
-    blocks = fully_sharded(model, checkpointed)
+    blocks = fully_sharded(model, checkpointed, device)
     return Training(model, build_optimizer(config, model), batch, workload.loss_fn, device), blocks
 
 
