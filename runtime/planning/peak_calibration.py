@@ -185,12 +185,12 @@ def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: floa
     target: by that gap itself after one round (the compiled step assumed to keep its gap to the
     plan: the median of the measured slopes, below, is 0.97), and by the gap divided by the slope
     between the last two rounds' budgets and measured peaks after more (a secant step: measured
-    on the H100 and H200, the held bytes moved 0.31 to 1.27 bytes per byte of budget between two
-    rounds of one calibration, so a step by the gap alone landed 5-12% under on GPT-2 small and
-    8.6% under on ResNet-152-cl and a data-parallel BERT-base). A slope outside
-    :data:`SLOPE_RANGE` (two plans alike, or noise), or from two budgets closer than
-    :data:`SLOPE_SPAN` of the target, is not used, and the step is at most :data:`MAX_STEP` times
-    the gap. After running out of memory as after any other round, the result stays between the
+    on the H100 and H200, the held bytes moved 0.31 to 1.97 bytes per byte of budget between two
+    rounds of one calibration, ``bench/calibration_slopes.py``; a step by the gap alone landed
+    5-12% under on GPT-2 small and 8.6% under on ResNet-152-cl and a data-parallel BERT-base). A
+    slope outside :data:`SLOPE_RANGE` (two plans alike, or noise), or from two budgets closer
+    than :data:`SLOPE_SPAN` of the target, is not used, and the step is at most :data:`MAX_STEP`
+    times the gap. After running out of memory as after any other round, the result stays between the
     largest budget whose step fitted and the smallest that did not, when both were measured: the
     middle of the two when a step would leave them, and the fitting one, measured already, when
     no byte lies between (the rounds then stop)."""
