@@ -60,7 +60,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: i40-restart-pyc, resnet-ckpt-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -222,6 +222,32 @@ case "$section" in
     if [ $section = i40-restart-sampled ]; then
       python3 bench/stack_sampler.py "$OUT/restart_bert_b64_second.folded" --top 60
     fi ;;
+  i40-restart-pyc)
+    # Issue 40's restart after commit <this session> (Inductor's pre-grad passes skipped, one
+    # regeneration of the step's code): BERT-base b64, budget and cap 16GiB, three fresh processes on
+    # one plan cache. The first plans and compiles with PYTHONPYCACHEPREFIX set, so that Python keeps
+    # the bytecode of what it imports; the second starts without it, as this machine's python3 does
+    # (the sampled restart of session 17 spent 1.5 s compiling Inductor's source: no usable .pyc);
+    # the third with it, as an installed torch runs (pip compiles bytecode when it installs). ~6 min.
+    python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
+      'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
+    for run in first second third; do
+      prefix=(env PYTHONPYCACHEPREFIX=$BG/pycache); [ $run = second ] && prefix=(env -u PYTHONPYCACHEPREFIX)
+      "${prefix[@]}" timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml \
+        --batch-size 64 --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache-pyc" \
+        --out "$OUT/restart_pyc_bert_b64_$run.json" 2> "$BG/restart_pyc_bert_b64_$run.err"
+      echo "$run exit $?"; tail -3 "$BG/restart_pyc_bert_b64_$run.err"
+    done ;;
+  resnet-ckpt-probe)
+    # Issue 41: the plain loop's checkpointed ResNet-152-cl b128 step took 235.3 ms against the
+    # harness's 180.5 (session22_h100/). Both, twice, interleaved, 20 measured steps each, on one
+    # machine: is the gap the process or the loop? ~4 min.
+    for round in 1 2; do
+      timeout 300 python3 bench/compare.py --out "$OUT/probe_ckpt_harness_$round.json" --models resnet152-cl:128 \
+        --timeout 280 --variants checkpoint --iterations 20 > /dev/null
+      timeout 300 python3 bench/plain_loop.py --config examples/resnet152_channels_last.yaml --batch-size 128 \
+        --variant checkpoint --steps 20 --out "$OUT/probe_ckpt_plain_$round.json" > /dev/null
+    done ;;
   dp-two-gpus)
     # Issue 42 on two GPUs (run it on nvidia-h100-x2): the cuda tests of FSDP2, DDP and compiled
     # DDP, each file under a timeout of its own (verbose, so a hang shows where; DP_TESTS names

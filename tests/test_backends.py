@@ -392,6 +392,55 @@ def test_a_forward_value_read_in_the_backward_is_stored_not_recomputed() -> None
     torch.testing.assert_close(total, total_eager)  # a sum: vectorized, in another order
 
 
+@pytest.mark.parametrize("name", ["cnn", "bert"])
+def test_inductor_pre_grad_passes_leave_a_captured_step_as_it_is(name: str) -> None:
+    """The ground for skipping them (``pre_grad_passes_skipped``): Inductor's pre-grad passes,
+    written for Dynamo's Torch-IR graphs, change nothing in a captured whole iteration of aten ops
+    (batch norm, convolutions, dropout, attention, Adam). Should a torch start rewriting aten
+    graphs there, this fails and the skip must go."""
+    from torch._inductor.fx_passes.pre_grad import pre_grad_passes
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mutwo.runtime.execution.backends import pre_grad_passes_skipped
+
+    workload = getattr(models, name)()
+    lowered = capture_graph(workload.model, _adam(workload.model.parameters()), workload.batch, workload.loss_fn)
+    module = to_fx(lowered.graph)
+    before = module.code
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        fakes = [fake_mode.from_tensor(t) for t in lowered.inputs]
+    assert pre_grad_passes(module, fakes).code == before
+    assert pre_grad_passes_skipped() == {"use_pre_grad_passes": False}
+
+
+def test_compile_step_regenerates_the_step_s_code_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewrites before Inductor (random draws, optimizer host calls, ...) each ask to recompile
+    the module; within ``compile_step`` one regeneration serves them all, and the module runs as
+    rewritten (BERT-base's restart paid 0.15-0.2 s per regeneration)."""
+    from mutwo.runtime.execution import backends
+
+    workload = models.mlp()
+    lowered = capture_graph(workload.model, torch.optim.SGD(workload.model.parameters(), lr=0.1), workload.batch,
+                            workload.loss_fn)  # fmt: skip
+    module = to_fx(lowered.graph)
+    calls = []
+    original = fx.GraphModule.recompile
+    monkeypatch.setattr(fx.GraphModule, "recompile", lambda self: calls.append(self) or original(self))
+    monkeypatch.setattr(backends, "compile_inductor", lambda module, inputs, **_: (module, False, None))
+    with backends.one_recompile(module):
+        backends.draw_as_eager(module, lowered.graph, lowered.inputs, "inductor")  # the mlp's dropout: rewritten
+        backends.functionalizable_host_calls(module)
+        assert calls == []
+    assert calls == [module]
+    fresh = to_fx(lowered.graph)
+    calls.clear()
+    backends.compile_step(fresh, lowered.inputs, "inductor", lowered.graph)
+    assert calls == [fresh]
+    report = compare_graphs(lowered.graph, lowered.graph, lowered.inputs, candidate_run=module)
+    assert report.bitwise and report.equivalent, report.summary()
+
+
 # -- on a GPU ------------------------------------------------------------------------------------
 def _cuda_cnn() -> tuple[models.Workload, models.Workload]:
     """A CNN on the GPU and an identical copy, for a capturable Adam with a learning rate on the GPU."""

@@ -206,15 +206,16 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     graphed = records_cuda_graphs(backend)
     if graphed:
         refuse_uncapturable(graph, inputs)
-    if backend.startswith("inductor"):
-        draw_as_eager(module, graph, inputs, backend)
-        functionalizable_host_calls(module)
-        single_tensor_concatenations(module, graph)
-        compiled_swap_ops(module)
-        if communicates:
-            functional_collectives(module, graph)
-    if graphed and swaps:
-        insert_release_points(module, graph)
+    with one_recompile(module):
+        if backend.startswith("inductor"):
+            draw_as_eager(module, graph, inputs, backend)
+            functionalizable_host_calls(module)
+            single_tensor_concatenations(module, graph)
+            compiled_swap_ops(module)
+            if communicates:
+                functional_collectives(module, graph)
+        if graphed and swaps:
+            insert_release_points(module, graph)
     if backend.startswith("inductor"):
         mark_phases(module, graph)
         run, cache_hit, bypass = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
@@ -223,11 +224,33 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass)
 
 
+@contextmanager
+def one_recompile(module: fx.GraphModule) -> Iterator[None]:
+    """Regenerate ``module``'s Python code once, after the rewrites in the body, however many of them
+    ask for it. Each rewrite recompiles the module it changed, so that it runs as rewritten when
+    called alone; in a row, all but the last regeneration are wasted, and each of a whole-iteration
+    graph costs 0.15-0.2 s (BERT-base b64 on the H100's host, three of them in a restart's 11.2 s)."""
+    asked = False
+
+    def note_recompile() -> None:
+        nonlocal asked
+        asked = True
+
+    module.recompile = note_recompile  # type: ignore[method-assign]  # an instance attribute, deleted below
+    try:
+        yield
+    finally:
+        del module.recompile
+        if asked:
+            module.recompile()
+
+
 def functionalizable_host_calls(module: fx.GraphModule) -> None:
     """Rewrite each ``mutwo::host_call_one_(x, ...)`` of a traced torch.optim step in ``module``
     into ``mutwo::host_call_([x], ...)``, its uses reading ``x``: the same call, writing the same
     tensor. AOTAutograd functionalizes a custom op that writes its inputs and returns nothing
     (``auto_functionalized``), but refuses one whose output aliases an input (``-> Tensor(a!)``)."""
+    rewritten = False
     for node in list(module.graph.nodes):
         if node.target is torch.ops.mutwo.host_call_one_.default:
             written, *rest = node.args
@@ -236,7 +259,9 @@ def functionalizable_host_calls(module: fx.GraphModule) -> None:
             call.meta = dict(node.meta)
             node.replace_all_uses_with(written)
             module.graph.erase_node(node)
-    module.recompile()
+            rewritten = True
+    if rewritten:
+        module.recompile()
 
 
 def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) -> CompiledStep:
@@ -277,7 +302,8 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
         rules = phases_arrived(STORED_RULE_VERSION + (f"+{SWAP_RULE_VERSION}" if swaps else ""))
         # mutwo's replay functions into AOTAutograd's cache, which otherwise bypasses their graphs
         cacheable = {**config.unsafe_marked_cacheable_functions, **replay_cache_keys()}
-        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, **in_order, "post_grad_custom_post_pass": rules,
+        with config.patch({**INDUCTOR_OPTIONS, **on_gpu, **in_order, **pre_grad_passes_skipped(),
+                           "post_grad_custom_post_pass": rules,
                            "unsafe_marked_cacheable_functions": cacheable}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), kept_values_stored(), batch_norm_elemt_decomposed(), \
                 torch.no_grad(), quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER), noting_bypass() as bypasses:
@@ -292,6 +318,22 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
         raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
                            "run it with --backend eager") from None  # fmt: skip
     return compiled, cache_hits() > hits, (bypasses[0] if bypasses else None)
+
+
+def pre_grad_passes_skipped() -> dict[str, Any]:
+    """Inductor's option that skips its pre-grad passes, where this torch has it and no pre-grad pass
+    of the user's is registered (``pre_grad_custom_pass``, which runs among them).
+
+    Why: those passes rewrite the Torch-IR graphs Dynamo makes (``torch.cat``, ``nn.functional``
+    calls, eval-mode conv-bn); a step captured by mutwo is aten ops already, which they leave as
+    they are (tests/test_backends.py checks it on captured steps) while regenerating the whole
+    iteration's code three times: 0.8 s of a BERT-base b64 restart's 11.2 s on the H100's host,
+    before AOTAutograd's cache is looked up."""
+    from torch._inductor import config
+
+    if not hasattr(config, "use_pre_grad_passes") or getattr(config, "pre_grad_custom_pass", None) is not None:
+        return {}
+    return {"use_pre_grad_passes": False}
 
 
 def _out_of_memory_within(error: BaseException) -> torch.OutOfMemoryError | None:
