@@ -40,16 +40,19 @@
 #                16GiB under inductor-cudagraphs (H100, 2026-11-26; session14_h100/)        ~9 min
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
-#                memory and bench/plain_loop.py beside it (issue 41)                ~10, ~15, ~40 min
+#                memory and bench/plain_loop.py beside it (issue 41; GPT-2 and BERT: H100,
+#                2026-11-28, session23_h100/)                                      ~10, ~15, ~40 min
 #   headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet
 #                the same for ResNet-152-cl over two machine holds (H100, 2026-11-28; session22_h100/),
 #                and one of its compiles sampled                                  ~10, ~15, ~6 min
+#   i40-restart-pyc, resnet-ckpt-probe
+#                "Setup at a restart" (BERT-base b64 restarts) and the plain loop's checkpointed
+#                ResNet-152 against the harness's (H100, 2026-11-28; session23_h100/)  ~8, ~4 min
 #   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-27;
 #                session21_gpus/)                                                          ~25 min
-# Owed after session 22: headline-gpt2 and headline-bert again (their eager, checkpointing and
-#   torch.compile rows emptied the cache after their first step, fixed in 25ea60d; their mutwo rows
-#   predate slicing by cost); the restarts of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus'
-#   ResNet-152-cl row (still planning when the GPU time ended) and its FSDP2 Llama with share-gathers.
+# Owed after session 23: i40-restart-pyc again (its bytecode half was not measured); GPT-2's row at
+#   checkpointing's memory (its plan held 7% over the budget); the restarts of ResNet-152 b128 and
+#   the 0.5B Llama; dp-two-gpus' ResNet-152-cl row and its FSDP2 Llama with share-gathers.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -223,21 +226,26 @@ case "$section" in
       python3 bench/stack_sampler.py "$OUT/restart_bert_b64_second.folded" --top 60
     fi ;;
   i40-restart-pyc)
-    # Issue 40's restart after commit <this session> (Inductor's pre-grad passes skipped, one
-    # regeneration of the step's code): BERT-base b64, budget and cap 16GiB, three fresh processes on
-    # one plan cache. The first plans and compiles with PYTHONPYCACHEPREFIX set, so that Python keeps
-    # the bytecode of what it imports; the second starts without it, as this machine's python3 does
-    # (the sampled restart of session 17 spent 1.5 s compiling Inductor's source: no usable .pyc);
-    # the third with it, as an installed torch runs (pip compiles bytecode when it installs). ~6 min.
+    # Issue 40's restart: BERT-base b64, budget and cap 16GiB, fresh processes on one plan cache. The
+    # first plans and compiles, with Python's bytecode written under $BG/pycache; then restarts,
+    # interleaved: without bytecode, as this machine's python3 runs (PYTHONDONTWRITEBYTECODE=1, no
+    # .pyc for torch in its read-only site-packages: every process compiles Inductor's source), and
+    # with it, as an installed torch runs (pip compiles bytecode when it installs). Session 23 ran
+    # this with PYTHONDONTWRITEBYTECODE left set, so no bytecode was written: its three starts are
+    # all without. ~8 min.
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
-    for run in first second third; do
-      prefix=(env PYTHONPYCACHEPREFIX=$BG/pycache); [ $run = second ] && prefix=(env -u PYTHONPYCACHEPREFIX)
+    mkdir -p "$BG/restart"
+    for run in first plain1 pyc1 plain2 pyc2 plain3 pyc3; do
+      prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
       "${prefix[@]}" timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml \
         --batch-size 64 --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache-pyc" \
-        --out "$OUT/restart_pyc_bert_b64_$run.json" 2> "$BG/restart_pyc_bert_b64_$run.err"
-      echo "$run exit $?"; tail -3 "$BG/restart_pyc_bert_b64_$run.err"
-    done ;;
+        --out "$BG/restart/$run.json" 2> "$BG/restart/$run.err"
+      echo "$run exit $?"; tail -3 "$BG/restart/$run.err"
+    done
+    # $OUT takes 8 files: the runs' JSON in one
+    python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
+      "$BG"/restart/*.json > "$OUT/restart_pyc_bert_b64.json" ;;
   resnet-ckpt-probe)
     # Issue 41: the plain loop's checkpointed ResNet-152-cl b128 step took 235.3 ms against the
     # harness's 180.5 (session22_h100/). Both, twice, interleaved, 20 measured steps each, on one
