@@ -352,44 +352,54 @@ def test_inductor_fuses_a_batch_norm_replay_with_the_relu_after_it(elemt_meta: N
     assert out.stride() == relu_out.stride() == operands[0].stride()  # type: ignore[union-attr]
 
 
-def _residual_step(read_later_in: str) -> fx.GraphModule:
-    """A forward ``a = x + r`` that the forward reduces and a node of phase ``read_later_in`` reads,
-    each node marked with its phase (what mark_phases records)."""
+def _residual_step(product_read_later: bool) -> fx.GraphModule:
+    """A forward ``a = x @ w - r`` (the product a buffer of its own) that the forward reduces and a
+    backward node reads, each node marked with its phase (what mark_phases records); with
+    ``product_read_later`` the backward reads the product too."""
+    aten = torch.ops.aten
     graph = fx.Graph()
-    x, r = graph.placeholder("x"), graph.placeholder("r")
-    added = graph.call_function(torch.ops.aten.add.Tensor, (x, r))
-    reduced = graph.call_function(torch.ops.aten.sum.default, (graph.call_function(torch.ops.aten.relu.default,
-                                                                                  (added,)),))  # fmt: skip
-    read_later = graph.call_function(torch.ops.aten.mul.Tensor, (added, 2.0))
+    x, w, r = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("r")
+    product = graph.call_function(aten.mm.default, (x, w))
+    added = graph.call_function(aten.sub.Tensor, (product, r))
+    reduced = graph.call_function(aten.sum.default, (graph.call_function(aten.relu.default, (added,)),))
+    later = [graph.call_function(aten.mul.Tensor, (added, 2.0))]
+    if product_read_later:
+        later.append(graph.call_function(aten.mul.Tensor, (product, 3.0)))
     for node in graph.nodes:
         if node.op == "call_function":
-            node.meta["custom"] = {CUSTOM_PHASE: read_later_in if node is read_later else "forward"}
-    graph.output((reduced, read_later))
+            node.meta["custom"] = {CUSTOM_PHASE: "backward" if node in later else "forward"}
+    graph.output((reduced, *later))
     return fx.GraphModule(nn.Module(), graph)
 
 
-def test_a_forward_value_read_in_the_backward_is_stored_not_recomputed() -> None:
+@pytest.mark.parametrize("product_read_later", [False, True])
+def test_a_forward_value_read_in_the_backward_is_stored_where_its_inputs_would_die(product_read_later: bool) -> None:
     """Lowering inlines a pointwise node reading few buffers into every reader, so a backward reader
     recomputes it from its inputs, which stay alive until then instead of the value the plan kept
     (BERT-base b64 sliced on the H100: two 96 MiB buffers per residual add where the plan kept one).
     A forward value read in the backward is stored where it is computed, and the backward's kernel
-    reads it, not the inputs (without the rule: ``cpp_fused_add_mul_1(arg0_1, arg1_1, buf1)``)."""
+    reads it, not its inputs (without the rule: ``cpp_fused_mul_sub_1(buf0, arg2_1, buf2)``), unless
+    everything it reads outlives the forward anyway (here the backward reads the product too):
+    then it is recomputed there and not stored (GPT-2's GELU intermediates)."""
     import re
 
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
-    inputs = [torch.randn(7, 13), torch.randn(7, 13)]
-    module = _residual_step("backward")
+    inputs = [torch.randn(7, 5), torch.randn(5, 13), torch.randn(7, 13)]
+    module = _residual_step(product_read_later)
     with inductor_config.patch(force_disable_caches=True):  # the phases are not in the cache's key
         (compiled, *_), code = run_and_get_code(compile_inductor, module, inputs)
     kernels = re.findall(r"^\s*(cpp_fused_\w+)\(([^)]*)\)", code[0], re.MULTILINE)
-    assert len(kernels) == 2, code[0]
-    (forward, forward_args), (later, later_args) = kernels
-    assert "add" in forward and "arg0_1" in forward_args and "add" not in later and "arg0_1" not in later_args, kernels
-    (total, doubled), (total_eager, doubled_eager) = compiled(*inputs), module(*inputs)
-    assert torch.equal(doubled, doubled_eager)
-    torch.testing.assert_close(total, total_eager)  # a sum: vectorized, in another order
+    (forward, _), *later = kernels
+    assert "sub" in forward and later, kernels
+    recomputing = [name for name, _ in later if "sub" in name]
+    if product_read_later:  # recomputed in the backward from the product and r, both kept anyway
+        assert recomputing, kernels
+    else:  # stored, read back: neither recomputed nor r (arg2_1) read in the backward
+        assert not recomputing and not any("arg2_1" in args for _, args in later), kernels
+    for got, expected in zip(compiled(*inputs), module(*inputs), strict=True):
+        torch.testing.assert_close(got, expected)  # a sum: vectorized, in another order
 
 
 @pytest.mark.parametrize("name", ["cnn", "bert"])

@@ -53,11 +53,16 @@ def device_turn(lock: Path | None) -> Iterator[None]:
 def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, iterations: int) -> dict[str, Any]:
     """Median time of ``iterations`` whole steps after ``warmup`` and, on CUDA, their memory:
     ``peak_bytes`` (max allocated) and ``held_bytes`` (max reserved: what the process holds).
+    On CUDA a step is timed by CUDA events, and ``iteration_wall_ms_all`` gives each step by the
+    host's clock too (``bench/plain_loop.py``'s way): ResNet-152's checkpointed step, bound by the
+    host's launches, took 7-30% longer in the plain loop than here, and which of the two the gap
+    follows is open (docs/benchmarks.md).
 
     Running out of memory is a result, not a crash: it comes back as ``{"error": "out of memory"}``.
     """
     cuda = device.type == "cuda"
     times: list[float] = []
+    wall: list[float] = []  # on CUDA, beside the events: the host's clock, as bench/plain_loop.py times
     try:
         for _ in range(warmup):
             step()
@@ -67,10 +72,12 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
         for _ in range(iterations):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin = time.perf_counter()
                 start.record()
                 step()
                 end.record()
                 torch.cuda.synchronize(device)
+                wall.append((time.perf_counter() - begin) * 1e3)
                 times.append(start.elapsed_time(end))
             else:
                 begin = time.perf_counter()
@@ -81,6 +88,7 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
     return {
         "iteration_ms": statistics.median(times),
         "iteration_ms_all": [round(t, 3) for t in times],
+        **({"iteration_wall_ms_all": [round(t, 3) for t in wall]} if wall else {}),
         "peak_bytes": max(torch.cuda.max_memory_allocated(device), getattr(step, "recorded_peak_bytes", 0))
         if cuda else None,
         # What the process held: the allocator's cache and CUDA-graph pools included (the reset
