@@ -77,6 +77,44 @@ def test_the_largest_budget_that_fits_is_kept_when_no_round_converges() -> None:
     assert "NOT within 1%" in calibration.summary()
 
 
+def test_a_kept_step_over_the_budget_is_worded_as_a_warning_with_the_fix() -> None:
+    """GPT-2 small on the H100 (session 23): both plans held over the budget, the second more than
+    the first; the kept step's excess is said, with what to do, and a fitting step says nothing."""
+    peaks = iter([1072, 1083])
+    with pytest.warns(UserWarning, match="7.2% over the budget"):
+        calibration = calibrate(1000, 1, lambda budget: (CalibrationRound(budget, budget, next(peaks)), budget))
+    warning = calibration.over_budget()
+    assert calibration.chosen == 0 and warning is not None
+    assert "holds 1,072 B, 7.2% over the budget of 1,000 B after 2 plan(s)" in warning, warning
+    assert "--calibrate-peak" in warning and "memory_limit=" in warning
+    plan_and_measure, _ = compiled_step_keeping(0.9)
+    assert calibrate(1000, 0, plan_and_measure).over_budget() is None
+
+
+def test_a_step_calibrated_over_its_budget_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the whole loop: every measurement 50% over its plan, one re-plan allowed (none made:
+    the tiny MLP's plan is the same at the lower budget, measured already)."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 1.5), None))
+    with pytest.warns(UserWarning, match=r"% over the budget of .* after 1 plan"):
+        row = run_configuration(TINY_MLP, 64, "0.95", tmp_path, device="cpu", warmup=0, iterations=1,
+                                calibrate_peak=1)  # fmt: skip
+    assert "error" not in row, row.get("error")
+
+
+def test_mutwo_opt_prints_the_over_budget_warning_as_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 1.5), None))
+    code = main(["-q", "--device", "cpu", "--budget", "0.95", "--calibrate-peak", "1", "-o", str(tmp_path / "out"),
+                 str(TINY_MLP)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == EXIT_OK, err
+    lines = [line for line in err.splitlines() if "over the budget" in line]
+    assert len(lines) == 1 and lines[0].startswith("mutwo: the planned step holds"), err
+    assert "UserWarning" not in err and "warnings.warn" not in err, err
+
+
 def test_a_round_within_the_tolerance_is_kept_over_a_larger_budget_far_under() -> None:
     peaks = iter([800, 1250, 990])  # budget 1000 peaks far under, 1185 over, 1076 within 3% under
 

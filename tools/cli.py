@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import traceback
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -59,6 +62,24 @@ class Parser(argparse.ArgumentParser):
         if extra:
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed
+
+
+@contextlib.contextmanager
+def mutwo_warnings_on_one_line() -> Iterator[None]:
+    """While a tool runs: a warning of mutwo's own (its message starts ``mutwo:``) is printed as
+    that one line on stderr, without Python's file, line number and source line; others as usual."""
+    default = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:  # fmt: skip
+        if str(message).startswith("mutwo:"):
+            print(message, file=sys.stderr if file is None else file)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def print_debug_traceback(error: BaseException) -> None:

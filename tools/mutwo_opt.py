@@ -86,7 +86,15 @@ from mutwo.runtime.planning.peak_calibration import (
 from mutwo.runtime.planning.plan_cache import CachedPlanning
 from mutwo.runtime.planning.plan_choice import ChoiceFailed, measured_choice
 from mutwo.runtime.planning.plan_key import run_settings
-from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, OutputFolder, UsageError, print_debug_traceback
+from mutwo.tools.cli import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    OutputFolder,
+    UsageError,
+    mutwo_warnings_on_one_line,
+    print_debug_traceback,
+)
 from mutwo.tools.config import Config, ConfigError, apply_overrides, load_config
 from mutwo.tools.fit import run_fit
 from mutwo.tools.mutwo_opt_args import (
@@ -541,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.debug:
             os.environ["MUTWO_DEBUG"] = "1"
-        return MutwoOpt(args).run()
+        with mutwo_warnings_on_one_line():
+            return MutwoOpt(args).run()
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except UsageError as error:

@@ -44,6 +44,7 @@ lowest measured peak is kept and the result says so; when every round ran out of
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -51,7 +52,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from mutwo.ir.budget import Budget
+from mutwo.ir.budget import Budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
@@ -137,6 +138,18 @@ class Calibration(Generic[Step]):
         return (f"peak calibration: measured {peaks} over {len(self.rounds)} round(s) for a budget of "
                 f"{self.target_bytes / 2**20:,.1f} MiB; kept round {self.chosen + 1} ({kept / 2**20:,.1f} MiB, "
                 f"{(kept / self.target_bytes - 1) * 100:+.1f}%, {verdict} {self.tolerance:.0%} under it)")  # fmt: skip
+
+    def over_budget(self) -> str | None:
+        """The warning for a kept step measured over the budget (no round fitted under it), else None."""
+        kept = self.rounds[self.chosen]
+        if kept.out_of_memory or kept.measured_peak_bytes <= self.target_bytes:
+            return None
+        held, budget = sizes(kept.measured_peak_bytes, self.target_bytes)
+        over = (kept.measured_peak_bytes / self.target_bytes - 1) * 100
+        return (f"mutwo: the planned step holds {held}, {over:.1f}% over the budget of {budget} after "
+                f"{len(self.rounds)} plan(s), so a card with only the budget free would run out of memory: allow "
+                "more re-plans (calibrate_peak=, --calibrate-peak), ask for a lower budget, or set memory_limit= "
+                "(--memory-limit) so that a plan over it fails while planning")  # fmt: skip
 
 
 def measured_peak(run: Callable[..., Any], inputs: list[torch.Tensor]) -> tuple[int, int | None]:
@@ -270,7 +283,11 @@ def calibrate(target_bytes: int, rounds: int,
             f"every plan measured for the budget of {target_bytes / 2**20:,.1f} MiB ran out of device memory "
             f"({len(results)} round(s), down to {results[-1].budget_bytes / 2**20:,.1f} MiB planned); give a "
             "lower budget, or a higher memory limit")  # fmt: skip
-    return Calibration(target_bytes, results, steps, _choose(results, target_bytes, tolerance), tolerance)
+    calibration = Calibration(target_bytes, results, steps, _choose(results, target_bytes, tolerance), tolerance)
+    over = calibration.over_budget()
+    if over is not None:  # the budget is what the process may hold: said even when the log is quiet
+        warnings.warn(over, stacklevel=2)
+    return calibration
 
 
 def _choose(rounds: list[CalibrationRound], target: int, tolerance: float) -> int:
