@@ -50,9 +50,10 @@
 #                ResNet-152 against the harness's (H100, 2026-11-28; session23_h100/)  ~8, ~4 min
 #   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-27;
 #                session21_gpus/)                                                          ~25 min
-# Owed after session 23: i40-restart-pyc again (its bytecode half was not measured); GPT-2's row at
-#   checkpointing's memory (its plan held 7% over the budget); the restarts of ResNet-152 b128 and
-#   the 0.5B Llama; dp-two-gpus' ResNet-152-cl row and its FSDP2 Llama with share-gathers.
+# Session 24 (2 x H200, one hold): PARALLEL="headline-gpt2;resnet-ckpt-probe tests-all" DP_TESTS=""
+#   DP_RUNS=fsdp2 bash bench/h100_campaign.sh start parallel dp-two-gpus
+# Owed after session 24: i40-restart-pyc again (its bytecode half was not measured); the restarts
+#   of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus' ResNet-152-cl row.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -63,7 +64,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: i40-restart-pyc, resnet-ckpt-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: parallel, i40-restart-pyc, resnet-ckpt-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -110,6 +111,21 @@ case "$section" in
     for d in "$BG"/fit_*/; do [ -e "$d/fit.json" ] && cp "$d/fit.json" "$OUT/$(basename "$d").json"; done
     cat "$BG/sections" 2>/dev/null; for f in "$BG"/*.out; do echo "== $f"; tail -4 "$f"; done
     [ -e "$BG/done" ] && echo "all sections done" || echo "still running after ${secs} s" ;;
+  parallel)
+    # Groups of sections side by side, one GPU and an equal share of the cores each (a machine of
+    # several GPUs): PARALLEL="headline-gpt2;resnet-ckpt-probe tests-all" runs headline-gpt2 on GPU 0
+    # and the other two in turn on GPU 1. Timings taken this way share the host's memory bandwidth
+    # with the other group: say so beside them.
+    IFS=';' read -r -a groups <<< "${PARALLEL:?set PARALLEL to groups of sections separated by ;}"
+    cores=$(nproc); share=$((cores / ${#groups[@]})); script=$(realpath "$0")
+    for i in "${!groups[@]}"; do
+      ( export CUDA_VISIBLE_DEVICES=$i
+        for s in ${groups[$i]}; do
+          taskset -c $((i * share))-$(((i + 1) * share - 1)) bash "$script" "$s" > "$OUT/$s.out" 2>&1
+          echo "$s (GPU $i) exit $?" >> "$OUT/sections"
+        done ) &
+    done
+    wait ;;
   i18-tests)
     timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
   i18c-tests)
@@ -249,13 +265,18 @@ case "$section" in
   resnet-ckpt-probe)
     # Issue 41: the plain loop's checkpointed ResNet-152-cl b128 step took 235.3 ms against the
     # harness's 180.5 (session22_h100/). Both, twice, interleaved, 20 measured steps each, on one
-    # machine: is the gap the process or the loop? ~4 min.
-    for round in 1 2; do
-      timeout 300 python3 bench/compare.py --out "$OUT/probe_ckpt_harness_$round.json" --models resnet152-cl:128 \
-        --timeout 280 --variants checkpoint --iterations 20 > /dev/null
+    # machine: is the gap the process or the loop? Session 23's two rounds of 20 steps each ranged
+    # 163-443 ms within a process; PROBE_ROUNDS rounds (3) of 30 steps, ~6 min.
+    mkdir -p "$OUT/probe"
+    for round in $(seq ${PROBE_ROUNDS:-3}); do
+      timeout 300 python3 bench/compare.py --out "$OUT/probe/harness_$round.json" --models resnet152-cl:128 \
+        --timeout 280 --variants checkpoint --iterations 30 > /dev/null
       timeout 300 python3 bench/plain_loop.py --config examples/resnet152_channels_last.yaml --batch-size 128 \
-        --variant checkpoint --steps 20 --out "$OUT/probe_ckpt_plain_$round.json" > /dev/null
-    done ;;
+        --variant checkpoint --steps 30 --out "$OUT/probe/plain_$round.json" > /dev/null
+    done
+    # $OUT takes 8 files: the rounds' JSON in one
+    python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
+      "$OUT"/probe/*.json > "$OUT/probe_ckpt_resnet152_cl_b128.json" ;;
   dp-two-gpus)
     # Issue 42 on two GPUs (run it on nvidia-h100-x2): the cuda tests of FSDP2, DDP and compiled
     # DDP, each file under a timeout of its own (verbose, so a hang shows where; DP_TESTS names
@@ -263,18 +284,26 @@ case "$section" in
     # ranks: FSDP2's comparison (the 0.5B Llama: eager FSDP2 with and without per-layer
     # checkpointing, mutwo at checkpointing's held memory), BERT-base 16 per GPU and ResNet-152-cl
     # 64 per GPU at half of eager DDP's held memory. Each JSON is rewritten after every row.
-    for t in ${DP_TESTS:-tests/test_fully_sharded.py:240 tests/test_distributed.py:150 tests/test_distributed_compiled.py:240}; do
+    # DP_TESTS="" skips the tests; DP_RUNS names fewer of fsdp2, bert and resnet.
+    for t in ${DP_TESTS-tests/test_fully_sharded.py:240 tests/test_distributed.py:150 tests/test_distributed_compiled.py:240}; do
       timeout ${t##*:} python3 -m pytest -v -m cuda -p no:cacheprovider ${t%%:*} > "$OUT/two_gpu_$(basename ${t%%:*} .py).log" 2>&1
       echo "${t%%:*} exit $?"
     done
     export NCCL_NVLS_ENABLE=0
     dp="torchrun --nproc-per-node 2 bench/data_parallel.py --calibrate-peak 1"
-    timeout 900 $dp --sharding fsdp2 --out "$OUT/fsdp2_llama_two_gpus.json" > "$OUT/fsdp2_llama_two_gpus.log" 2>&1
-    echo "fsdp2 exit $?"
-    timeout 900 $dp --models bert:16:0.5 --out "$OUT/ddp_bert_two_gpus.json" > "$OUT/ddp_bert_two_gpus.log" 2>&1
-    echo "bert exit $?"
-    timeout 1200 $dp --models resnet152-cl:64:0.5 --out "$OUT/ddp_resnet_two_gpus.json" > "$OUT/ddp_resnet_two_gpus.log" 2>&1
-    echo "resnet exit $?" ;;
+    runs=" ${DP_RUNS:-fsdp2 bert resnet} "
+    if [[ $runs == *" fsdp2 "* ]]; then
+      timeout 900 $dp --sharding fsdp2 --out "$OUT/fsdp2_llama_two_gpus.json" > "$OUT/fsdp2_llama_two_gpus.log" 2>&1
+      echo "fsdp2 exit $?"
+    fi
+    if [[ $runs == *" bert "* ]]; then
+      timeout 900 $dp --models bert:16:0.5 --out "$OUT/ddp_bert_two_gpus.json" > "$OUT/ddp_bert_two_gpus.log" 2>&1
+      echo "bert exit $?"
+    fi
+    if [[ $runs == *" resnet "* ]]; then
+      timeout 1200 $dp --models resnet152-cl:64:0.5 --out "$OUT/ddp_resnet_two_gpus.json" > "$OUT/ddp_resnet_two_gpus.log" 2>&1
+      echo "resnet exit $?"
+    fi ;;
   i39-chunk-tests)
     # The chunk pass's CPU tests under the GPU machine's torch (2.11 captures what 2.14 keeps as an
     # alias as a detach), then the 32k-vocabulary Llama example sliced and checked on the GPU.
