@@ -70,17 +70,32 @@ def test_cuda_ops_neither_block_the_host_nor_the_compute_stream_and_reuse_pinned
     assert RUNTIME.in_flight == 0
 
 
+def _above_the_swap_floor(workload: models.Workload) -> tuple[str, object]:
+    """A budget halfway between the lowest peak swaps alone reach for ``workload`` on this GPU and
+    its unoptimized peak, with the profile it was planned from: that floor is the machine's (the
+    tiny BERT's was below 75% of its unoptimized peak on an H100 and 82% on an H200, whose faster
+    kernels leave less time to hide the copies)."""
+    lowest = swapping.rewrite(workload, SWAP_ONLY, "min")
+    plan = lowest.ctx.artifacts["swap-plan"]
+    fraction = (1 + plan.predicted_peak / plan.unoptimized_peak) / 2
+    return f"{fraction:.4f}", lowest.ctx.artifacts["profile"]
+
+
 # Sizes where activations, not CUDA's kernel workspaces or foreach Adam's temporaries, make the
 # peak (the tiny BERT's lowest swap peak was 100% of the unoptimized one at batch 8 on the H100),
 # and budgets above the lowest peak with swap only (the CNN's is 85% on the H100 at any batch: at
-# its backward peak what is live is in use).
+# its backward peak what is live is in use; the BERT's is measured first).
 @pytest.mark.parametrize("make,kwargs,budget", [(models.cnn, {"batch_size": 1024}, "0.9"),
-                                                (models.bert, {"batch_size": 64, "seq_len": 64}, "0.75")],
+                                                (models.bert, {"batch_size": 64, "seq_len": 64}, None)],
                          ids=["cnn", "bert"])  # fmt: skip
 def test_cuda_swap_plan_is_bitwise_and_measures_its_planned_peak(make: object, kwargs: dict[str, int],
-                                                                 budget: str) -> None:  # fmt: skip
+                                                                 budget: str | None) -> None:  # fmt: skip
     with deterministic_algorithms():
-        rewritten = swapping.rewrite(_on_cuda(make(**kwargs)), SWAP_ONLY, budget)  # type: ignore[operator]
+        profile = None
+        if budget is None:
+            budget, profile = _above_the_swap_floor(_on_cuda(make(**kwargs)))  # type: ignore[operator]
+        rewritten = swapping.rewrite(_on_cuda(make(**kwargs)), SWAP_ONLY, budget,  # type: ignore[operator]
+                                     profile=profile)
         plan = rewritten.ctx.artifacts["swap-plan"]
         assert plan.of(SWAP) and plan.met and swap_nodes(rewritten.graph)
         report = compare_graphs(rewritten.original, rewritten.graph, rewritten.inputs)
