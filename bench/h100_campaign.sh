@@ -40,16 +40,17 @@
 #                16GiB under inductor-cudagraphs (H100, 2026-11-26; session14_h100/)        ~9 min
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
-#                memory and bench/plain_loop.py beside it (issue 41; GPT-2 and BERT: H100,
-#                2026-11-28, session23_h100/)                                      ~10, ~15, ~40 min
+#                memory and bench/plain_loop.py beside it (issue 41; BERT: H100, 2026-11-28,
+#                session23_h100/; GPT-2: H200, 2026-11-28, session24_gpus/)        ~10, ~15, ~40 min
 #   headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet
 #                the same for ResNet-152-cl over two machine holds (H100, 2026-11-28; session22_h100/),
 #                and one of its compiles sampled                                  ~10, ~15, ~6 min
 #   i40-restart-pyc, resnet-ckpt-probe
-#                "Setup at a restart" (BERT-base b64 restarts) and the plain loop's checkpointed
-#                ResNet-152 against the harness's (H100, 2026-11-28; session23_h100/)  ~8, ~4 min
-#   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-27;
-#                session21_gpus/)                                                          ~25 min
+#                "Setup at a restart" (BERT-base b64 restarts; H100, 2026-11-28; session23_h100/) and
+#                the plain loop's checkpointed ResNet-152 against the harness's (H200, 2026-11-28;
+#                session24_gpus/)                                                        ~8, ~6 min
+#   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-28;
+#                session24_gpus/; ResNet's eager DDP row session21_gpus/)                 ~25 min
 # Session 24 (2 x H200, one hold): PARALLEL="headline-gpt2;resnet-ckpt-probe tests-all" DP_TESTS=""
 #   DP_RUNS=fsdp2 bash bench/h100_campaign.sh start parallel dp-two-gpus
 # Owed after session 24: i40-restart-pyc again (its bytecode half was not measured); the restarts
