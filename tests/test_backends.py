@@ -29,6 +29,7 @@ from mutwo.runtime.measurement.equivalence import Tolerance, check_graphs, compa
 from mutwo.runtime.measurement.iterations import cpu_iteration_peak
 from mutwo.runtime.planning.captured import capture_graph
 from tests import models
+from tests.inductor_code import generated_anew
 from tests.test_mask_replay import dropout_tanh_mlp
 from tests.test_replay import token_mlp
 
@@ -383,12 +384,11 @@ def test_a_forward_value_read_in_the_backward_is_stored_where_its_inputs_would_d
     then it is recomputed there and not stored (GPT-2's GELU intermediates)."""
     import re
 
-    from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     inputs = [torch.randn(7, 5), torch.randn(5, 13), torch.randn(7, 13)]
     module = _residual_step(product_read_later)
-    with inductor_config.patch(force_disable_caches=True):  # the phases are not in the cache's key
+    with generated_anew():  # the phases are not in the cache's key
         (compiled, *_), code = run_and_get_code(compile_inductor, module, inputs)
     kernels = re.findall(r"^\s*(cpp_fused_\w+)\(([^)]*)\)", code[0], re.MULTILINE)
     (forward, _), *later = kernels

@@ -48,6 +48,7 @@ from mutwo.runtime.planning.step_planning import DEFAULT_PASSES
 from mutwo.tools.config import DEFAULT_PIPELINE
 from mutwo.tools.mutwo_opt import main
 from tests import tinyhead
+from tests.inductor_code import generated_anew
 
 REPO = Path(__file__).resolve().parent.parent
 HEAD = ["loss", "head.bias", "head.weight"]  #: what the tiny head sums over slices
@@ -292,7 +293,6 @@ def test_fusion_that_makes_a_slice_wait_for_a_later_one_is_refused() -> None:
 def test_sliced_head_compiled_by_inductor_keeps_its_slices_apart() -> None:
     """The sliced head through Inductor on the CPU: the check against eager passes, and Inductor's
     offer to fuse the loss's ``total_weight`` with the sum of the slices' losses was refused."""
-    from torch._inductor import config as inductor_config
 
     import mutwo
     from mutwo.runtime.execution import fusion
@@ -311,7 +311,7 @@ def test_sliced_head_compiled_by_inductor_keeps_its_slices_apart() -> None:
 
     model, batch, loss_fn = tinyhead.tinyhead()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.MonkeyPatch.context() as patch, inductor_config.patch(force_disable_caches=True):
+    with pytest.MonkeyPatch.context() as patch, generated_anew():
         patch.setattr(fusion, "delays_a_slice", spied)  # Inductor must schedule the step, not load it
         step = mutwo.optimize(model, optimizer, batch, loss_fn, backend="inductor", cache=False, check=True,
                               passes="profile,optimizer,chunk{k=3,when=always},select,rewrite")  # fmt: skip

@@ -10,7 +10,6 @@ from contextlib import nullcontext
 import pytest
 import torch
 from torch import nn
-from torch._inductor import config
 from torch._inductor.utils import run_and_get_code
 
 from mutwo.ir.budget import parse_budget
@@ -20,6 +19,7 @@ from mutwo.runtime.execution import backends
 from mutwo.runtime.execution.swap import RUNTIME
 from mutwo.runtime.measurement.equivalence import check_graphs
 from tests import models
+from tests.inductor_code import generated_anew
 from tests.test_replay import token_mlp
 
 
@@ -48,7 +48,7 @@ def test_offloaded_buffers_are_freed_but_not_reused(kept_from_reuse: bool, monke
     assert sum(node.target is OFFLOAD for node in planned.graph) >= 3
     if not kept_from_reuse:
         monkeypatch.setattr(backends, "offloaded_buffers_kept_from_reuse", nullcontext)
-    with config.patch({"force_disable_caches": True}):  # generate the code, do not load it
+    with generated_anew():
         compiled, codes = run_and_get_code(lambda: backends.compile_graph(planned.graph, planned.inputs, "inductor"))
     offloaded, reused, deleted = _offloads_and_reuses("\n".join(codes))
     assert len(offloaded) >= 3 and deleted == offloaded
@@ -88,7 +88,7 @@ def test_an_offloaded_tensor_inside_a_larger_buffer_is_copied_element_by_element
     planned = optimize_graph(workload.model, torch.optim.SGD(net.parameters(), lr=0.1), workload.batch,
                              workload.loss_fn, budget=parse_budget("min"), passes=swap_only)  # fmt: skip
     assert {e["op"] for e in planned.plan.of("swap")} & {"aten.relu.default", "aten.tanh.default"}
-    with config.patch({"force_disable_caches": True}):
+    with generated_anew():
         compiled, codes = run_and_get_code(lambda: backends.compile_graph(planned.graph, planned.inputs, "inductor"))
     code = "\n".join(codes)
     offloaded, _, _ = _offloads_and_reuses(code)
@@ -125,6 +125,6 @@ def test_inductor_issues_the_swap_ops_in_the_plans_order() -> None:
     ops = {OFFLOAD: "offload", PREFETCH: "prefetch", WAIT: "wait"}
     plan = [(_CALLED_AS[ops[node.target]], node.args[-1]) for node in planned.graph if node.target in ops]
     assert len(plan) >= 6, "the plan should swap at least two tensors"
-    with config.patch({"force_disable_caches": True}):  # generate the code, do not load it
+    with generated_anew():
         _, codes = run_and_get_code(lambda: backends.compile_graph(planned.graph, planned.inputs, "inductor"))
     assert _swap_calls("\n".join(codes)) == plan
