@@ -343,6 +343,27 @@ def test_a_budget_in_bytes_under_the_unplanned_step_profiles_a_data_parallel_ste
     assert step.last.context.artifacts["profile"].meta["memory"].startswith("in memory")
 
 
+def test_a_rank_out_of_memory_in_calibration_names_itself_the_round_and_the_fixes(
+        one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A data-parallel rank cannot skip a calibration round that ran out of memory, as one device
+    does: it raises at once (the other ranks wait in the step's collectives) an error saying which
+    rank, the round's budget, the stage and what to change, still a ``torch.OutOfMemoryError``."""
+
+    def out_of_memory(run: Any, inputs: Any) -> tuple[int, int | None]:
+        raise torch.OutOfMemoryError("CUDA out of memory (made up by the test)")
+
+    monkeypatch.setattr(peak_calibration, "measured_peak", out_of_memory)
+    workload = models.mlp(seed=0, batch_size=256)
+    with pytest.raises(peak_calibration.CalibrationOutOfMemory) as raised:
+        optimize(workload.model, torch.optim.SGD(workload.model.parameters(), lr=0.1), workload.batch,
+                 workload.loss_fn, budget=0.9, data_parallel=True, calibrate_peak=1)  # fmt: skip
+    message = str(raised.value)
+    assert message.startswith("rank 0 ran out of device memory measuring the plan for ") and "MiB" in message
+    assert "during peak calibration" in message and "lower budget, or a higher memory limit" in message
+    assert isinstance(raised.value, torch.OutOfMemoryError)
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+
 def test_a_batch_that_does_not_split_evenly_is_refused() -> None:
     with pytest.raises(DataParallelError, match="cannot be split evenly over 2 ranks"):
         distributed.shard_batch((torch.zeros(5, 3), torch.zeros(5)), 0, 2)

@@ -359,6 +359,20 @@ def pipeline_plan(artifacts: dict[str, Any]) -> Any:
     return artifacts["plan"] if "plan" in artifacts else artifacts.get("swap-plan")
 
 
+def _rank_out_of_memory(rank: int, budget_bytes: int, inputs: list[torch.Tensor]) -> CalibrationOutOfMemory:
+    """The error of a data-parallel rank whose calibration round ran out of memory: which rank,
+    which round's budget, what the process held, and what the user can change. The round cannot
+    be skipped as on one device: the other ranks wait in the step's collectives until the launcher
+    stops them (torchrun does when this rank exits) or the process group's timeout."""
+    device = device_of(inputs)
+    held = (f", holding {torch.cuda.memory_reserved(device) / 2**20:,.1f} MiB"
+            if device.type == "cuda" else "")  # fmt: skip
+    return CalibrationOutOfMemory(
+        f"rank {rank} ran out of device memory measuring the plan for {budget_bytes / 2**20:,.1f} MiB during "
+        f"peak calibration{held}; a data-parallel step cannot skip that plan, as the other ranks wait in its "
+        "collectives: give a lower budget, or a higher memory limit")  # fmt: skip
+
+
 def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
                     compile_graph: Callable[[Graph], CompiledStep], out_dir: Path | None,
                     log: Callable[[str], None], data_parallel: DataParallel | None = None) -> Calibrated:  # fmt: skip
@@ -420,9 +434,9 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         try:
             peak, allocated = measured_peak(made.compiled.run, lowered.inputs)
             out_of_memory = False
-        except torch.OutOfMemoryError:  # under a memory limit: this plan is over it
+        except torch.OutOfMemoryError as error:  # under a memory limit: this plan is over it
             if data_parallel is not None:  # the other ranks wait in this step's collectives: nothing to agree on
-                raise
+                raise _rank_out_of_memory(data_parallel.rank, budget_bytes, lowered.inputs) from error
             peak, allocated, out_of_memory = budget_bytes, None, True
         if data_parallel is not None:
             peak, allocated = largest_measured(peak, allocated, data_parallel)
