@@ -45,7 +45,7 @@
 #   headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet
 #                the same for ResNet-152-cl over two machine holds (H100, 2026-11-28; session22_h100/),
 #                and one of its compiles sampled                                  ~10, ~15, ~6 min
-#   i40-restart-pyc, resnet-ckpt-probe
+#   i40-restart-pyc, resnet-ckpt-probe, resnet-eager-probe
 #                "Setup at a restart" (BERT-base b64 restarts; H100, 2026-11-28; session23_h100/) and
 #                the plain loop's checkpointed ResNet-152 against the harness's (H200, 2026-11-28;
 #                session24_gpus/)                                                        ~8, ~6 min
@@ -53,8 +53,8 @@
 #                session24_gpus/; ResNet's eager DDP row session21_gpus/)                 ~25 min
 # Session 24 (2 x H200, one hold): PARALLEL="headline-gpt2;resnet-ckpt-probe tests-all" DP_TESTS=""
 #   DP_RUNS=fsdp2 bash bench/h100_campaign.sh start parallel dp-two-gpus
-# Owed after session 24: i40-restart-pyc again (its bytecode half was not measured); the restarts
-#   of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus' ResNet-152-cl row.
+# Owed after session 24: resnet-eager-probe; i40-restart-pyc again (its bytecode half was not
+#   measured); the restarts of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus' ResNet-152-cl row.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -65,7 +65,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: parallel, i40-restart-pyc, resnet-ckpt-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: parallel, i40-restart-pyc, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -263,21 +263,22 @@ case "$section" in
     # $OUT takes 8 files: the runs' JSON in one
     python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
       "$BG"/restart/*.json > "$OUT/restart_pyc_bert_b64.json" ;;
-  resnet-ckpt-probe)
-    # Issue 41: the plain loop's checkpointed ResNet-152-cl b128 step took 235.3 ms against the
-    # harness's 180.5 (session22_h100/). Both, twice, interleaved, 20 measured steps each, on one
-    # machine: is the gap the process or the loop? Session 23's two rounds of 20 steps each ranged
-    # 163-443 ms within a process; PROBE_ROUNDS rounds (3) of 30 steps, ~6 min.
-    mkdir -p "$OUT/probe"
+  resnet-ckpt-probe|resnet-eager-probe)
+    # Issue 41: does the harness time ResNet-152-cl b128 as the plain loop does? Both interleaved on
+    # one machine, PROBE_ROUNDS rounds (3) of 30 measured steps each, ~6 min. The checkpointed step
+    # is bound by the host's launches: its rounds' medians moved by +-7% (session24_gpus/, means
+    # 0.5% apart); resnet-eager-probe does the same for eager (3.3% apart in session 22, one pair).
+    case $section in *ckpt*) variant=checkpoint; stem=ckpt ;; *) variant=eager; stem=eager ;; esac
+    mkdir -p "$OUT/probe_$stem"
     for round in $(seq ${PROBE_ROUNDS:-3}); do
-      timeout 300 python3 bench/compare.py --out "$OUT/probe/harness_$round.json" --models resnet152-cl:128 \
-        --timeout 280 --variants checkpoint --iterations 30 > /dev/null
+      timeout 300 python3 bench/compare.py --out "$OUT/probe_$stem/harness_$round.json" --models resnet152-cl:128 \
+        --timeout 280 --variants $variant --iterations 30 > /dev/null
       timeout 300 python3 bench/plain_loop.py --config examples/resnet152_channels_last.yaml --batch-size 128 \
-        --variant checkpoint --steps 30 --out "$OUT/probe/plain_$round.json" > /dev/null
+        --variant $variant --steps 30 --out "$OUT/probe_$stem/plain_$round.json" > /dev/null
     done
     # $OUT takes 8 files: the rounds' JSON in one
     python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
-      "$OUT"/probe/*.json > "$OUT/probe_ckpt_resnet152_cl_b128.json" ;;
+      "$OUT"/probe_$stem/*.json > "$OUT/probe_${stem}_resnet152_cl_b128.json" ;;
   dp-two-gpus)
     # Issue 42 on two GPUs (run it on nvidia-h100-x2): the cuda tests of FSDP2, DDP and compiled
     # DDP, each file under a timeout of its own (verbose, so a hang shows where; DP_TESTS names
