@@ -53,8 +53,9 @@
 #                session24_gpus/; ResNet's eager DDP row session21_gpus/)                 ~25 min
 # Session 24 (2 x H200, one hold): PARALLEL="headline-gpt2;resnet-ckpt-probe tests-all" DP_TESTS=""
 #   DP_RUNS=fsdp2 bash bench/h100_campaign.sh start parallel dp-two-gpus
-# Owed after session 24: resnet-eager-probe; i40-restart-pyc again (its bytecode half was not
-#   measured); the restarts of ResNet-152 b128 and the 0.5B Llama; dp-two-gpus' ResNet-152-cl row.
+# Owed after session 24: resnet-eager-probe; dp-record-stream-reuse (2 GPUs); i40-restart-pyc
+#   again (its bytecode half was not measured); the restarts of ResNet-152 b128 and the 0.5B Llama;
+#   dp-two-gpus' ResNet-152-cl row.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -65,7 +66,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: parallel, i40-restart-pyc, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: parallel, dp-record-stream-reuse, i40-restart-pyc, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -279,6 +280,15 @@ case "$section" in
     # $OUT takes 8 files: the rounds' JSON in one
     python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
       "$OUT"/probe_$stem/*.json > "$OUT/probe_${stem}_resnet152_cl_b128.json" ;;
+  dp-record-stream-reuse)
+    # Issue 42: mutwo's data-parallel steps under CUDA graphs held 1.4-2.8 GiB over what their
+    # replays allocate, and not in the order of their plans (session24_gpus/). While a CUDA graph
+    # records, a block that NCCL's stream used (record_stream) is not handed out again until the
+    # recording ends (other projects measured the same: Megatron-LM#4383, nixl#2149); torch's
+    # allocator can reuse such blocks during a capture when asked. dp-two-gpus' runs (DP_RUNS, BERT
+    # by default) with that setting, beside the rows measured without it. ~8 min for BERT.
+    PYTORCH_CUDA_ALLOC_CONF=graph_capture_record_stream_reuse:True DP_SUFFIX=_record_stream_reuse DP_TESTS="" \
+      DP_RUNS=${DP_RUNS:-bert} bash "$(realpath "$0")" dp-two-gpus ;;
   dp-two-gpus)
     # Issue 42 on two GPUs (run it on nvidia-h100-x2): the cuda tests of FSDP2, DDP and compiled
     # DDP, each file under a timeout of its own (verbose, so a hang shows where; DP_TESTS names
@@ -286,7 +296,8 @@ case "$section" in
     # ranks: FSDP2's comparison (the 0.5B Llama: eager FSDP2 with and without per-layer
     # checkpointing, mutwo at checkpointing's held memory), BERT-base 16 per GPU and ResNet-152-cl
     # 64 per GPU at half of eager DDP's held memory. Each JSON is rewritten after every row.
-    # DP_TESTS="" skips the tests; DP_RUNS names fewer of fsdp2, bert and resnet.
+    # DP_TESTS="" skips the tests; DP_RUNS names fewer of fsdp2, bert and resnet; DP_SUFFIX ends
+    # the files' names.
     for t in ${DP_TESTS-tests/test_fully_sharded.py:240 tests/test_distributed.py:150 tests/test_distributed_compiled.py:240}; do
       timeout ${t##*:} python3 -m pytest -v -m cuda -p no:cacheprovider ${t%%:*} > "$OUT/two_gpu_$(basename ${t%%:*} .py).log" 2>&1
       echo "${t%%:*} exit $?"
@@ -295,15 +306,15 @@ case "$section" in
     dp="torchrun --nproc-per-node 2 bench/data_parallel.py --calibrate-peak 1"
     runs=" ${DP_RUNS:-fsdp2 bert resnet} "
     if [[ $runs == *" fsdp2 "* ]]; then
-      timeout 900 $dp --sharding fsdp2 --out "$OUT/fsdp2_llama_two_gpus.json" > "$OUT/fsdp2_llama_two_gpus.log" 2>&1
+      timeout 900 $dp --sharding fsdp2 --out "$OUT/fsdp2_llama_two_gpus${DP_SUFFIX:-}.json" > "$OUT/fsdp2_llama_two_gpus${DP_SUFFIX:-}.log" 2>&1
       echo "fsdp2 exit $?"
     fi
     if [[ $runs == *" bert "* ]]; then
-      timeout 900 $dp --models bert:16:0.5 --out "$OUT/ddp_bert_two_gpus.json" > "$OUT/ddp_bert_two_gpus.log" 2>&1
+      timeout 900 $dp --models bert:16:0.5 --out "$OUT/ddp_bert_two_gpus${DP_SUFFIX:-}.json" > "$OUT/ddp_bert_two_gpus${DP_SUFFIX:-}.log" 2>&1
       echo "bert exit $?"
     fi
     if [[ $runs == *" resnet "* ]]; then
-      timeout 1200 $dp --models resnet152-cl:64:0.5 --out "$OUT/ddp_resnet_two_gpus.json" > "$OUT/ddp_resnet_two_gpus.log" 2>&1
+      timeout 1200 $dp --models resnet152-cl:64:0.5 --out "$OUT/ddp_resnet_two_gpus${DP_SUFFIX:-}.json" > "$OUT/ddp_resnet_two_gpus${DP_SUFFIX:-}.log" 2>&1
       echo "resnet exit $?"
     fi ;;
   i39-chunk-tests)
