@@ -55,8 +55,8 @@ def measure_step(step: Callable[[], Any], device: torch.device, *, warmup: int, 
     ``peak_bytes`` (max allocated) and ``held_bytes`` (max reserved: what the process holds).
     On CUDA a step is timed by CUDA events, and ``iteration_wall_ms_all`` gives each step by the
     host's clock too (``bench/plain_loop.py``'s way): ResNet-152's checkpointed step, bound by the
-    host's launches, took 7-30% longer in the plain loop than here, and which of the two the gap
-    follows is open (docs/benchmarks.md).
+    host's launches, moves by 7% from one process to the next, so the two clocks tell the loop's
+    timing from the process's (docs/benchmarks.md).
 
     Running out of memory is a result, not a crash: it comes back as ``{"error": "out of memory"}``.
     """

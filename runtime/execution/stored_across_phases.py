@@ -19,9 +19,9 @@ value: GPT-2's tanh-approximated GELU has three intermediates per layer read by 
 computed from the layer's input, which the backward reads too (in a 2-layer GPT-2 compiled on the
 CPU these 6 of the 35 values the rule looks at are now inlined; in a 2-layer BERT 1 of 29). Storing
 every such value (the rule's first version) held 1,600 MiB more than inlining on GPT-2 small (8,372
-against 6,772 MiB, H100, 2026-11-27, ``bench/results/session19_h100/``), and is the likely reason
-its plan for per-layer checkpointing's memory held 7% over the budget (``session23_h100/``; the
-memory this version gives back is not measured on the GPU yet). Within a phase Inductor
+against 6,772 MiB, H100, 2026-11-27, ``bench/results/session19_h100/``), and its plan for per-layer
+checkpointing's memory held 7% over the budget (``session23_h100/``); with this version the same
+plan held 8,334 MiB at that budget of 8,368 (H200, ``session24_gpus/``). Within a phase Inductor
 inlines as before, and a recompute clone, a backward node, is inlined into its readers as the plan
 intends.
 """
