@@ -45,8 +45,9 @@
 #   headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet
 #                the same for ResNet-152-cl over two machine holds (H100, 2026-11-28; session22_h100/),
 #                and one of its compiles sampled                                  ~10, ~15, ~6 min
-#   i40-restart-pyc, resnet-ckpt-probe, resnet-eager-probe
-#                "Setup at a restart" (BERT-base b64 restarts; H100, 2026-11-28; session23_h100/) and
+#   i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe
+#                "Setup at a restart" (BERT-base b64 restarts; H100, 2026-11-28; session23_h100/;
+#                the Llama's and ResNet-152's restarts) and
 #                the plain loop's checkpointed ResNet-152 against the harness's (H200, 2026-11-28;
 #                session24_gpus/)                                                        ~8, ~6 min
 #   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-28;
@@ -66,7 +67,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: parallel, dp-record-stream-reuse, i40-restart-pyc, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: parallel, dp-record-stream-reuse, i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -243,27 +244,40 @@ case "$section" in
     if [ $section = i40-restart-sampled ]; then
       python3 bench/stack_sampler.py "$OUT/restart_bert_b64_second.folded" --top 60
     fi ;;
-  i40-restart-pyc)
-    # Issue 40's restart: BERT-base b64, budget and cap 16GiB, fresh processes on one plan cache. The
-    # first plans and compiles, with Python's bytecode written under $BG/pycache; then restarts,
-    # interleaved: without bytecode, as this machine's python3 runs (PYTHONDONTWRITEBYTECODE=1, no
-    # .pyc for torch in its read-only site-packages: every process compiles Inductor's source), and
-    # with it, as an installed torch runs (pip compiles bytecode when it installs). Session 23 ran
-    # this with PYTHONDONTWRITEBYTECODE left set, so no bytecode was written: its three starts are
-    # all without. ~8 min.
+  i40-restart-pyc|i40-restart-models)
+    # Issue 40's restart: per model, fresh processes on one plan cache and one Inductor cache (empty
+    # before the first), budget and cap as issue 38's rows (BERT-base b64 16GiB; the 0.5B Llama b8
+    # and ResNet-152-cl b128 12GiB). The first plans and compiles, with Python's bytecode written
+    # under $BG/pycache; then restarts: without bytecode ("plain"), as this machine's python3 runs
+    # (PYTHONDONTWRITEBYTECODE=1, no .pyc for torch in its read-only site-packages: every process
+    # compiles Inductor's source), and with it ("pyc"), as an installed torch runs (pip compiles
+    # bytecode when it installs). Every start then trains 2 warm-up and 20 measured steps (time,
+    # held memory, losses). i40-restart-pyc: BERT, three restarts of each kind, interleaved, ~8 min;
+    # i40-restart-models: the Llama and ResNet, one of each kind, ~4 and ~11 min.
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
-    mkdir -p "$BG/restart"
-    for run in first plain1 pyc1 plain2 pyc2 plain3 pyc3; do
-      prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
-      "${prefix[@]}" timeout 900 python3 bench/stock_optimizer_and_restart.py start --config examples/bert.yaml \
-        --batch-size 64 --budget 16GiB --memory-limit 16GiB --cache-dir "$BG/plan-cache-pyc" \
-        --out "$BG/restart/$run.json" 2> "$BG/restart/$run.err"
-      echo "$run exit $?"; tail -3 "$BG/restart/$run.err"
-    done
-    # $OUT takes 8 files: the runs' JSON in one
-    python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
-      "$BG"/restart/*.json > "$OUT/restart_pyc_bert_b64.json" ;;
+    case $section in
+      *pyc) models=${RESTART_MODELS:-bert}; runs=${RESTART_RUNS:-first plain1 pyc1 plain2 pyc2 plain3 pyc3} ;;
+      *) models=${RESTART_MODELS:-llama resnet}; runs=${RESTART_RUNS:-first pyc1 plain1} ;;
+    esac
+    for model in $models; do
+      case $model in
+        bert) config=examples/bert.yaml; batch=64; cap=16GiB; stem=bert_b64 ;;
+        llama) config=examples/llama_0_5b.yaml; batch=8; cap=12GiB; stem=llama_0_5b_b8 ;;
+        resnet) config=examples/resnet152_channels_last.yaml; batch=128; cap=12GiB; stem=resnet152_cl_b128 ;;
+      esac
+      mkdir -p "$BG/restart_$model"
+      for run in $runs; do
+        prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
+        "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
+          start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps 20 \
+          --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" 2> "$BG/restart_$model/$run.err"
+        echo "$model $run exit $?"; tail -3 "$BG/restart_$model/$run.err"
+      done
+      # $OUT takes 8 files: each model's runs' JSON in one
+      python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
+        "$BG"/restart_$model/*.json > "$OUT/restart_pyc_$stem.json"
+    done ;;
   resnet-ckpt-probe|resnet-eager-probe)
     # Issue 41: does the harness time ResNet-152-cl b128 as the plain loop does? Both interleaved on
     # one machine, PROBE_ROUNDS rounds (3) of 30 measured steps each, ~6 min. The checkpointed step

@@ -10,7 +10,9 @@ Also that the optimizer's ``state_dict`` loads into a fresh stock optimizer that
 
 ``start``: the time from a fresh process's first line to the end of its first training step,
 with mutwo's plan cache in ``--cache-dir``; run twice in a row with the same folder, the second
-process reuses the first's plan. Records ``optimize()``'s per-stage setup seconds.
+process reuses the first's plan. Records ``optimize()``'s per-stage setup seconds and each step's
+loss; with ``--measure-steps N``, also N steady steps' time and held memory, so that a restart is
+seen to train as the first start did.
 
 Run where mutwo is installed (``make`` sets up .venv; on the GPU machine, ``. bench/gpu_env.sh``):
 
@@ -122,7 +124,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     optimized = time.perf_counter()
     if isinstance(sampling, StackSampler):
         sampling.write(args.sample_stacks)
-    step(training.batch)
+    losses = [float(step(training.batch))]
     torch.cuda.synchronize()
     done = time.perf_counter()
     row.update(import_and_build_seconds=built - PROCESS_START, optimize_seconds=optimized - built,
@@ -130,7 +132,30 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     last = step.last
     row["setup_seconds"] = step.setup_seconds
     row["cache_hit"] = last.cache_hit if last is not None else None
+    if args.measure_steps:
+        row.update(_train_on(step, training.batch, args.measure_steps, losses))
+    row["losses"] = losses
     return row
+
+
+def _train_on(step: Any, batch: Any, steps: int, losses: list[float]) -> dict[str, Any]:
+    """Two more warm-up steps, then ``steps`` measured ones as a plain loop measures them: each
+    step's time and the process's max allocated and max reserved bytes over the measured steps
+    (reset after warm-up). Losses are appended to ``losses``: a restart that reuses the plan must
+    train the numbers the first start trained."""
+    for _ in range(2):
+        losses.append(float(step(batch)))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        losses.append(float(step(batch)))  # float() waits for the step, as a loop that logs its loss
+        times.append(time.perf_counter() - begin)
+    times.sort()
+    return {"measured_steps": steps, "step_ms_median": 1e3 * times[len(times) // 2],
+            "max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+            "max_reserved_mib": torch.cuda.max_memory_reserved() / 2**20}
 
 
 def main() -> int:
@@ -145,6 +170,8 @@ def main() -> int:
     parser.add_argument("--atol", type=float, default=1e-5, help="stock: absolute tolerance of the comparison")
     parser.add_argument("--cache-dir", default=None, help="start: mutwo's plan cache folder")
     parser.add_argument("--memory-limit", default=None, help="start: the process's cap, as mutwo.optimize takes it")
+    parser.add_argument("--measure-steps", type=int, default=0,
+                        help="start: after the first step, 2 warm-up and this many measured steps (time, held memory)")
     parser.add_argument("--sample-stacks", default=None,
                         help="start: sample optimize()'s stacks into this folded file (bench/stack_sampler.py)")
     parser.add_argument("--out", required=True)
