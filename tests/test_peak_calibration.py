@@ -143,12 +143,43 @@ def test_a_round_out_of_memory_is_planned_lower_and_never_kept() -> None:
 
 
 def test_every_round_out_of_memory_is_one_sentence() -> None:
+    """Past the re-plans given, rounds go on while all ran out of memory, down to half the budget."""
+    budgets: list[int] = []
+
     def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
+        budgets.append(budget)
         return CalibrationRound(budget, budget, budget, out_of_memory=True), budget
 
     with pytest.raises(peak_calibration.CalibrationOutOfMemory, match="ran out of device memory") as raised:
         calibrate(1000, 2, plan_and_measure)
     assert "lower budget" in str(raised.value) and "\n" not in str(raised.value)
+    assert budgets == [1000, 900, 800, 700, 600, 500] and "6 round(s), down to" in str(raised.value)
+
+
+def test_rounds_out_of_memory_go_on_past_the_re_plans_given_until_one_runs() -> None:
+    """ResNet-152-cl b128 under a 12 GiB limit on the H200 ran out of memory at 100, 90 and 80% of
+    its budget with two re-plans given: a fourth round, 10% lower, is planned and kept, and the
+    log says why it ran past the limit; nothing more once one ran, even under the window."""
+
+    def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
+        if budget > 750:
+            return CalibrationRound(budget, budget, budget, out_of_memory=True), budget
+        return CalibrationRound(budget, budget, budget + 200), budget
+
+    messages: list[str] = []
+    calibration = calibrate(1000, 2, plan_and_measure, messages.append)
+    assert [r.budget_bytes for r in calibration.rounds] == [1000, 900, 800, 700]
+    assert calibration.chosen == 3 and not calibration.within  # 900: under the budget, 10% under
+    assert any("round 4 past the 3 given" in m for m in messages)
+    assert any("every plan so far ran out of memory" in m and "past the 2 re-plan(s) given" in m for m in messages)
+
+
+def test_no_re_plans_given_means_none_after_running_out_of_memory() -> None:
+    def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
+        return CalibrationRound(budget, budget, budget, out_of_memory=True), budget
+
+    with pytest.raises(peak_calibration.CalibrationOutOfMemory, match=r"\(1 round\(s\)"):
+        calibrate(1000, 0, plan_and_measure)
 
 
 @pytest.mark.parametrize(("rounds", "device", "passes", "expected"), [

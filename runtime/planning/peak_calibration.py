@@ -28,7 +28,9 @@ Calibration closes that loop by measurement, not by a model of Inductor's buffer
    step peaked ``gap`` bytes under it, the next plan may simulate ``gap`` bytes more; from the
    third round on, ``gap`` divided by how much the held bytes moved per byte of budget between
    the last two rounds (:func:`next_budget`). A step that ran out of memory (under a memory
-   limit) is planned again 10% of the budget lower. Then compile and measure again.
+   limit) is planned again 10% of the budget lower. Then compile and measure again. While every
+   round so far ran out of memory, this goes on past the re-plans given, down to half the budget
+   (:data:`OUT_OF_MEMORY_FLOOR`), each further round said in the log.
 
 A data-parallel step is calibrated the same way, every rank at once: each round's measurement
 is the largest over the ranks, so that all plan the same budgets and keep the same round, and a
@@ -69,6 +71,14 @@ TOLERANCE = 0.03
 DEFAULT_ROUNDS = 2
 #: How much of the budget a round that ran out of memory moves the next one down.
 OUT_OF_MEMORY_STEP = 0.1
+#: While every round so far ran out of memory, calibration plans again past the re-plans it was
+#: given, :data:`OUT_OF_MEMORY_STEP` lower each time, down to this share of the target: a
+#: calibration that ends with every plan out of memory leaves nothing to train with. Measured on
+#: an H200 under a 12 GiB limit at a 12 GiB budget, ResNet-152-cl b128 ran out of memory at
+#: 100%, 90% and 80% of its budget in one process (bench/results/session25_h200/) and held
+#: 12,260 MiB at 80% in another (session14_h200/). The step holds 2.6-3.2 GiB over what it
+#: allocates: uncapped, its plan at 74% of the budget held 12,286 MiB, 2 MiB under it.
+OUT_OF_MEMORY_FLOOR = 0.5
 #: The bytes held per byte of budget between two rounds that :func:`next_budget` believes; outside
 #: it the two plans were alike (a flat step) or the measurements noisy, and the slope is not used.
 SLOPE_RANGE = (0.3, 3.0)
@@ -236,6 +246,9 @@ def calibrate(target_bytes: int, rounds: int,
               tolerance: float = TOLERANCE) -> Calibration[Step]:  # fmt: skip
     """Plan, compile and measure at ``target_bytes``, then up to ``rounds`` more times at budgets
     moved by the measured gap, until a step's measured peak is within ``tolerance`` of the target.
+    When ``rounds`` is 1 or more and every round ran out of memory, more rounds follow, each
+    :data:`OUT_OF_MEMORY_STEP` of the target lower, until one runs or the next budget would be
+    under :data:`OUT_OF_MEMORY_FLOOR` of the target.
 
     ``plan_and_measure(budget_bytes)`` plans for that budget from the unplanned graph, compiles the
     result, measures its peak, and returns the round and the step; or ``None`` when no plan reaches
@@ -245,9 +258,11 @@ def calibrate(target_bytes: int, rounds: int,
     results: list[CalibrationRound] = []
     steps: list[Step] = []
     budget = target_bytes
-    for index in range(rounds + 1):
+    index = 0
+    while True:
         # Each round compiles and measures (minutes on a large model): said as it starts.
-        log(f"peak calibration round {index + 1} of at most {rounds + 1}: planning for {budget / 2**20:,.1f} MiB"
+        limit = f"of at most {rounds + 1}" if index <= rounds else f"past the {rounds + 1} given"
+        log(f"peak calibration round {index + 1} {limit}: planning for {budget / 2**20:,.1f} MiB"
             + (", then compiling and measuring it" if index else ", measuring the step compiled for it"))
         began = time.perf_counter()
         outcome = plan_and_measure(budget)
@@ -277,7 +292,10 @@ def calibrate(target_bytes: int, rounds: int,
                 log(f"peak calibration: {following / 2**20:,.1f} MiB is above the {unplanned / 2**20:,.1f} MiB the "
                     "graph simulates with nothing recomputed, whose step was measured already; stopping")  # fmt: skip
             break  # the same plan again would measure the same peak
+        if index >= rounds and not _plan_again_out_of_memory(target_bytes, rounds, results, following, log):
+            break
         budget = following
+        index += 1
     if all(r.out_of_memory for r in results):
         raise CalibrationOutOfMemory(
             f"every plan measured for the budget of {target_bytes / 2**20:,.1f} MiB ran out of device memory "
@@ -288,6 +306,19 @@ def calibrate(target_bytes: int, rounds: int,
     if over is not None:  # the budget is what the process may hold: said even when the log is quiet
         warnings.warn(over, stacklevel=2)
     return calibration
+
+
+def _plan_again_out_of_memory(target: int, rounds: int, results: Sequence[CalibrationRound], following: int,
+                              log: Callable[[str], None]) -> bool:  # fmt: skip
+    """Whether calibration, its ``rounds`` re-plans spent, plans once more at ``following``: only
+    when re-plans were allowed at all, every round ran out of memory, and ``following`` is at
+    least :data:`OUT_OF_MEMORY_FLOOR` of the target. Said in the log when it does."""
+    floor = int(OUT_OF_MEMORY_FLOOR * target)
+    if rounds == 0 or not all(r.out_of_memory for r in results) or following < floor:
+        return False
+    log(f"peak calibration: every plan so far ran out of memory; planning again at {following / 2**20:,.1f} MiB, "
+        f"past the {rounds} re-plan(s) given (down to {floor / 2**20:,.1f} MiB, half the budget, at most)")
+    return True
 
 
 def _choose(rounds: list[CalibrationRound], target: int, tolerance: float) -> int:
