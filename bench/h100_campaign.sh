@@ -47,16 +47,17 @@
 #                and one of its compiles sampled                                  ~10, ~15, ~6 min
 #   i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe
 #                "Setup at a restart" (BERT-base b64 restarts; H100, 2026-11-28; session23_h100/;
-#                the Llama's and ResNet-152's restarts) and
+#                the Llama's restarts: H200, 2026-11-28, session25_h200/) and
 #                the plain loop's checkpointed ResNet-152 against the harness's (H200, 2026-11-28;
 #                session24_gpus/)                                                        ~8, ~6 min
 #   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-28;
 #                session24_gpus/; ResNet's eager DDP row session21_gpus/)                 ~25 min
-# Session 24 (2 x H200, one hold): PARALLEL="headline-gpt2;resnet-ckpt-probe tests-all" DP_TESTS=""
-#   DP_RUNS=fsdp2 bash bench/h100_campaign.sh start parallel dp-two-gpus
-# Owed after session 24: resnet-eager-probe; dp-record-stream-reuse (2 GPUs); i40-restart-pyc
-#   again (its bytecode half was not measured); the restarts of ResNet-152 b128 and the 0.5B Llama;
-#   dp-two-gpus' ResNet-152-cl row.
+# Session 25 (one H200): start tests-all i40-restart-models resnet-eager-probe; the hold's time ran
+#   out in ResNet's first start, which ran out of memory in all three calibration rounds.
+# Owed after session 25: resnet-eager-probe; dp-record-stream-reuse (2 GPUs); i40-restart-pyc
+#   again (its bytecode half was not measured); RESTART_MODELS=resnet i40-restart-models (with
+#   calibration's rounds past the re-plans given while all ran out of memory); dp-two-gpus'
+#   ResNet-152-cl row.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are

@@ -124,7 +124,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     optimized = time.perf_counter()
     if isinstance(sampling, StackSampler):
         sampling.write(args.sample_stacks)
-    losses = [float(step(training.batch))]
+    losses = [step(training.batch).item()]
     torch.cuda.synchronize()
     done = time.perf_counter()
     row.update(import_and_build_seconds=built - PROCESS_START, optimize_seconds=optimized - built,
@@ -132,6 +132,8 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     last = step.last
     row["setup_seconds"] = step.setup_seconds
     row["cache_hit"] = last.cache_hit if last is not None else None
+    if last is not None and last.calibration is not None:  # the rounds: what each plan held
+        row["calibration"] = last.calibration.describe()
     if args.measure_steps:
         row.update(_train_on(step, training.batch, args.measure_steps, losses))
     row["losses"] = losses
@@ -144,13 +146,13 @@ def _train_on(step: Any, batch: Any, steps: int, losses: list[float]) -> dict[st
     (reset after warm-up). Losses are appended to ``losses``: a restart that reuses the plan must
     train the numbers the first start trained."""
     for _ in range(2):
-        losses.append(float(step(batch)))
+        losses.append(step(batch).item())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         begin = time.perf_counter()
-        losses.append(float(step(batch)))  # float() waits for the step, as a loop that logs its loss
+        losses.append(step(batch).item())  # .item() waits for the step, as a loop that logs its loss
         times.append(time.perf_counter() - begin)
     times.sort()
     return {"measured_steps": steps, "step_ms_median": 1e3 * times[len(times) // 2],
