@@ -54,10 +54,11 @@
 #                session24_gpus/; ResNet's eager DDP row session21_gpus/)                 ~25 min
 # Session 25 (one H200): start tests-all i40-restart-models resnet-eager-probe; the hold's time ran
 #   out in ResNet's first start, which ran out of memory in all three calibration rounds.
-# Owed after session 25: resnet-eager-probe; dp-record-stream-reuse (2 GPUs); i40-restart-pyc
-#   again (its bytecode half was not measured); RESTART_MODELS=resnet i40-restart-models (with
-#   calibration's rounds past the re-plans given while all ran out of memory); dp-two-gpus'
-#   ResNet-152-cl row.
+# Owed after session 25: RESTART_MODELS=resnet i40-restart-models (calibration's rounds past the
+#   re-plans given while all ran out of memory), then the same with
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RESTART_SUFFIX=_expandable (does the CUDA
+#   graph's pool hold less over its allocation?); resnet-eager-probe; i40-restart-pyc again (its
+#   bytecode half); dp-record-stream-reuse and dp-two-gpus' ResNet-152-cl row (2 GPUs).
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -254,7 +255,9 @@ case "$section" in
     # compiles Inductor's source), and with it ("pyc"), as an installed torch runs (pip compiles
     # bytecode when it installs). Every start then trains 2 warm-up and 20 measured steps (time,
     # held memory, losses). i40-restart-pyc: BERT, three restarts of each kind, interleaved, ~8 min;
-    # i40-restart-models: the Llama and ResNet, one of each kind, ~4 and ~11 min.
+    # i40-restart-models: the Llama and ResNet, one of each kind, ~6 and ~12 min. RESTART_MODELS and
+    # RESTART_RUNS name fewer; RESTART_SUFFIX ends the files' names (a run with another
+    # PYTORCH_CUDA_ALLOC_CONF, which each start records).
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
     case $section in
@@ -267,17 +270,21 @@ case "$section" in
         llama) config=examples/llama_0_5b.yaml; batch=8; cap=12GiB; stem=llama_0_5b_b8 ;;
         resnet) config=examples/resnet152_channels_last.yaml; batch=128; cap=12GiB; stem=resnet152_cl_b128 ;;
       esac
+      case " $runs " in  # a first start starts from nothing (a run before may have had another suffix)
+        *" first "*) rm -rf "$BG/restart_$model" "$BG/plan-cache-$model" "$BG/inductor_$model" ;;
+      esac
       mkdir -p "$BG/restart_$model"
       for run in $runs; do
         prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
         "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
           start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps 20 \
           --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" 2> "$BG/restart_$model/$run.err"
-        echo "$model $run exit $?"; tail -3 "$BG/restart_$model/$run.err"
+        echo "$model $run exit $?"; grep -E "peak calibration|took" "$BG/restart_$model/$run.err" | tail -12
+        tail -2 "$BG/restart_$model/$run.err"
       done
       # $OUT takes 8 files: each model's runs' JSON in one
       python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
-        "$BG"/restart_$model/*.json > "$OUT/restart_pyc_$stem.json"
+        "$BG"/restart_$model/*.json > "$OUT/restart_pyc_$stem${RESTART_SUFFIX:-}.json"
     done ;;
   resnet-ckpt-probe|resnet-eager-probe)
     # Issue 41: does the harness time ResNet-152-cl b128 as the plain loop does? Both interleaved on

@@ -31,6 +31,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -113,7 +114,9 @@ def stock(args: argparse.Namespace) -> dict[str, Any]:
 def start(args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"mode": "start", "config": args.config, "batch_size": args.batch_size,
                            "budget": args.budget, "backend": args.backend, "cache_dir": args.cache_dir,
-                           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
+                           "memory_limit": args.memory_limit, "gpu": torch.cuda.get_device_name(),
+                           "torch": torch.__version__,
+                           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}  # fmt: skip
     training = build_training(args.config, args.batch_size, device="cuda")
     built = time.perf_counter()
     sampling = StackSampler() if args.sample_stacks else contextlib.nullcontext()
