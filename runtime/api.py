@@ -474,7 +474,8 @@ def optimize(
     recorded, else the fastest backend that runs it (:mod:`mutwo.runtime.execution.auto_backend`);
     a backend it chose fails as it would named. ``calibrate_peak``: with ``inductor``, plan again up
     to that many times (compiling each time) until the compiled step's measured peak is within 3%
-    of the budget, since Inductor's fusion frees buffers the plan counts. ``measure_choice``: with
+    of the budget, since Inductor's fusion frees buffers the plan counts; more while every plan
+    ran out of memory under ``memory_limit``, down to half the budget. ``measure_choice``: with
     a compiled backend and ``passes`` planning swaps (``"profile,swap"``), keep select-swap's plan
     only when it is measured faster than the recompute-only plan at the same budget
     (:mod:`mutwo.runtime.planning.plan_choice`).

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibrate-peak", type=int, metavar="ROUNDS",
                         help="plan again, up to ROUNDS times, until what the step makes the process hold on the "
                         "device (reserved bytes, CUDA-graph pools included) is at most the budget and within 3%% "
-                        "under it; each round compiles again (default on CUDA: 2; 0: never; docs/backends.md)")
+                        "under it; each round compiles again (default on CUDA: 2; 0: never; more while every round "
+                        "ran out of memory under --memory-limit, down to half the budget; docs/backends.md)")
     parser.add_argument("--measure-choice", action="store_true",
                         help="with a compiled --backend and -p swap: when select-swap's plan swaps, compile the "
                         "recompute-only plan at the same budget too, measure both and keep the faster (both plans "
