@@ -174,6 +174,38 @@ def test_rounds_out_of_memory_go_on_past_the_re_plans_given_until_one_runs() -> 
     assert any("every plan so far ran out of memory" in m and "past the 2 re-plan(s) given" in m for m in messages)
 
 
+@pytest.mark.parametrize(("held_over", "expected"), [
+    (200, 785),  # the step held 200 over its allocation by the failure: 1000 + 200 is 215 over the window's middle
+    (10, 900),  # less than the 10% step says: the 10% step
+    (900, 500),  # never under half the budget by the estimate alone
+], ids=["estimate", "ten-percent", "floor"])  # fmt: skip
+def test_a_round_out_of_memory_steps_by_what_it_held_over_its_allocation(held_over: int, expected: int) -> None:
+    """What the process held over its allocation when the step failed only grows as the step goes
+    on: the plan's simulated peak plus it is a lower bound of what the step would hold."""
+    failed = CalibrationRound(1000, 1000, 1000, None, allocated_peak_bytes=1000 - held_over, out_of_memory=True,
+                              held_at_failure_bytes=1000)  # fmt: skip
+    assert failed.held_over_allocated_at_failure == held_over
+    assert next_budget(1000, [failed]) == expected
+
+
+def test_a_round_out_of_memory_says_what_it_held_when_it_failed() -> None:
+    def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
+        if budget >= 1000 * 2**20:
+            held, allocated = 1000 * 2**20, 700 * 2**20
+            return CalibrationRound(budget, budget, budget, None, allocated, True, held), budget
+        return CalibrationRound(budget, budget, budget + 200 * 2**20), budget
+
+    messages: list[str] = []
+    calibration = calibrate(1000 * 2**20, 2, plan_and_measure, messages.append)
+    assert any("ran out of memory (holding 1,000.0 MiB, 300.0 MiB over its allocation, when it failed)" in m
+               for m in messages)  # fmt: skip
+    assert calibration.rounds[1].budget_bytes == (1000 - 315) * 2**20  # 1000 + 300 over 985, the window's middle
+
+
+def test_failure_peaks_are_unknown_off_cuda() -> None:
+    assert peak_calibration.failure_peaks([torch.zeros(2)]) == (None, None)
+
+
 def test_no_re_plans_given_means_none_after_running_out_of_memory() -> None:
     def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
         return CalibrationRound(budget, budget, budget, out_of_memory=True), budget

@@ -28,7 +28,8 @@ Calibration closes that loop by measurement, not by a model of Inductor's buffer
    step peaked ``gap`` bytes under it, the next plan may simulate ``gap`` bytes more; from the
    third round on, ``gap`` divided by how much the held bytes moved per byte of budget between
    the last two rounds (:func:`next_budget`). A step that ran out of memory (under a memory
-   limit) is planned again 10% of the budget lower. Then compile and measure again. While every
+   limit) is planned again 10% of the budget lower, or lower still when what it held over its
+   allocation by the time it failed says its step would hold more. Then compile and measure again. While every
    round so far ran out of memory, this goes on past the re-plans given, down to half the budget
    (:data:`OUT_OF_MEMORY_FLOOR`), each further round said in the log.
 
@@ -104,7 +105,9 @@ class CalibrationRound:
     CUDA what the process held: reserved bytes); the simulated peak of the graph with nothing
     recomputed (a budget at or above it plans nothing), when known; on CUDA the allocated peak;
     and whether measuring it ran out of memory (its measured peak is then unknown, and set to
-    the budget's reach: the round is never kept)."""
+    the budget's reach: the round is never kept). For a round that ran out of memory on CUDA,
+    ``allocated_peak_bytes`` and ``held_at_failure_bytes`` are the allocated and reserved peaks
+    up to the failure: what the process held beyond its allocation by then."""
 
     budget_bytes: int
     planned_peak_bytes: int
@@ -112,6 +115,15 @@ class CalibrationRound:
     unoptimized_peak_bytes: int | None = None
     allocated_peak_bytes: int | None = None
     out_of_memory: bool = False
+    held_at_failure_bytes: int | None = None
+
+    @property
+    def held_over_allocated_at_failure(self) -> int | None:
+        """For a round that ran out of memory, what the process held over what it had allocated
+        when it failed (cached blocks, fragmentation, a CUDA graph's pool), when known."""
+        if not self.out_of_memory or self.held_at_failure_bytes is None or self.allocated_peak_bytes is None:
+            return None
+        return max(0, self.held_at_failure_bytes - self.allocated_peak_bytes)
 
 
 @dataclass
@@ -203,7 +215,11 @@ def _within(round_: CalibrationRound, target: int, tolerance: float) -> bool:
 def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: float = TOLERANCE) -> int:
     """The budget for the next plan, from the ``rounds`` so far (the last one not within).
 
-    After running out of memory, :data:`OUT_OF_MEMORY_STEP` of the target lower. Otherwise the last
+    After running out of memory, :data:`OUT_OF_MEMORY_STEP` of the target lower, or by more when
+    the round's simulated peak plus what the process held over its allocation when it failed
+    (:attr:`CalibrationRound.held_over_allocated_at_failure`, a lower bound of the step's excess:
+    it only grows as the step goes on) is further over the middle of the window, but not under
+    :data:`OUT_OF_MEMORY_FLOOR` of the target by that estimate alone. Otherwise the last
     budget moved by how far its step's measured peak missed the middle of the window under the
     target: by that gap itself after one round (the compiled step assumed to keep its gap to the
     plan: the median of the measured slopes, below, is 0.97), and by the gap divided by the slope
@@ -219,10 +235,14 @@ def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: floa
     no byte lies between (the rounds then stop)."""
     last = rounds[-1]
     ran = [r for r in rounds if not r.out_of_memory]
+    aim = target - int(tolerance * target / 2)
     if last.out_of_memory:
         following = max(1, last.budget_bytes - int(OUT_OF_MEMORY_STEP * target))
+        excess = last.held_over_allocated_at_failure
+        if excess is not None:
+            estimated = last.budget_bytes - (last.planned_peak_bytes + excess - aim)
+            following = min(following, max(estimated, int(OUT_OF_MEMORY_FLOOR * target)))
     else:
-        aim = target - int(tolerance * target / 2)
         gap = aim - last.measured_peak_bytes
         earlier = next((r for r in reversed(ran[:-1])
                         if abs(r.budget_bytes - last.budget_bytes) >= SLOPE_SPAN * target), None)  # fmt: skip
@@ -274,7 +294,7 @@ def calibrate(target_bytes: int, rounds: int,
         result, step = outcome
         results.append(result)
         steps.append(step)
-        measured = ("ran out of memory" if result.out_of_memory
+        measured = (_ran_out(result) if result.out_of_memory
                     else f"measured {result.measured_peak_bytes / 2**20:,.1f} MiB")  # fmt: skip
         log(f"peak calibration round {index + 1}: planned for {budget / 2**20:,.1f} MiB, simulated "
             f"{result.planned_peak_bytes / 2**20:,.1f} MiB, {measured} (budget {target_bytes / 2**20:,.1f} MiB), "
@@ -306,6 +326,25 @@ def calibrate(target_bytes: int, rounds: int,
     if over is not None:  # the budget is what the process may hold: said even when the log is quiet
         warnings.warn(over, stacklevel=2)
     return calibration
+
+
+def _ran_out(result: CalibrationRound) -> str:
+    """How a round that ran out of memory is said: with what the process held by then, when known."""
+    excess = result.held_over_allocated_at_failure
+    if excess is None or result.held_at_failure_bytes is None:
+        return "ran out of memory"
+    return (f"ran out of memory (holding {result.held_at_failure_bytes / 2**20:,.1f} MiB, "
+            f"{excess / 2**20:,.1f} MiB over its allocation, when it failed)")
+
+
+def failure_peaks(inputs: list[torch.Tensor]) -> tuple[int | None, int | None]:
+    """After a measurement ran out of memory: the reserved and allocated peaks on the inputs'
+    device up to the failure (each measured iteration and a recording reset them as they start),
+    or ``(None, None)`` off CUDA."""
+    device = device_of(inputs)
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
 
 
 def _plan_again_out_of_memory(target: int, rounds: int, results: Sequence[CalibrationRound], following: int,
@@ -468,11 +507,14 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         except torch.OutOfMemoryError as error:  # under a memory limit: this plan is over it
             if data_parallel is not None:  # the other ranks wait in this step's collectives: nothing to agree on
                 raise _rank_out_of_memory(data_parallel.rank, budget_bytes, lowered.inputs) from error
-            peak, allocated, out_of_memory = budget_bytes, None, True
+            held_at_failure, allocated = failure_peaks(lowered.inputs)
+            peak, out_of_memory = budget_bytes, True
+        else:
+            held_at_failure = None
         if data_parallel is not None:
             peak, allocated = largest_measured(peak, allocated, data_parallel)
         measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak, made_plan.unoptimized_peak,
-                                          allocated, out_of_memory), made  # fmt: skip
+                                          allocated, out_of_memory, held_at_failure), made  # fmt: skip
         return measured[text]
 
     calibration = calibrate(target.budget_bytes, rounds, plan_and_measure, log)
