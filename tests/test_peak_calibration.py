@@ -180,8 +180,8 @@ def test_rounds_out_of_memory_go_on_past_the_re_plans_given_until_one_runs() -> 
     (900, 500),  # never under half the budget by the estimate alone
 ], ids=["estimate", "ten-percent", "floor"])  # fmt: skip
 def test_a_round_out_of_memory_steps_by_what_it_held_over_its_allocation(held_over: int, expected: int) -> None:
-    """What the process held over its allocation when the step failed only grows as the step goes
-    on: the plan's simulated peak plus it is a lower bound of what the step would hold."""
+    """The plan's simulated peak plus what the process held over its allocation when the step
+    failed estimates what the whole step would hold."""
     failed = CalibrationRound(1000, 1000, 1000, None, allocated_peak_bytes=1000 - held_over, out_of_memory=True,
                               held_at_failure_bytes=1000)  # fmt: skip
     assert failed.held_over_allocated_at_failure == held_over

@@ -217,8 +217,8 @@ def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: floa
 
     After running out of memory, :data:`OUT_OF_MEMORY_STEP` of the target lower, or by more when
     the round's simulated peak plus what the process held over its allocation when it failed
-    (:attr:`CalibrationRound.held_over_allocated_at_failure`, a lower bound of the step's excess:
-    it only grows as the step goes on) is further over the middle of the window, but not under
+    (:attr:`CalibrationRound.held_over_allocated_at_failure`: an estimate of the step's excess,
+    which the rest of the step may add to or use) is further over the middle of the window, but not under
     :data:`OUT_OF_MEMORY_FLOOR` of the target by that estimate alone. Otherwise the last
     budget moved by how far its step's measured peak missed the middle of the window under the
     target: by that gap itself after one round (the compiled step assumed to keep its gap to the
