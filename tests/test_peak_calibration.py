@@ -3,6 +3,7 @@ measured peak (on CUDA what the process holds) is at most the budget and within 
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +205,43 @@ def test_a_round_out_of_memory_says_what_it_held_when_it_failed() -> None:
 
 def test_failure_peaks_are_unknown_off_cuda() -> None:
     assert peak_calibration.failure_peaks([torch.zeros(2)]) == (None, None)
+
+
+@pytest.mark.parametrize(("budget", "limit", "aimed"), [
+    (1000, None, 1000),  # no limit known (the CPU without a memory limit)
+    (1000, 2000, 1000),  # far under the limit
+    (990, 1000, 990),  # 1% under it already
+    (1000, 1000, 990),  # a budget at the limit (issue 38's rows): held 1% under it
+    (1200, 1000, 990),  # over it
+], ids=["no-limit", "far-under", "at-the-headroom", "at-the-limit", "over"])  # fmt: skip
+def test_a_budget_at_the_limit_is_held_one_percent_under_it(budget: int, limit: int | None, aimed: int) -> None:
+    held, note = peak_calibration.held_target(budget, limit)
+    assert held == aimed and bool(note) == (aimed != budget)
+
+
+def test_a_memory_limit_at_the_budget_calibrates_under_it_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """On the CPU a memory limit is what the process may hold: with the budget at it, the step is
+    held 1% under it, the log says why, and the kept round's measured peak is under that target."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    work = models.cnn(batch_size=32)
+    optimizer = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    twin = copy.deepcopy(work.model)
+    planned = mutwo.optimize(twin, torch.optim.Adam(twin.parameters(), lr=1e-3), work.batch, work.loss_fn,
+                             budget=0.85, backend="eager", cache=False)  # fmt: skip
+    assert planned.last is not None
+    budget = planned.last.plan.budget_bytes  # 85% of the unoptimized peak, in bytes
+    capsys.readouterr()
+    step = mutwo.optimize(work.model, optimizer, work.batch, work.loss_fn, budget=budget, memory_limit=budget,
+                          backend="inductor", calibrate_peak=2, verbose=True)  # fmt: skip
+    said = capsys.readouterr()
+    messages = (said.out + said.err).splitlines()
+    calibration = step.last.calibration if step.last is not None else None
+    assert calibration is not None and calibration.target_bytes == int(0.99 * budget)
+    assert "1% under the" in calibration.target_note and "1% under the" in calibration.summary()
+    assert any("holding the step to" in m and "from process to process" in m for m in messages)
+    assert calibration.rounds[calibration.chosen].measured_peak_bytes <= calibration.target_bytes
 
 
 def test_no_re_plans_given_means_none_after_running_out_of_memory() -> None:

@@ -33,6 +33,10 @@ Calibration closes that loop by measurement, not by a model of Inductor's buffer
    round so far ran out of memory, this goes on past the re-plans given, down to half the budget
    (:data:`OUT_OF_MEMORY_FLOOR`), each further round said in the log.
 
+A budget within 1% of what the process may hold (a memory limit, the card's memory) is held 1%
+under that limit instead (:data:`LIMIT_HEADROOM`): one plan's held memory moves by up to 0.6% from
+process to process, and a plan the plan cache hands to the next process must fit there too.
+
 A data-parallel step is calibrated the same way, every rank at once: each round's measurement
 is the largest over the ranks, so that all plan the same budgets and keep the same round, and a
 budget is what each rank holds (docs/data-parallel.md).
@@ -72,6 +76,13 @@ TOLERANCE = 0.03
 DEFAULT_ROUNDS = 2
 #: How much of the budget a round that ran out of memory moves the next one down.
 OUT_OF_MEMORY_STEP = 0.1
+#: How far under a hard limit on what the process may hold (a memory limit, the card's memory)
+#: calibration holds a step whose budget is closer to it: one plan's held memory moved by up to
+#: 0.6% from process to process (the 0.5B Llama's first start and restarts held 10,752 and 10,692
+#: MiB, bench/results/session25_h200/; ResNet-152-cl's third plan held 12,260 MiB, 28 MiB under a
+#: 12 GiB limit, in one process, and ran out of memory in another), and a plan the plan cache
+#: hands to the next process must fit there too.
+LIMIT_HEADROOM = 0.01
 #: While every round so far ran out of memory, calibration plans again past the re-plans it was
 #: given, :data:`OUT_OF_MEMORY_STEP` lower each time, down to this share of the target: a
 #: calibration that ends with every plan out of memory leaves nothing to train with. Measured on
@@ -135,6 +146,14 @@ class Calibration(Generic[Step]):
     steps: list[Step]
     chosen: int
     tolerance: float = TOLERANCE
+    #: why ``target_bytes`` is under the budget asked for (:func:`held_target`), else empty
+    target_note: str = ""
+
+    @property
+    def target(self) -> str:
+        """The target in words: its MiB, and why it is under the budget when it is."""
+        note = f" ({self.target_note})" if self.target_note else ""
+        return f"{self.target_bytes / 2**20:,.1f} MiB{note}"
 
     @property
     def step(self) -> Step:
@@ -148,8 +167,9 @@ class Calibration(Generic[Step]):
 
     def describe(self) -> dict[str, Any]:
         """The calibration for a results row or summary.json."""
-        return {"target_bytes": self.target_bytes, "tolerance": self.tolerance, "chosen_round": self.chosen,
-                "within_tolerance": self.within, "rounds": [asdict(r) for r in self.rounds]}  # fmt: skip
+        return {"target_bytes": self.target_bytes, "target_note": self.target_note, "tolerance": self.tolerance,
+                "chosen_round": self.chosen, "within_tolerance": self.within,
+                "rounds": [asdict(r) for r in self.rounds]}  # fmt: skip
 
     def summary(self) -> str:
         """One line: the rounds' measured peaks against the target, and which was kept."""
@@ -158,7 +178,7 @@ class Calibration(Generic[Step]):
         kept = self.rounds[self.chosen].measured_peak_bytes
         verdict = "within" if self.within else "NOT within"
         return (f"peak calibration: measured {peaks} over {len(self.rounds)} round(s) for a budget of "
-                f"{self.target_bytes / 2**20:,.1f} MiB; kept round {self.chosen + 1} ({kept / 2**20:,.1f} MiB, "
+                f"{self.target}; kept round {self.chosen + 1} ({kept / 2**20:,.1f} MiB, "
                 f"{(kept / self.target_bytes - 1) * 100:+.1f}%, {verdict} {self.tolerance:.0%} under it)")  # fmt: skip
 
     def over_budget(self) -> str | None:
@@ -168,6 +188,7 @@ class Calibration(Generic[Step]):
             return None
         held, budget = sizes(kept.measured_peak_bytes, self.target_bytes)
         over = (kept.measured_peak_bytes / self.target_bytes - 1) * 100
+        budget += f" ({self.target_note})" if self.target_note else ""
         return (f"mutwo: the planned step holds {held}, {over:.1f}% over the budget of {budget} after "
                 f"{len(self.rounds)} plan(s), so a card with only the budget free would run out of memory: allow "
                 "more re-plans (calibrate_peak=, --calibrate-peak), ask for a lower budget, or set memory_limit= "
@@ -260,10 +281,21 @@ def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: floa
     return following
 
 
+def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
+    """What calibration holds a step to for ``budget_bytes`` when the process may hold at most
+    ``limit_bytes`` (None: no limit known), and why it is not the budget (else ""): at most
+    :data:`LIMIT_HEADROOM` under the limit."""
+    if limit_bytes is None or budget_bytes <= (1 - LIMIT_HEADROOM) * limit_bytes:
+        return budget_bytes, ""
+    aimed = int((1 - LIMIT_HEADROOM) * limit_bytes)
+    return aimed, (f"{LIMIT_HEADROOM:.0%} under the {limit_bytes / 2**20:,.1f} MiB the process may hold, for a "
+                   f"budget of {budget_bytes / 2**20:,.1f} MiB")  # fmt: skip
+
+
 def calibrate(target_bytes: int, rounds: int,
               plan_and_measure: Callable[[int], tuple[CalibrationRound, Step] | None],
               log: Callable[[str], None] = lambda message: None,
-              tolerance: float = TOLERANCE) -> Calibration[Step]:  # fmt: skip
+              tolerance: float = TOLERANCE, target_note: str = "") -> Calibration[Step]:  # fmt: skip
     """Plan, compile and measure at ``target_bytes``, then up to ``rounds`` more times at budgets
     moved by the measured gap, until a step's measured peak is within ``tolerance`` of the target.
     When ``rounds`` is 1 or more and every round ran out of memory, more rounds follow, each
@@ -272,7 +304,8 @@ def calibrate(target_bytes: int, rounds: int,
 
     ``plan_and_measure(budget_bytes)`` plans for that budget from the unplanned graph, compiles the
     result, measures its peak, and returns the round and the step; or ``None`` when no plan reaches
-    that budget, which ends the rounds (the first call must succeed)."""
+    that budget, which ends the rounds (the first call must succeed). ``target_note``: why the
+    target is under the budget asked for (:func:`held_target`), said with it."""
     if rounds < 0:
         raise ValueError(f"calibration rounds must be 0 or more, got {rounds}")
     results: list[CalibrationRound] = []
@@ -318,10 +351,12 @@ def calibrate(target_bytes: int, rounds: int,
         index += 1
     if all(r.out_of_memory for r in results):
         raise CalibrationOutOfMemory(
-            f"every plan measured for the budget of {target_bytes / 2**20:,.1f} MiB ran out of device memory "
+            f"every plan measured for the budget of {target_bytes / 2**20:,.1f} MiB"
+            f"{f' ({target_note})' if target_note else ''} ran out of device memory "
             f"({len(results)} round(s), down to {results[-1].budget_bytes / 2**20:,.1f} MiB planned); give a "
             "lower budget, or a higher memory limit")  # fmt: skip
-    calibration = Calibration(target_bytes, results, steps, _choose(results, target_bytes, tolerance), tolerance)
+    calibration = Calibration(target_bytes, results, steps, _choose(results, target_bytes, tolerance), tolerance,
+                              target_note)  # fmt: skip
     over = calibration.over_budget()
     if over is not None:  # the budget is what the process may hold: said even when the log is quiet
         warnings.warn(over, stacklevel=2)
@@ -517,7 +552,11 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
                                           allocated, out_of_memory, held_at_failure), made  # fmt: skip
         return measured[text]
 
-    calibration = calibrate(target.budget_bytes, rounds, plan_and_measure, log)
+    aimed, note = held_target(target.budget_bytes, first.ctx.services.get("device_memory"))
+    if note:
+        log(f"peak calibration: holding the step to {aimed / 2**20:,.1f} MiB, {note}: one plan's held memory moved "
+            "by up to 0.6% from process to process")  # fmt: skip
+    calibration = calibrate(aimed, rounds, plan_and_measure, log, target_note=note)
     log(calibration.summary())
     kept = calibration.step
     if kept is not first:  # its passes again, writing their files; the same graph, Inductor's cache compiles it
