@@ -244,6 +244,32 @@ def test_a_memory_limit_at_the_budget_calibrates_under_it_and_says_why(monkeypat
     assert calibration.rounds[calibration.chosen].measured_peak_bytes <= calibration.target_bytes
 
 
+def test_a_round_out_of_memory_planned_under_its_budget_steps_from_its_plan() -> None:
+    """A budget over the peak with nothing recomputed plans nothing: stepping 10% down from the
+    budget would plan the same graph again (and stop), so the step starts at the plan's peak."""
+    failed = CalibrationRound(1000, 850, 1000, 850, out_of_memory=True)
+    assert next_budget(1000, [failed]) == 750
+
+
+def test_the_first_round_is_recorded_at_the_budget_its_plan_was_made_for() -> None:
+    """Held 1% under a limit, calibration's target is under the budget the first plan was made
+    for: that round is recorded (and the next budget moved) from the budget it was planned at."""
+    plan_and_measure, budgets = compiled_step_keeping(1.0)
+    calibration = calibrate(990, 1, plan_and_measure, target_note="1% under the limit", first_budget=1000)
+    assert budgets[0] == 1000 and calibration.rounds[0].budget_bytes == 1000
+    assert budgets[1] == 976  # 1000 held at 1000 moves by the gap to the window's middle, 990 - 14
+    assert "(1% under the limit)" in calibration.summary()
+
+
+def test_a_step_over_the_headroom_under_a_limit_is_warned_as_such() -> None:
+    """Over the target held 1% under a limit the step still fits this process: the warning says
+    another process may run out, and does not ask for a memory limit already set."""
+    rounds = [CalibrationRound(1000, 1000, 995 * 2**20)]
+    warning = peak_calibration.Calibration(990 * 2**20, rounds, [0], 0, target_note="1% under the limit").over_budget()
+    assert warning is not None and "another process may run out of memory" in warning
+    assert "memory_limit=" not in warning and "(1% under the limit)" in warning
+
+
 def test_no_re_plans_given_means_none_after_running_out_of_memory() -> None:
     def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
         return CalibrationRound(budget, budget, budget, out_of_memory=True), budget

@@ -188,7 +188,11 @@ class Calibration(Generic[Step]):
             return None
         held, budget = sizes(kept.measured_peak_bytes, self.target_bytes)
         over = (kept.measured_peak_bytes / self.target_bytes - 1) * 100
-        budget += f" ({self.target_note})" if self.target_note else ""
+        if self.target_note:  # under a limit already: over the headroom, not over the limit
+            return (f"mutwo: the planned step holds {held}, {over:.1f}% over the {budget} calibration held it to "
+                    f"({self.target_note}) after {len(self.rounds)} plan(s), so another process may run out of "
+                    "memory with this plan: allow more re-plans (calibrate_peak=, --calibrate-peak) or ask for a "
+                    "lower budget")  # fmt: skip
         return (f"mutwo: the planned step holds {held}, {over:.1f}% over the budget of {budget} after "
                 f"{len(self.rounds)} plan(s), so a card with only the budget free would run out of memory: allow "
                 "more re-plans (calibrate_peak=, --calibrate-peak), ask for a lower budget, or set memory_limit= "
@@ -236,11 +240,12 @@ def _within(round_: CalibrationRound, target: int, tolerance: float) -> bool:
 def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: float = TOLERANCE) -> int:
     """The budget for the next plan, from the ``rounds`` so far (the last one not within).
 
-    After running out of memory, :data:`OUT_OF_MEMORY_STEP` of the target lower, or by more when
-    the round's simulated peak plus what the process held over its allocation when it failed
+    After running out of memory, :data:`OUT_OF_MEMORY_STEP` of the target under the lower of the
+    round's budget and its simulated peak, or lower still, at the window's middle less what the
+    process held over its allocation when it failed
     (:attr:`CalibrationRound.held_over_allocated_at_failure`: an estimate of the step's excess,
-    which the rest of the step may add to or use) is further over the middle of the window, but not under
-    :data:`OUT_OF_MEMORY_FLOOR` of the target by that estimate alone. Otherwise the last
+    which the rest of the step may add to or use), but not under :data:`OUT_OF_MEMORY_FLOOR` of
+    the target by that estimate alone. Otherwise the last
     budget moved by how far its step's measured peak missed the middle of the window under the
     target: by that gap itself after one round (the compiled step assumed to keep its gap to the
     plan: the median of the measured slopes, below, is 0.97), and by the gap divided by the slope
@@ -258,11 +263,13 @@ def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: floa
     ran = [r for r in rounds if not r.out_of_memory]
     aim = target - int(tolerance * target / 2)
     if last.out_of_memory:
-        following = max(1, last.budget_bytes - int(OUT_OF_MEMORY_STEP * target))
+        # From the plan's simulated peak when under its budget: a budget still above it plans the
+        # same graph again (a budget over the peak with nothing recomputed recomputes nothing).
+        base = min(last.budget_bytes, last.planned_peak_bytes)
+        following = max(1, base - int(OUT_OF_MEMORY_STEP * target))
         excess = last.held_over_allocated_at_failure
-        if excess is not None:
-            estimated = last.budget_bytes - (last.planned_peak_bytes + excess - aim)
-            following = min(following, max(estimated, int(OUT_OF_MEMORY_FLOOR * target)))
+        if excess is not None:  # a plan simulated at aim - excess would hold about the window's middle
+            following = min(following, max(aim - excess, int(OUT_OF_MEMORY_FLOOR * target)))
     else:
         gap = aim - last.measured_peak_bytes
         earlier = next((r for r in reversed(ran[:-1])
@@ -288,29 +295,31 @@ def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
     if limit_bytes is None or budget_bytes <= (1 - LIMIT_HEADROOM) * limit_bytes:
         return budget_bytes, ""
     aimed = int((1 - LIMIT_HEADROOM) * limit_bytes)
-    return aimed, (f"{LIMIT_HEADROOM:.0%} under the {limit_bytes / 2**20:,.1f} MiB the process may hold, for a "
-                   f"budget of {budget_bytes / 2**20:,.1f} MiB")  # fmt: skip
+    return aimed, (f"{LIMIT_HEADROOM:.0%} under the {limit_bytes / 2**20:,.1f} MiB the process may hold; the "
+                   f"budget asked is {budget_bytes / 2**20:,.1f} MiB")  # fmt: skip
 
 
 def calibrate(target_bytes: int, rounds: int,
               plan_and_measure: Callable[[int], tuple[CalibrationRound, Step] | None],
               log: Callable[[str], None] = lambda message: None,
-              tolerance: float = TOLERANCE, target_note: str = "") -> Calibration[Step]:  # fmt: skip
+              tolerance: float = TOLERANCE, target_note: str = "",
+              first_budget: int | None = None) -> Calibration[Step]:  # fmt: skip
     """Plan, compile and measure at ``target_bytes``, then up to ``rounds`` more times at budgets
     moved by the measured gap, until a step's measured peak is within ``tolerance`` of the target.
-    When ``rounds`` is 1 or more and every round ran out of memory, more rounds follow, each
-    :data:`OUT_OF_MEMORY_STEP` of the target lower, until one runs or the next budget would be
-    under :data:`OUT_OF_MEMORY_FLOOR` of the target.
+    When ``rounds`` is 1 or more and every round ran out of memory, more rounds follow, each at
+    least :data:`OUT_OF_MEMORY_STEP` of the target lower (:func:`next_budget`), until one runs or
+    the next budget would be under :data:`OUT_OF_MEMORY_FLOOR` of the target.
 
     ``plan_and_measure(budget_bytes)`` plans for that budget from the unplanned graph, compiles the
     result, measures its peak, and returns the round and the step; or ``None`` when no plan reaches
     that budget, which ends the rounds (the first call must succeed). ``target_note``: why the
-    target is under the budget asked for (:func:`held_target`), said with it."""
+    target is under the budget asked for (:func:`held_target`), said with it; ``first_budget``:
+    the budget the first round's plan was made for, when not the target (the budget asked)."""
     if rounds < 0:
         raise ValueError(f"calibration rounds must be 0 or more, got {rounds}")
     results: list[CalibrationRound] = []
     steps: list[Step] = []
-    budget = target_bytes
+    budget = target_bytes if first_budget is None else first_budget
     index = 0
     while True:
         # Each round compiles and measures (minutes on a large model): said as it starts.
@@ -391,7 +400,7 @@ def _plan_again_out_of_memory(target: int, rounds: int, results: Sequence[Calibr
     if rounds == 0 or not all(r.out_of_memory for r in results) or following < floor:
         return False
     log(f"peak calibration: every plan so far ran out of memory; planning again at {following / 2**20:,.1f} MiB, "
-        f"past the {rounds} re-plan(s) given (down to {floor / 2**20:,.1f} MiB, half the budget, at most)")
+        f"past the {rounds} re-plan(s) given (none under {floor / 2**20:,.1f} MiB, half the target)")
     return True
 
 
@@ -556,7 +565,8 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
     if note:
         log(f"peak calibration: holding the step to {aimed / 2**20:,.1f} MiB, {note}: one plan's held memory moved "
             "by up to 0.6% from process to process")  # fmt: skip
-    calibration = calibrate(aimed, rounds, plan_and_measure, log, target_note=note)
+    calibration = calibrate(aimed, rounds, plan_and_measure, log, target_note=note,
+                            first_budget=target.budget_bytes)  # the first plan was made for the budget asked
     log(calibration.summary())
     kept = calibration.step
     if kept is not first:  # its passes again, writing their files; the same graph, Inductor's cache compiles it
