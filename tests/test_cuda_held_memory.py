@@ -14,7 +14,8 @@ import torch
 
 import mutwo
 from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
-from mutwo.runtime.measurement.device_memory import lift_memory_limit
+from mutwo.runtime.measurement.device_memory import apply_memory_limit, lift_memory_limit
+from mutwo.runtime.planning.peak_calibration import failure_peaks
 from tests import models
 
 pytestmark = pytest.mark.cuda
@@ -89,3 +90,19 @@ def test_cuda_a_memory_limit_at_the_budget_trains_without_running_out(clean_devi
                           memory_limit=budget + clean_device)  # fmt: skip
     held, _ = _held_over_steady_steps(step, batch, clean_device)
     assert held <= budget
+
+
+def test_cuda_failure_peaks_read_what_the_process_held_when_it_ran_out(clean_device: int) -> None:
+    """Calibration steps a plan that ran out of memory down by what the process held over its
+    allocation by the failure: read from the allocator's peaks after ``torch.OutOfMemoryError``,
+    they are what was allocated and held up to it, at most the cap."""
+    mib = 2**20
+    cap = clean_device + 256 * mib
+    apply_memory_limit(DEVICE, cap)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    kept = [torch.empty(64 * mib, dtype=torch.uint8, device=DEVICE) for _ in range(3)]
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(512 * mib, dtype=torch.uint8, device=DEVICE)
+    held, allocated = failure_peaks(kept)
+    assert held is not None and allocated is not None
+    assert 3 * 64 * mib <= allocated <= held <= cap
