@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from stack_sampler import StackSampler  # noqa: E402  # bench/ is on sys.path when this runs as a script
 
 import mutwo  # noqa: E402
-from mutwo.tools.experiment_measure import build_training  # noqa: E402
+from mutwo.tools.experiment_measure import build_training, measure_step  # noqa: E402
 
 
 def _schedule(step: int) -> float:
@@ -144,23 +144,15 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train_on(step: Any, batch: Any, steps: int, losses: list[float]) -> dict[str, Any]:
-    """Two more warm-up steps, then ``steps`` measured ones as a plain loop measures them: each
-    step's time and the process's max allocated and max reserved bytes over the measured steps
-    (reset after warm-up). Losses are appended to ``losses``: a restart that reuses the plan must
-    train the numbers the first start trained."""
-    for _ in range(2):
+    """Two more warm-up steps, then ``steps`` measured ones as the harness measures them
+    (:func:`mutwo.tools.experiment_measure.measure_step`: the median time, and max allocated and
+    max reserved over the measured steps). Losses are appended to ``losses``: a restart that
+    reuses the plan must train the numbers the first start trained."""
+
+    def one_step() -> None:
         losses.append(step(batch).item())
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        begin = time.perf_counter()
-        losses.append(step(batch).item())  # .item() waits for the step, as a loop that logs its loss
-        times.append(time.perf_counter() - begin)
-    times.sort()
-    return {"measured_steps": steps, "step_ms_median": 1e3 * times[len(times) // 2],
-            "max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
-            "max_reserved_mib": torch.cuda.max_memory_reserved() / 2**20}
+
+    return {"measured_steps": steps, **measure_step(one_step, torch.device("cuda"), warmup=2, iterations=steps)}
 
 
 def main() -> int:
