@@ -28,10 +28,11 @@ Calibration closes that loop by measurement, not by a model of Inductor's buffer
    step peaked ``gap`` bytes under it, the next plan may simulate ``gap`` bytes more; from the
    third round on, ``gap`` divided by how much the held bytes moved per byte of budget between
    the last two rounds (:func:`next_budget`). A step that ran out of memory (under a memory
-   limit) is planned again 10% of the budget lower, or lower still when what it held over its
-   allocation by the time it failed says its step would hold more. Then compile and measure again. While every
-   round so far ran out of memory, this goes on past the re-plans given, down to half the budget
-   (:data:`OUT_OF_MEMORY_FLOOR`), each further round said in the log.
+   limit) is planned again 10% of the budget under the lower of its budget and its simulated peak,
+   or lower still when what it held over its allocation by the time it failed says its step would
+   hold more. Then compile and measure again. While every round so far ran out of memory, this
+   goes on past the re-plans given, down to half the budget (:data:`OUT_OF_MEMORY_FLOOR`), each
+   further round said in the log.
 
 A budget within 1% of what the process may hold (a memory limit, the card's memory) is held 1%
 under that limit instead (:data:`LIMIT_HEADROOM`): one plan's held memory moves by up to 0.6% from
@@ -84,7 +85,7 @@ OUT_OF_MEMORY_STEP = 0.1
 #: hands to the next process must fit there too.
 LIMIT_HEADROOM = 0.01
 #: While every round so far ran out of memory, calibration plans again past the re-plans it was
-#: given, :data:`OUT_OF_MEMORY_STEP` lower each time, down to this share of the target: a
+#: given, at least :data:`OUT_OF_MEMORY_STEP` lower each time, down to this share of the target: a
 #: calibration that ends with every plan out of memory leaves nothing to train with. Measured on
 #: an H200 under a 12 GiB limit at a 12 GiB budget, ResNet-152-cl b128 ran out of memory at
 #: 100%, 90% and 80% of its budget in one process (bench/results/session25_h200/) and held
