@@ -578,3 +578,26 @@ def test_release_all_resets_every_live_recording_now() -> None:
     assert release_all() == 2
     assert sorted(reset) == ["first", "third"] and all(r.graph is None for r in runners)
     assert release_all() == 0
+
+
+def _bare_assertion() -> None:
+    raise AssertionError  # a check with no message, as torch's own asserts often are
+
+
+def test_compile_failure_names_where_an_error_with_no_message_was_raised() -> None:
+    """Inductor wraps a bare ``assert`` of torch's as ``InductorError: AssertionError:``; the one
+    line the user gets names the file, line and function that raised it, so it can be reported."""
+    from torch._inductor.exc import InductorError
+
+    from mutwo.runtime.execution.backends import compile_failure_summary
+
+    try:
+        _bare_assertion()
+    except AssertionError as inner:
+        wrapped = InductorError(inner, "")
+    summary = compile_failure_summary(wrapped)
+    assert summary.startswith("InductorError: AssertionError raised at ")
+    assert summary.endswith(f"test_backends.py:{_bare_assertion.__code__.co_firstlineno + 1} in _bare_assertion")
+    # an error that says what went wrong keeps its own first line
+    assert compile_failure_summary(InductorError(ValueError("no kernel for op"), "")) == (
+        "InductorError: ValueError: no kernel for op")

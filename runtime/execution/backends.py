@@ -22,7 +22,9 @@ checked bitwise.
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from mutwo.ir.node import NodeKind
 from mutwo.ir.replay import batch_norm_elemt_decomposition, rng_state
 from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
-from mutwo.runtime.capture.tracing import quiet_loggers, quiet_torch_errors
+from mutwo.runtime.capture.tracing import debug_enabled, quiet_loggers, quiet_torch_errors
 from mutwo.runtime.execution.aot_cache_bypass import noting_bypass
 from mutwo.runtime.execution.compiled_collectives import functional_collectives, has_collectives, order_kept_options
 from mutwo.runtime.execution.compiled_random import draw_as_eager
@@ -314,10 +316,30 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
         inner = _out_of_memory_within(error)
         if inner is not None:  # wrapped by Inductor (InductorError): the out-of-memory error it is
             raise inner from None
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise CompileError(f"Inductor could not compile the step ({type(error).__name__}: {first}); "
-                           "run it with --backend eager") from None  # fmt: skip
+        raise CompileError(f"Inductor could not compile the step ({compile_failure_summary(error)}); "
+                           "run it with --backend eager") from (error if debug_enabled() else None)  # fmt: skip
     return compiled, cache_hits() > hits, (bypasses[0] if bypasses else None)
+
+
+def compile_failure_summary(error: BaseException) -> str:
+    """One line on why Inductor failed: the error's type and first line, and for an error that
+    says nothing (a bare ``assert`` inside torch) the type of the error Inductor wrapped and the
+    file, line and function that raised it, so the report can name the failing check."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    inner = getattr(error, "inner_exception", None) or error.__cause__ or error
+    inner_first = (str(inner).strip().splitlines() or [""])[0]
+    if inner_first and not first.endswith(":"):
+        return f"{type(error).__name__}: {first}"
+    frames = traceback.extract_tb(inner.__traceback__)
+    last = frames[-1] if frames else None
+    where = f" raised at {_torch_relative(last.filename)}:{last.lineno} in {last.name}" if last else ""
+    return f"{type(error).__name__}: {type(inner).__name__}{': ' + inner_first if inner_first else ''}{where}"
+
+
+def _torch_relative(filename: str) -> str:
+    """``filename`` from its ``torch/`` folder on (where the file is torch's), for a shorter line."""
+    marker = f"{os.sep}torch{os.sep}"
+    return filename[filename.rindex(marker) + 1:] if marker in filename else filename
 
 
 def pre_grad_passes_skipped() -> dict[str, Any]:
