@@ -50,15 +50,19 @@
 #                the Llama's restarts: H200, 2026-11-28, session25_h200/) and
 #                the plain loop's checkpointed ResNet-152 against the harness's (H200, 2026-11-28;
 #                session24_gpus/)                                                        ~8, ~6 min
-#   dp-two-gpus  "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-28;
-#                session24_gpus/; ResNet's eager DDP row session21_gpus/)                 ~25 min
+#   dp-two-gpus, dp-record-stream-reuse
+#                "Data parallel and FSDP2 on two GPUs, at held memory" (2 x H200, 2026-11-28;
+#                session24_gpus/; ResNet-152-cl and the record-stream probe: session26_gpus/)
+#                                                          ~25 min; ResNet alone ~14, BERT ~8
 # Session 25 (one H200): start tests-all i40-restart-models resnet-eager-probe; the hold's time ran
 #   out in ResNet's first start, which ran out of memory in all three calibration rounds.
 # Owed after session 25: RESTART_MODELS=resnet i40-restart-models (calibration's rounds past the
 #   re-plans given while all ran out of memory), then the same with
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RESTART_SUFFIX=_expandable (does the CUDA
 #   graph's pool hold less over its allocation?); resnet-eager-probe; i40-restart-pyc again (its
-#   bytecode half); dp-record-stream-reuse and dp-two-gpus' ResNet-152-cl row (2 GPUs).
+#   bytecode half).
+# Session 26 (two H200s): dp-record-stream-reuse with DP_RUNS="bert resnet" (ResNet's compile
+#   failed in Inductor's loop reordering), then DP_RUNS=resnet dp-two-gpus with it off.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are

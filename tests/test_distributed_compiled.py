@@ -259,3 +259,26 @@ def test_a_measured_choice_is_refused_for_a_data_parallel_step(one_rank: None) -
     with pytest.raises(ValueError, match="^measure_choice plans from what each rank measures on its own"):
         optimize(workload.model, optimizer, workload.batch, workload.loss_fn, data_parallel=True,
                  backend="inductor", measure_choice=True)  # fmt: skip
+
+
+def test_a_step_with_collectives_compiles_without_loop_reordering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's Inductor failed an assertion reordering loops in ResNet-152's data-parallel
+    step on two GPUs (``compiled_collectives.ORDER_KEPT``); a step that communicates compiles with
+    that pass off, one that does not keeps the user's setting."""
+    import torch._inductor.compile_fx as inductor_compile
+    from torch._inductor import config
+
+    from mutwo.runtime.execution.backends import compile_inductor
+
+    seen: list[bool] = []
+
+    def spy(module: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        seen.append(config.loop_ordering_after_fusion)
+        return module
+
+    monkeypatch.setattr(inductor_compile, "compile_fx", spy)
+    module = torch.fx.symbolic_trace(lambda x: x + 1)
+    with config.patch(loop_ordering_after_fusion=True):
+        compile_inductor(module, [torch.ones(2)], communicates=True)
+        compile_inductor(module, [torch.ones(2)], communicates=False)
+    assert seen == [False, True]

@@ -19,9 +19,10 @@ simulator priced) puts each issue in the backward where its bucket fills and the
 backward's end, as under eager. Inductor keeps the collectives in the graph's order
 (``comms.decide_global_ordering_of_comms`` chains each to the one before); :data:`ORDER_KEPT` keeps
 its passes that would merge buckets or reorder compute around the collectives off while such a step
-compiles. One pass stays on: ``simple_overlap`` (``aten_distributed_optimizations``, on by default
-in torch 2.14) moves an issue earlier or a wait later by adjacent swaps, never one collective past
-another and never raising its own estimate of the peak. It only lengthens the overlap: on the
+compiles, and loop reordering after fusion, which failed compiling one such step (see its comment).
+One pass stays on: ``simple_overlap`` (``aten_distributed_optimizations``, on by default in torch
+2.14) moves an issue earlier or a wait later by adjacent swaps, never one collective past another
+and never raising its own estimate of the peak. It only lengthens the overlap: on the
 CPU the wait of a bucket then sits right before the first kernel reading it (an optimizer update),
 and compute keeps the plan's order.
 """
@@ -52,6 +53,13 @@ ORDER_KEPT: dict[str, Any] = {
     "_fuse_ddp_communication": False,  # merges all-reduces into larger buckets than DDP's
     "bucket_all_reduces_fx": "none",  # the same, as an FX pass
     "aten_distributed_optimizations.enable_overlap_scheduling": False,  # reorders compute around collectives
+    # Not about order: with loop reordering after fusion on, torch 2.11's Inductor failed a bare
+    # assertion in ``reorder_loops_by_dep_pair`` (scheduler.py:1950) compiling ResNet-152-cl's
+    # data-parallel step for two H200s, and compiled it with the option off, the step then running
+    # 70.3 ms at half of eager DDP's held memory (2026-11-28, bench/results/session26_gpus/).
+    # One-GPU steps compile with it on; on the CPU (torch 2.14) a ResNet-18 data-parallel step
+    # compiles either way, so no CPU test can show the failure.
+    "loop_ordering_after_fusion": False,
 }
 
 
