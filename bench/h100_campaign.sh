@@ -60,7 +60,8 @@
 #   re-plans given while all ran out of memory), then the same with
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RESTART_SUFFIX=_expandable (does the CUDA
 #   graph's pool hold less over its allocation?); resnet-eager-probe; i40-restart-pyc again (its
-#   bytecode half).
+#   bytecode half); pool-excess (does the CUDA graph's pool hold less over its allocation with
+#   expandable segments or Inductor's memory planning?).
 # Session 26 (two H200s): dp-record-stream-reuse with DP_RUNS="bert resnet" (ResNet's compile
 #   failed in Inductor's loop reordering), then DP_RUNS=resnet dp-two-gpus with it off.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
@@ -73,7 +74,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: parallel, dp-record-stream-reuse, i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: parallel, pool-excess, dp-record-stream-reuse, i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -306,6 +307,22 @@ case "$section" in
     # $OUT takes 8 files: the rounds' JSON in one
     python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \
       "$OUT"/probe_$stem/*.json > "$OUT/probe_${stem}_resnet152_cl_b128.json" ;;
+  pool-excess)
+    # Issues 38 and 42: a CUDA graph's pool holds 1.0-2.8 GiB over what the plan allocates (BERT-base
+    # DDP, the FSDP2 Llama, ResNet-152; not record_stream's blocks: session26_gpus/), and
+    # calibration pays for it in recompute. Does the pool hold less with expandable segments, or
+    # with Inductor's static memory planning (one pool of buffers laid out at compile time)?
+    # GPT-2 small b8 at checkpointing's held memory, calibrated once, each setting a fresh
+    # process; the rounds' planned, allocated and held bytes are in each JSON. ~12 min.
+    for setting in default expandable memory_planning; do
+      case $setting in
+        expandable) export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
+        memory_planning) unset PYTORCH_CUDA_ALLOC_CONF; export TORCHINDUCTOR_MEMORY_PLANNING=1 ;;
+      esac
+      timeout 900 python3 bench/compare.py --out "$OUT/pool_excess_gpt2_b8_$setting.json" --models gpt2:8 \
+        --timeout 800 --calibrate-peak 1 --variants checkpoint,mutwo@inductor-cudagraphs-checkpoint
+      echo "$setting exit $?"
+    done ;;
   dp-record-stream-reuse)
     # Issue 42: mutwo's data-parallel steps under CUDA graphs held 1.4-2.8 GiB over what their
     # replays allocate, and not in the order of their plans (session24_gpus/). While a CUDA graph
