@@ -12,6 +12,7 @@ graph to check that each branch would still go the same way.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,23 +50,49 @@ def _written(node: fx.Node) -> list[fx.Node]:
     return written
 
 
-def _storages(node: fx.Node) -> set[int]:
-    return {_storage(t) for t in _tensors(node.meta.get("val"))}
+def _storages(node: fx.Node) -> frozenset[int]:
+    return frozenset(_storage(t) for t in _tensors(node.meta.get("val")))
 
 
-def scalar_slice(nodes: Sequence[fx.Node], sources: Sequence[fx.Node]) -> list[fx.Node]:
+class NodeStorages:
+    """Each node's storages and the storages it writes, computed once per node: the scans below
+    meet every node of the graph traced so far at every branch (935 branches over a 5,000-node
+    graph for ResNet-152's SGD with momentum, 144 s of capture on the CPU before they were kept)."""
+
+    def __init__(self) -> None:
+        self._own: dict[fx.Node, frozenset[int]] = {}
+        self._touched: dict[fx.Node, frozenset[int]] = {}
+
+    def own(self, node: fx.Node) -> frozenset[int]:
+        """The storages of ``node``'s value."""
+        found = self._own.get(node)
+        if found is None:
+            found = self._own[node] = _storages(node)
+        return found
+
+    def touched(self, node: fx.Node) -> frozenset[int]:
+        """The storages ``node`` produces or writes in place."""
+        found = self._touched.get(node)
+        if found is None:
+            found = self._touched[node] = self.own(node).union(*(self.own(w) for w in _written(node)))
+        return found
+
+
+def scalar_slice(nodes: Sequence[fx.Node], sources: Sequence[fx.Node],
+                 storages: NodeStorages | None = None) -> list[fx.Node]:  # fmt: skip
     """The nodes among ``nodes`` (in execution order) that compute the values of ``sources``:
-    what produces or writes their storages, and what those nodes read, recursively."""
-    needed = set().union(*(_storages(s) for s in sources))
+    what produces or writes their storages, and what those nodes read, recursively. ``storages``
+    keeps what it learns of each node for the next call on the same graph."""
+    storages = storages or NodeStorages()
+    needed: set[int] = set().union(*(storages.own(s) for s in sources))
     chosen: set[fx.Node] = set(sources)
     for node in reversed(nodes):
-        touches = node in chosen or _storages(node) & needed or any(_storages(w) & needed for w in _written(node))
-        if not touches:
+        if node not in chosen and not storages.touched(node) & needed:
             continue
         chosen.add(node)
         for operand in node.all_input_nodes:
             chosen.add(operand)
-            needed |= _storages(operand)
+            needed |= storages.own(operand)
     selected = [n for n in nodes if n in chosen]
     for node in selected:
         for tensor in _tensors(node.meta.get("val")):
@@ -123,6 +150,10 @@ class TraceDecider:
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         self.inputs = list(inputs)
         self.recorded: list[RecordedGuard] = []
+        self._storages = NodeStorages()
+        #: each condition decided so far, over its source nodes: its outcome, how many nodes the
+        #: graph had then, and the storages its slice read
+        self._decided: dict[tuple[str, tuple[fx.Node, ...]], tuple[bool, int, frozenset[int]]] = {}
 
     def __call__(self, condition: HostScalar) -> bool:
         mode = get_proxy_mode()
@@ -131,12 +162,22 @@ class TraceDecider:
         graph = mode.tracer.graph
         sources = [_source_node(mode.tracer, t) for t in condition.sources()]
         nodes = list(graph.nodes)
-        placeholders = {n: self.inputs[i] for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
-        with disable_proxy_modes_tracing(), unset_fake_temporarily(), torch._C.DisableTorchFunction():
-            env = run_slice(scalar_slice(nodes, sources), placeholders, mode.tracer.root)
-            values = [env[s].item() for s in sources]
         encoded = condition.encode({id(t): i for i, t in enumerate(condition.sources())})
+        key = (json.dumps(encoded), tuple(sources))
+        earlier = self._decided.get(key)
+        # The same condition over the same values, none of whose storages a node traced since has
+        # written (SGD asks `momentum != 0` once per parameter): the same outcome, and the guard
+        # already recorded checks it.
+        if earlier is not None and not any(self._storages.touched(n) & earlier[2] for n in nodes[earlier[1]:]):
+            return earlier[0]
+        placeholders = {n: self.inputs[i] for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
+        chosen = scalar_slice(nodes, sources, self._storages)
+        with disable_proxy_modes_tracing(), unset_fake_temporarily(), torch._C.DisableTorchFunction():
+            env = run_slice(chosen, placeholders, mode.tracer.root)
+            values = [env[s].item() for s in sources]
         outcome = bool(evaluate(encoded, values))
+        read = frozenset().union(*(self._storages.own(n) for n in chosen))
+        self._decided[key] = (outcome, len(nodes), read)
         self.recorded.append(RecordedGuard(encoded, [s.name for s in sources], outcome, nodes[-1].name))
         return outcome
 
@@ -151,7 +192,8 @@ class GuardCheck:
         position = {n: i for i, n in enumerate(nodes)}
         self.sources = [[by_name[name] for name in guard.sources] for guard in self.guards]
         # Each guard sees the graph as it was when its branch was taken.
-        self.slices = [scalar_slice(nodes[:position[by_name[guard.upto]] + 1], sources)
+        storages = NodeStorages()
+        self.slices = [scalar_slice(nodes[:position[by_name[guard.upto]] + 1], sources, storages)
                        for guard, sources in zip(self.guards, self.sources, strict=True)]  # fmt: skip
         self.placeholder_index = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
 
