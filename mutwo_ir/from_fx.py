@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
+from torch.fx.node import map_aggregate
 
 from mutwo.ir.classify import classify
 from mutwo.ir.graph import Graph
@@ -55,9 +55,8 @@ def from_fx(
             value = _waited(value, fx_node.args[0].meta.get("val"), storages)
         tensors, is_tuple = _tensor_metas(value, node_id, storages)
         kind, label = slot_of.get(fx_node, (NodeKind.OTHER, ""))
-        args, kwargs = pytree.tree_map(
-            lambda leaf: mapping[leaf] if isinstance(leaf, fx.Node) else leaf, (fx_node.args, fx_node.kwargs)
-        )
+        args, kwargs = map_aggregate((fx_node.args, fx_node.kwargs),
+                                     lambda leaf: mapping[leaf] if isinstance(leaf, fx.Node) else leaf)
         if fx_node.op == "output":
             phase = Phase.OPTIMIZER
         mapping[fx_node] = graph.create_node(

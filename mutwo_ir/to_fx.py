@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
+from torch.fx.node import map_aggregate
 
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import Node
@@ -22,9 +22,9 @@ def to_fx(graph: Graph) -> fx.GraphModule:
     fx_graph = fx.Graph()
     mapping: dict[Node, fx.Node] = {}
     for node in graph:
-        args, kwargs = pytree.tree_map(
-            lambda leaf: mapping[leaf] if isinstance(leaf, Node) else leaf, (node.args, node.kwargs)
-        )
+        # fx's own mapper (in C): pytree's took a third of this function on ResNet-152's graph
+        args, kwargs = map_aggregate((node.args, node.kwargs),
+                                     lambda leaf: mapping[leaf] if isinstance(leaf, Node) else leaf)
         if node.op == "placeholder":
             fx_node = fx_graph.placeholder(node.name)
         elif node.op == "output":
