@@ -1,5 +1,5 @@
 """Shared pytest configuration: CUDA tests are skipped on machines without a GPU; the plan cache
-is off unless a test gives it a folder; ``one_rank``; ``evenly_timed``."""
+is off unless a test gives it a folder; one thread per test worker; ``one_rank``; ``evenly_timed``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # reuse a plan an earlier test or run kept (one made from a patched profile, say) nor write
     # there, and subprocesses inherit this. The plan cache's own tests give it a folder.
     os.environ["MUTWO_CACHE"] = "off"
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # `make test` runs one worker per core: with torch's default of a thread per core in each
+        # worker (and in the ranks and tools they start), the threads outnumber the cores and
+        # every test slows (test_rewrite.py and test_capture.py: 189 s, 155 s with one thread).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
