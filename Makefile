@@ -20,7 +20,8 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/mutwo-opt --check $(CONFIG)
 
 # Test processes (pytest-xdist); each takes a test when it is free, so one long test does not
-# hold back a file's others (the suite: 19 minutes with two on a two-core machine, 27-38 in one).
+# hold back a file's others (the suite: about 20 minutes with two on a two-core machine); each runs torch
+# on one thread (tests/conftest.py), and the longest tests (marked slow) start first.
 TEST_WORKERS ?= 2
 
 ## test: the test suite (CUDA tests are skipped without a GPU)

@@ -38,6 +38,7 @@ def _equal_states(a: dict, b: dict) -> bool:
                else x == y) for x, y in zip(a.values(), b.values(), strict=True))  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SETUPS))
 def test_fifty_iterations_with_a_scheduler_are_bitwise_equal_to_eager(name: str) -> None:
     (mine, my_opt, my_sched), (eager, eager_opt, eager_sched) = _make(name), _make(name)

@@ -165,6 +165,7 @@ def test_a_cpu_dry_run_of_the_swap_study_plans_and_runs_every_variant_once(
     assert swap["profile_seconds"] == rows["mutwo-none"]["profile_seconds"]  # the profile was reused
 
 
+@pytest.mark.slow
 def test_the_fused_pricing_ab_runs_each_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bench/fused_pricing_ab.py on the tiny config (CPU, Inductor's C++ backend): a row per
     configuration, each planned and compiled in a worker with its switches set, none failing."""

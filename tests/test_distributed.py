@@ -170,6 +170,7 @@ def _two_rank_worker(rank: int, world: int, port: int, device_type: str, cases: 
             _against_ddp(rank, world, device, case)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_cpu_train_bitwise_like_eager_ddp() -> None:
     mp.spawn(_two_rank_worker, args=(2, _free_port(), "cpu", tuple(CASES)), nprocs=2)
 

@@ -169,6 +169,7 @@ def _two_rank_worker(rank: int, world: int, port: int, device_type: str, runs: t
             _against_ddp(rank, world, device, case, backend)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_cpu_train_under_inductor_like_eager_ddp() -> None:
     # Two process groups at once, one per model: a compile keeps about one core busy, and the
     # machine has two.

@@ -36,6 +36,7 @@ def test_docs_have_commands_to_run() -> None:
     assert {"writing-a-pass.md", "walkthrough-resnet152.md"} <= pages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page,command", _commands(), ids=[f"{p}:{i}" for i, (p, _) in enumerate(_commands())])
 def test_documented_command_runs(page: str, command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)

@@ -150,10 +150,12 @@ def _two_rank_worker(rank: int, world: int, port: int, device_type: str, runs: t
             _against_fsdp2(rank, world, device, case, backend)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_cpu_train_bitwise_like_eager_fully_shard() -> None:
     mp.spawn(_two_rank_worker, args=(2, _free_port(), "cpu", tuple((case, "eager") for case in CASES)), nprocs=2)
 
 
+@pytest.mark.slow
 def test_two_ranks_on_cpu_train_under_inductor_like_eager_fully_shard() -> None:
     # dropout, an uneven layer, AdamW: the compiled step's collectives and random numbers
     mp.spawn(_two_rank_worker, args=(2, _free_port(), "cpu", (("mlp-kept", "inductor"),)), nprocs=2)

@@ -223,6 +223,7 @@ def check_rewrite(original: Graph, graph: Graph, ctx: PassContext, inputs: list[
 
 
 # == the property ===============================================================================
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
 @given(spec=model_specs)
