@@ -326,10 +326,10 @@ def compile_failure_summary(error: BaseException) -> str:
     says nothing (a bare ``assert`` inside torch) the type of the error Inductor wrapped and the
     file, line and function that raised it, so the report can name the failing check."""
     first = (str(error).strip().splitlines() or [""])[0]
+    if first and not first.endswith(":"):  # it says something ("InductorError: AssertionError:" does not)
+        return f"{type(error).__name__}: {first}"
     inner = getattr(error, "inner_exception", None) or error.__cause__ or error
     inner_first = (str(inner).strip().splitlines() or [""])[0]
-    if inner_first and not first.endswith(":"):
-        return f"{type(error).__name__}: {first}"
     frames = traceback.extract_tb(inner.__traceback__)
     last = frames[-1] if frames else None
     where = f" raised at {_torch_relative(last.filename)}:{last.lineno} in {last.name}" if last else ""
