@@ -41,6 +41,7 @@ from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner
 from mutwo.runtime.execution.failure import Failure, InconsistentStateError
 from mutwo.runtime.execution.step import GraphStep
 from mutwo.runtime.measurement.device_memory import apply_memory_limit
+from mutwo.runtime.measurement.expandable_segments import use_expandable_segments
 from mutwo.runtime.measurement.iterations import device_of
 from mutwo.runtime.measurement.out_of_memory import (
     MemorySettings,
@@ -513,8 +514,12 @@ def optimize(
     lead = dp is None or dp.rank == 0
     say = (lambda message: print(message, file=sys.stderr)) if lead else (lambda message: None)
     log = say if verbose else (lambda message: None)
+    device = device_of([*model.parameters(), *model.buffers()])
+    allocator = use_expandable_segments(device)
+    if allocator is not None:
+        log(f"mutwo: {allocator}")
     if limit is not None:
-        log(apply_memory_limit(device_of([*model.parameters(), *model.buffers()]), limit))
+        log(apply_memory_limit(device, limit))
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)
     options = {"passes": DEFAULT_PASSES if passes is None else passes, "budget": budget, "check": check,
                "keep_grads": keep_grads,

@@ -15,6 +15,11 @@ import torch
 import mutwo
 from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, lift_memory_limit
+from mutwo.runtime.measurement.expandable_segments import (
+    ALLOCATOR_VARIABLES,
+    expandable_segments_on,
+    use_expandable_segments,
+)
 from mutwo.runtime.planning.peak_calibration import failure_peaks
 from tests import models
 
@@ -106,3 +111,21 @@ def test_cuda_failure_peaks_read_what_the_process_held_when_it_ran_out(clean_dev
     held, allocated = failure_peaks(kept)
     assert held is not None and allocated is not None
     assert 3 * 64 * mib <= allocated <= held <= cap
+
+
+def test_cuda_a_memory_limit_caps_expandable_segments(clean_device: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mutwo turns on expandable segments (:mod:`mutwo.runtime.measurement.expandable_segments`);
+    a memory limit must still refuse what would take the process past it, as a smaller card would."""
+    for name in ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    use_expandable_segments(DEVICE)
+    assert expandable_segments_on()
+    mib = 2**20
+    cap = clean_device + 256 * mib
+    apply_memory_limit(DEVICE, cap)
+    kept = [torch.empty(64 * mib, dtype=torch.uint8, device=DEVICE) for _ in range(3)]
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(512 * mib, dtype=torch.uint8, device=DEVICE)
+    assert torch.cuda.memory_reserved(DEVICE) <= cap
+    assert any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot()), "mapped expandably"
+    del kept

@@ -25,6 +25,7 @@ import torch
 from mutwo.runtime.capture.batch_call import batch_call
 from mutwo.runtime.capture.training import PRECISIONS, TrainingOptions
 from mutwo.runtime.measurement.device_memory import free_planning_leftovers
+from mutwo.runtime.measurement.expandable_segments import current_settings
 
 OUT_OF_MEMORY = "out of memory"
 
@@ -111,6 +112,7 @@ def measure_after_planning(step: Callable[[], Any], device: torch.device, memory
     if planned:
         free_planning_leftovers(device)
     if device.type == "cuda":
+        row["allocator"] = current_settings()  # expandable segments or not: what the held bytes depend on
         if memory_limit is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             index = device.index if device.index is not None else torch.cuda.current_device()

@@ -54,6 +54,7 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.execution.backends import BackendError, backend_services, records_cuda_graphs
     from mutwo.runtime.execution.step import GraphStep
+    from mutwo.runtime.measurement.expandable_segments import use_expandable_segments
     from mutwo.runtime.measurement.profiler import Profile, fingerprint
     from mutwo.runtime.planning.captured import capture_graph, pass_context
     from mutwo.runtime.planning.peak_calibration import pipeline_plan
@@ -68,6 +69,9 @@ def planned_step(training: Training, budget: Any, folder: Path, row: dict[str, A
     if profiles:  # an older profile must not outlive a run that fails before saving its own
         for old in (saved, saved_transfer, folder / "timing.json"):
             old.unlink(missing_ok=True)
+    allocator = use_expandable_segments(training.device)  # as mutwo.optimize does
+    if allocator is not None:
+        log(allocator)
     started = time.perf_counter()
     # CUDA graphs: the stock optimizer's capturable form, captured for them (mutwo.runtime.capture.optim).
     lowered = capture_graph(training.model, training.optimizer, training.batch, training.loss_fn, training.options,

@@ -56,6 +56,7 @@ from mutwo.runtime.execution.backends import (
 from mutwo.runtime.execution.cuda_graphs import refuse_uncapturable
 from mutwo.runtime.measurement.device_memory import MemoryLimitError, apply_memory_limit, lift_memory_limit
 from mutwo.runtime.measurement.equivalence import EquivalenceReport, check_graphs
+from mutwo.runtime.measurement.expandable_segments import use_expandable_segments
 from mutwo.runtime.measurement.iterations import measure_iterations
 from mutwo.runtime.measurement.out_of_memory import (
     CALIBRATION,
@@ -416,6 +417,9 @@ class MutwoOpt:
             refuse_backend_choices(self.args, config, device, manager.passes, data_parallel=self.dp)
         limit = memory_limit(self.args)
         self.memory = MemorySettings(device, config.budget, limit)
+        allocator = use_expandable_segments(device)
+        if allocator is not None:
+            self.log(allocator)
         if limit is not None:  # before capture: the model is moved to the device under the cap too
             try:
                 self.log(apply_memory_limit(device, limit))

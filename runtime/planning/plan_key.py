@@ -7,8 +7,9 @@ addresses, times, paths):
 - the captured graph: its text IR (every node's op, operands and scalar arguments, kind, phase,
   shape, dtype, bytes and aliasing, the inputs' kinds and labels) and, from the captured fx
   graph, every value's strides, storage offset and device, which the IR text does not show;
-- the device: the card's name, memory, compute capability and CUDA/cuDNN versions (on the CPU:
-  the machine, its cores and torch's threads), and what the process may hold on it;
+- the device: the card's name, memory, compute capability, CUDA/cuDNN versions and whether the
+  allocator maps expandable segments (on the CPU: the machine, its cores and torch's threads), and
+  what the process may hold on it;
 - the run's settings: budget, memory limit, backend, calibration rounds, measured choice,
   ``keep_grads`` and precision;
 - the pipeline: every pass's class and options (for a pass that is not mutwo's, a digest of its
@@ -38,6 +39,7 @@ import mutwo.passes
 from mutwo.ir.budget import Budget
 from mutwo.ir.pass_base import Pass
 from mutwo.ir.printer import print_graph
+from mutwo.runtime.measurement.expandable_segments import expandable_segments_on
 from mutwo.runtime.planning.captured import CapturedGraph
 
 #: Bumped when the key or the entry changes shape: entries of another format are never read.
@@ -104,7 +106,9 @@ def device_description(device: torch.device) -> dict[str, Any]:
         return {"type": "cuda", "name": properties.name, "total_memory": properties.total_memory,
                 "capability": [properties.major, properties.minor],
                 "processors": properties.multi_processor_count, "cuda": torch.version.cuda,
-                "cudnn": torch.backends.cudnn.version()}  # fmt: skip
+                "cudnn": torch.backends.cudnn.version(),
+                # what the step holds over its allocation, which calibration plans around, depends on it
+                "expandable_segments": expandable_segments_on()}  # fmt: skip
     return {"type": device.type, "machine": platform.machine(), "processor": platform.processor(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads()}  # fmt: skip
 

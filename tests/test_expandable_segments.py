@@ -1,0 +1,77 @@
+"""mutwo turns on the CUDA allocator's expandable segments for the steps it plans, unless the user
+configured the allocator (:mod:`mutwo.runtime.measurement.expandable_segments`). The settings are
+torch's process-wide allocator configuration, which a CPU build parses too: these tests change it
+and put it back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mutwo.runtime.measurement import expandable_segments as segments
+from mutwo.runtime.planning import plan_key
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def allocator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No allocator settings in the environment, expandable segments off; as before afterwards."""
+    for name in segments.ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    before = segments.current_settings()
+    segments._set("expandable_segments:False")
+    yield
+    segments._set(before or "expandable_segments:False")
+
+
+def test_on_cuda_they_are_turned_on_and_the_log_says_how_to_keep_the_default(allocator: None) -> None:
+    said = segments.use_expandable_segments(CUDA)
+    assert segments.expandable_segments_on()
+    assert said is not None and "expandable segments on" in said
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False" in said
+    assert segments.use_expandable_segments(CUDA) is None  # already on: nothing more to say
+
+
+def test_on_the_cpu_nothing_changes(allocator: None) -> None:
+    assert segments.use_expandable_segments(torch.device("cpu")) is None
+    assert not segments.expandable_segments_on()
+
+
+@pytest.mark.parametrize("variable", segments.ALLOCATOR_VARIABLES)
+@pytest.mark.parametrize("given", ["expandable_segments:False", "max_split_size_mb:128"])
+def test_an_allocator_the_user_configured_is_left_as_it_is(allocator: None, monkeypatch: pytest.MonkeyPatch,
+                                                           variable: str, given: str) -> None:  # fmt: skip
+    monkeypatch.setenv(variable, given)
+    said = segments.use_expandable_segments(CUDA)
+    assert not segments.expandable_segments_on()
+    assert said is not None and f"left as configured ({variable}={given})" in said
+
+
+def test_the_users_other_settings_are_kept_beside_them(allocator: None) -> None:
+    segments._set("garbage_collection_threshold:0.8")
+    segments.use_expandable_segments(CUDA)
+    assert segments.expandable_segments_on()
+    assert "garbage_collection_threshold:0.8" in segments.current_settings()
+
+
+def test_the_last_word_on_the_option_decides(allocator: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments, "current_settings", lambda: "expandable_segments:True,expandable_segments:False")
+    assert not segments.expandable_segments_on()
+
+
+def test_a_plan_made_with_them_is_not_a_plan_made_without(allocator: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan cache's key says whether the allocator maps expandable segments: what a calibrated
+    plan holds over its allocation depends on it."""
+
+    class Properties:
+        name, total_memory, major, minor, multi_processor_count = "H200", 2**37, 9, 0, 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    without = plan_key.device_description(CUDA)
+    segments.use_expandable_segments(CUDA)
+    with_them = plan_key.device_description(CUDA)
+    assert without != with_them
+    assert (without["expandable_segments"], with_them["expandable_segments"]) == (False, True)
