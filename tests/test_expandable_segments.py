@@ -75,3 +75,15 @@ def test_a_plan_made_with_them_is_not_a_plan_made_without(allocator: None, monke
     with_them = plan_key.device_description(CUDA)
     assert without != with_them
     assert (without["expandable_segments"], with_them["expandable_segments"]) == (False, True)
+
+
+def test_without_torchs_getter_the_settings_are_read_from_a_memory_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 has no ``_accelerator_getAllocatorSettings``; its memory snapshot reports the
+    settings last given (on an H200: ``expandable_segments:True`` once set at run time)."""
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    reported = {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: reported)
+    assert segments.current_settings() == "expandable_segments:True"
+    assert segments.expandable_segments_on()

@@ -46,6 +46,12 @@ def current_settings() -> str:
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get is not None:
         return str(get())
+    # torch 2.11 and 2.12 have no getter; a memory snapshot reports the settings last given, at
+    # start or since (measured on an H200 with torch 2.11).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        reported = torch.cuda.memory._snapshot().get("allocator_settings", {}).get("PYTORCH_CUDA_ALLOC_CONF")
+        if reported is not None:
+            return str(reported)
     given = user_allocator_settings()
     return given.split("=", 1)[1] if given is not None else ""
 
