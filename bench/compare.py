@@ -19,6 +19,11 @@ Use ``--calibrate-peak`` with a compiled backend for such rows: calibration re-p
 step holds at most its budget (a plan counts allocated bytes; the process holds more).
 ``--memory-limit 16GiB`` caps every variant's process (``set_per_process_memory_fraction``, as a
 card of that size would) before anything is built: planning, compile and the measured steps.
+Every variant's process gets the same CUDA allocator, so that held memory is compared at equal
+allocators: ``--allocator expandable`` (the default; mutwo turns it on in its own processes,
+docs/backends.md) sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for all of them,
+``--allocator default`` ``expandable_segments:False``; a ``PYTORCH_CUDA_ALLOC_CONF`` already set is
+used as it is. The JSON's ``allocator`` says which, and each CUDA row its process's settings.
 
 ``compile@<mode>-<budget>`` is ``torch.compile(mode=<mode>)`` with that activation budget, for
 example ``compile@reduce-overhead-0.5`` (CUDA graphs, the row beside ``mutwo@inductor-cudagraphs``).
@@ -130,6 +135,7 @@ from stack_sampler import StackSampler  # noqa: E402
 
 from mutwo.ir.budget import Budget, parse_bytes  # noqa: E402
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, free_planning_leftovers  # noqa: E402
+from mutwo.runtime.measurement.expandable_segments import user_allocator_settings  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment_configuration import run_configuration  # noqa: E402
 from mutwo.tools.experiment_measure import build_training, measure_after_planning  # noqa: E402
@@ -142,6 +148,23 @@ PRESETS = {"swap-study": ["eager", "checkpoint", "mutwo-none", "mutwo-eager0.5",
                           "mutwo-checkpoint", "mutwo-swap-checkpoint"]}  # fmt: skip
 MUTWO_PREFIXES = ("mutwo-swap", "mutwo+opt")
 WARMUP, MEASURED = 3, 10
+#: ``--allocator``'s choices: the allocator settings every variant's process gets.
+ALLOCATORS = {"expandable": "expandable_segments:True", "default": "expandable_segments:False"}
+
+
+def equal_allocators(choice: str | None) -> str:
+    """Give every variant's process the same allocator settings (it inherits this environment):
+    ``choice``'s, else (None) those already in ``PYTORCH_CUDA_ALLOC_CONF``, else expandable segments,
+    as mutwo sets them in its own processes; return the settings. ValueError when ``choice``
+    contradicts a ``PYTORCH_CUDA_ALLOC_CONF`` already set."""
+    given = user_allocator_settings()
+    if given is not None:
+        if choice is not None:
+            raise ValueError(f"--allocator {choice}: {given} is set already; unset it, or leave --allocator out "
+                             "to compare with it")  # fmt: skip
+        return given.split("=", 1)[1]
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[choice or "expandable"]
+    return os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 class Checkpointed(nn.Module):
@@ -587,6 +610,9 @@ def main() -> None:
     parser.add_argument("--memory-limit", metavar="BYTES",
                         help="cap every variant's process at this much device memory (16GiB, 12000MiB), as a card of "
                         "that size would, before anything is built (a row that runs out of memory says so)")
+    parser.add_argument("--allocator", choices=tuple(ALLOCATORS),
+                        help="the CUDA allocator of every variant's process: expandable (the default, as mutwo "
+                             "turns it on) or default (torch's); PYTORCH_CUDA_ALLOC_CONF, when set, instead")
     parser.add_argument("--warmup", type=int, default=WARMUP, help=f"warm-up iterations per variant (default {WARMUP})")
     parser.add_argument("--iterations", type=int, default=MEASURED,
                         help=f"measured iterations per variant (default {MEASURED}; 1 makes a CPU dry run short)")
@@ -616,6 +642,11 @@ def main() -> None:
             parser.error(f"--memory-limit: {error}")
     if args.parallel_planning < 1:
         parser.error("--parallel-planning must be at least 1 (1: one variant after the other)")
+    if not args.worker:  # the workers inherit it
+        try:
+            allocator = equal_allocators(args.allocator)
+        except ValueError as error:
+            parser.error(str(error))
     if args.trace and not torch.cuda.is_available():
         parser.error("--trace profiles CUDA streams and needs a GPU; run without --trace on a CPU")
     if args.worker:
@@ -641,7 +672,8 @@ def main() -> None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             Path(args.out).write_text(json.dumps({"gpu": gpu, "torch": torch.__version__,
-                                                  "date": time.strftime("%Y-%m-%d"), "runs": rows,
+                                                  "date": time.strftime("%Y-%m-%d"), "allocator": allocator,
+                                                  "runs": rows,
                                                   "reference_runs": references}, indent=2))  # fmt: skip
 
     for item in args.models.split(","):

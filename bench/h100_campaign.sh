@@ -56,14 +56,16 @@
 #                                                          ~25 min; ResNet alone ~14, BERT ~8
 # Session 25 (one H200): start tests-all i40-restart-models resnet-eager-probe; the hold's time ran
 #   out in ResNet's first start, which ran out of memory in all three calibration rounds.
-# Owed after session 25: RESTART_MODELS=resnet i40-restart-models (calibration's rounds past the
-#   re-plans given while all ran out of memory), then the same with
-#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True RESTART_SUFFIX=_expandable (does the CUDA
-#   graph's pool hold less over its allocation?); resnet-eager-probe; i40-restart-pyc again (its
-#   bytecode half); pool-excess (does the CUDA graph's pool hold less over its allocation with
-#   expandable segments or Inductor's memory planning?).
 # Session 26 (two H200s): dp-record-stream-reuse with DP_RUNS="bert resnet" (ResNet's compile
 #   failed in Inductor's loop reordering), then DP_RUNS=resnet dp-two-gpus with it off.
+# Session 27 (two H200s, session27_gpus/): PARALLEL="pool-excess;i40-restart-models" parallel with
+#   RESTART_MODELS=resnet; then dp-two-gpus (DP_RUNS=bert) and the FSDP2 run, each with
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for every variant.
+# Owed after session 27 (mutwo turns on expandable segments itself since a2b5206): tests-all, and
+#   the cuda tests of test_cuda_held_memory.py (their expandable-segments test failed at a2b5206 on
+#   torch 2.11's missing settings getter, fixed in f32d0ad, unrun since); RESTART_MODELS=resnet
+#   i40-restart-models (how much less the CUDA graph's pool holds now); resnet-eager-probe;
+#   i40-restart-pyc's bytecode half; the headline rows again, every variant with expandable segments.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -314,13 +316,16 @@ case "$section" in
     # with Inductor's static memory planning (one pool of buffers laid out at compile time)?
     # GPT-2 small b8 at checkpointing's held memory, calibrated once, each setting a fresh
     # process; the rounds' planned, allocated and held bytes are in each JSON. ~12 min.
+    # Measured at c64eb24 (session27_gpus/): 576, 99 and 262 MiB over the allocation; since then
+    # compare.py gives every variant expandable segments unless --allocator default.
     for setting in default expandable memory_planning; do
       case $setting in
-        expandable) export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
-        memory_planning) unset PYTORCH_CUDA_ALLOC_CONF; export TORCHINDUCTOR_MEMORY_PLANNING=1 ;;
+        expandable) allocator=expandable ;;
+        *) allocator=default ;;
       esac
+      [ $setting = memory_planning ] && export TORCHINDUCTOR_MEMORY_PLANNING=1
       timeout 900 python3 bench/compare.py --out "$OUT/pool_excess_gpt2_b8_$setting.json" --models gpt2:8 \
-        --timeout 800 --calibrate-peak 1 --variants checkpoint,mutwo@inductor-cudagraphs-checkpoint
+        --timeout 800 --calibrate-peak 1 --allocator $allocator --variants checkpoint,mutwo@inductor-cudagraphs-checkpoint
       echo "$setting exit $?"
     done ;;
   dp-record-stream-reuse)

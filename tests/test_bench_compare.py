@@ -27,6 +27,34 @@ ROWS = [{"variant": "eager", "peak_bytes": 900, "held_bytes": 1000},
         {"variant": "compile-0.5", "peak_bytes": 650, "held_bytes": 700}]
 
 
+@pytest.fixture(autouse=True)
+def no_allocator_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No allocator settings in the environment, and none left behind: compare.main() sets them
+    for its workers."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # remembered as unset, so that it is unset again afterwards
+        monkeypatch.delenv(name)
+
+
+def test_every_variant_gets_the_same_allocator() -> None:
+    assert compare.equal_allocators(None) == "expandable_segments:True"  # as mutwo sets it in its own processes
+    assert compare.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # the workers inherit it
+    del compare.os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    assert compare.equal_allocators("default") == "expandable_segments:False"
+
+
+def test_allocator_settings_already_given_are_used_and_not_contradicted(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert compare.equal_allocators(None) == "max_split_size_mb:128"
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--models", "tiny:4", "--variants", "eager", "--allocator",
+                                      "expandable"])  # fmt: skip
+    with pytest.raises(SystemExit) as exited:
+        compare.main()
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 is set already" in error
+
+
 def test_budgets_name_measured_peaks_or_pass_through() -> None:
     assert compare.mutwo_budget("checkpoint", ROWS) == Budget(bytes=400)
     assert compare.mutwo_budget("eager0.5", ROWS) == Budget(bytes=500)
@@ -158,7 +186,9 @@ def test_a_cpu_dry_run_of_the_swap_study_plans_and_runs_every_variant_once(
                                       "0.9", "--warmup", "0", "--iterations", "1", "--variants",
                                       "eager,mutwo-none,mutwo-eager0.5,mutwo-swap-eager0.5"])  # fmt: skip
     compare.main()
-    rows = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
+    written = json.loads(out.read_text())
+    assert written["allocator"] == "expandable_segments:True"
+    rows = {r["variant"]: r for r in written["runs"]}
     assert all("error" not in r and len(r["iteration_ms_all"]) == 1 for r in rows.values()), rows
     swap = rows["mutwo-swap-eager0.5"]
     assert swap["stand_in_budget"] == "0.9" and "swapped_tensors" in swap and swap["alternative_plan"] is not None
