@@ -6,6 +6,7 @@ import torch
 from torch import fx
 from torch.fx.node import map_aggregate
 
+from mutwo.ir.fx_modules import graph_module
 from mutwo.ir.graph import Graph
 from mutwo.ir.node import Node
 
@@ -35,4 +36,6 @@ def to_fx(graph: Graph) -> fx.GraphModule:
         fx_node.meta[NODE_ID_META] = node.id
         mapping[node] = fx_node
     fx_graph.lint()
-    return fx.GraphModule(torch.nn.Module(), fx_graph, class_name="MutwoStep")
+    # its code is generated when it is first run or read: the compile-time rewrites and AOTAutograd's
+    # renaming would each regenerate it, and a cached compile never runs it (mutwo.ir.fx_modules)
+    return graph_module(torch.nn.Module(), fx_graph, class_name="MutwoStep")

@@ -29,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 
 from mutwo.ir.from_fx import PHASE_META
+from mutwo.ir.fx_modules import lazy_graph_modules
 from mutwo.ir.node import NodeKind, Phase
 from mutwo.runtime.capture import optim as functional_optim
 from mutwo.runtime.capture.batch_call import BatchCall, batch_call
@@ -475,7 +476,8 @@ def _trace(binding: StepBinding, batch: Any) -> tuple[fx.GraphModule, list[str],
     inputs, aliases = separate_aliases(flat, len(flat) - n_batch)
     decide = TraceDecider(inputs)
     try:
-        with compiler_tracing(), quiet_torch_errors(), _training_mode_kept(binding.model):
+        # the captured module is read node by node, never run: its code is generated only if asked
+        with compiler_tracing(), quiet_torch_errors(), _training_mode_kept(binding.model), lazy_graph_modules():
             graph_module = make_fx(binding.step_function(batch, gradient_labels, decide), tracing_mode="fake",
                                    _allow_non_fake_inputs=True)(*inputs)  # fmt: skip
     except (CaptureError, functional_optim.FreshStateCreated, functional_optim.UnsupportedOptimizerError):
