@@ -87,3 +87,10 @@ def test_without_torchs_getter_the_settings_are_read_from_a_memory_snapshot(monk
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: reported)
     assert segments.current_settings() == "expandable_segments:True"
     assert segments.expandable_segments_on()
+
+
+def test_another_allocator_backend_is_left_as_it_is(allocator: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
+    said = segments.use_expandable_segments(CUDA)
+    assert said is not None and "cudaMallocAsync, left as it is" in said
+    assert not segments.expandable_segments_on()

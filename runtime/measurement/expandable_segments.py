@@ -82,6 +82,9 @@ def use_expandable_segments(device: torch.device) -> str | None:
     expandable segments already on)."""
     if device.type != "cuda" or expandable_segments_on():
         return None
+    backend = torch.cuda.memory.get_allocator_backend()
+    if backend != "native":  # cudaMallocAsync, or a pluggable allocator: torch's caching allocator is not in use
+        return f"allocator: {backend}, left as it is (expandable segments are the native allocator's)"
     given = user_allocator_settings()
     if given is not None:
         return (f"allocator: left as configured ({given}); expandable_segments:True would let the step hold "
