@@ -149,6 +149,8 @@ class Calibration(Generic[Step]):
     tolerance: float = TOLERANCE
     #: why ``target_bytes`` is under the budget asked for (:func:`held_target`), else empty
     target_note: str = ""
+    #: the budget a next round needed that no plan reaches, when that ended the rounds
+    unreachable_bytes: int | None = None
 
     @property
     def target(self) -> str:
@@ -189,6 +191,15 @@ class Calibration(Generic[Step]):
             return None
         held, budget = sizes(kept.measured_peak_bytes, self.target_bytes)
         over = (kept.measured_peak_bytes / self.target_bytes - 1) * 100
+        if self.unreachable_bytes is not None:  # more re-plans cannot help: say what would
+            beyond_bytes = max(0, kept.measured_peak_bytes - kept.planned_peak_bytes)
+            held, budget, needed, beyond = sizes(kept.measured_peak_bytes, self.target_bytes, self.unreachable_bytes,
+                                                 beyond_bytes)  # fmt: skip
+            return (f"mutwo: the planned step holds {held}, {over:.1f}% over the budget of {budget}, and no plan "
+                    f"reaches the {needed} a next plan would need: the process holds {beyond} beyond what the "
+                    "plan counts (the allocator's cache, a CUDA graph's pool, and tensors outside the training "
+                    "step count against the budget too); ask for a larger budget, or free what else the process "
+                    "holds before planning")  # fmt: skip
         if self.target_note:  # under a limit already: over the headroom, not over the limit
             return (f"mutwo: the planned step holds {held}, {over:.1f}% over the {budget} calibration held it to "
                     f"({self.target_note}) after {len(self.rounds)} plan(s), so another process may run out of "
@@ -321,6 +332,7 @@ def calibrate(target_bytes: int, rounds: int,
     results: list[CalibrationRound] = []
     steps: list[Step] = []
     budget = target_bytes if first_budget is None else first_budget
+    unreachable = None
     index = 0
     while True:
         # Each round compiles and measures (minutes on a large model): said as it starts.
@@ -333,6 +345,7 @@ def calibrate(target_bytes: int, rounds: int,
             if not results:
                 raise ValueError(f"no plan reaches the budget of {target_bytes} bytes to calibrate from")
             log(f"peak calibration round {index + 1}: no plan reaches {budget / 2**20:,.1f} MiB; stopping")
+            unreachable = budget
             break
         result, step = outcome
         results.append(result)
@@ -366,7 +379,7 @@ def calibrate(target_bytes: int, rounds: int,
             f"({len(results)} round(s), down to {results[-1].budget_bytes / 2**20:,.1f} MiB planned); give a "
             "lower budget, or a higher memory limit")  # fmt: skip
     calibration = Calibration(target_bytes, results, steps, _choose(results, target_bytes, tolerance), tolerance,
-                              target_note)  # fmt: skip
+                              target_note, unreachable)  # fmt: skip
     over = calibration.over_budget()
     if over is not None:  # the budget is what the process may hold: said even when the log is quiet
         warnings.warn(over, stacklevel=2)
