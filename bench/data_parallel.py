@@ -31,6 +31,8 @@ model's repeated blocks (ResNet bottlenecks, BERT, GPT-2 and Llama layers) are e
   CPU, ``fraction`` of mutwo's own simulated peak);
 - *mutwo FSDP2 no recompute*: the graph ``optimize`` captured, before its passes.
 
+Every variant, eager ones too, runs with the same CUDA allocator settings (``--allocator``, as
+``bench/compare.py``: expandable segments by default, as mutwo turns them on).
 Each variant: 3 warm-up iterations, then 10 measured
 (``mutwo.tools.experiment_measure.measure_step``); per rank, peak = ``torch.cuda.max_memory_allocated``
 over the measured iterations (everything: parameters, gradients, DDP's or mutwo's buckets,
@@ -63,7 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import checkpoint_blocks  # noqa: E402
+from bench.compare import ALLOCATORS, checkpoint_blocks, equal_allocators  # noqa: E402
 from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
 from mutwo.ir.pass_manager import PipelineFailure  # noqa: E402
 from mutwo.runtime.api import optimize  # noqa: E402
@@ -133,6 +135,7 @@ class Bench:
         return {"device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
                 "world_size": dist.get_world_size(), "backend": dist.get_backend(), "torch": torch.__version__,
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "date": time.strftime("%Y-%m-%d"),
+                "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
                 "warmup": WARMUP, "measured": MEASURED, "runs": self.rows}  # fmt: skip
 
 
@@ -257,9 +260,16 @@ def main() -> None:
                         help="what runs mutwo's planned steps (default: inductor-cudagraphs on CUDA, eager on CPU)")
     parser.add_argument("--calibrate-peak", type=int, metavar="N",
                         help="re-plans of peak calibration (default: mutwo's, 2 on CUDA; each compiles the step again)")
+    parser.add_argument("--allocator", choices=tuple(ALLOCATORS),
+                        help="the CUDA allocator of every variant, eager ones too: expandable (the default, as "
+                             "mutwo turns it on) or default (torch's); PYTORCH_CUDA_ALLOC_CONF, when set, instead")
     args = parser.parse_args()
     if not distributed.launched_by_torchrun():
         parser.error("launch it with torchrun --nproc-per-node N bench/data_parallel.py ...")
+    try:  # before anything is allocated on the device: eager and mutwo rows compare at equal allocators
+        equal_allocators(args.allocator)
+    except ValueError as error:
+        parser.error(str(error))
     device = distributed.join_from_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     bench = Bench(device, args.out, args.backend or ("inductor-cudagraphs" if device.type == "cuda" else "eager"),
                   args.calibrate_peak)  # fmt: skip

@@ -343,7 +343,9 @@ case "$section" in
     # fewer); then bench/data_parallel.py, mutwo under inductor-cudagraphs calibrated once over the
     # ranks: FSDP2's comparison (the 0.5B Llama: eager FSDP2 with and without per-layer
     # checkpointing, mutwo at checkpointing's held memory), BERT-base 16 per GPU and ResNet-152-cl
-    # 64 per GPU at half of eager DDP's held memory. Each JSON is rewritten after every row.
+    # 64 per GPU at half of eager DDP's held memory. Each JSON is rewritten after every row. Every
+    # variant runs with expandable segments (data_parallel.py --allocator; session27_gpus/ set them
+    # by PYTORCH_CUDA_ALLOC_CONF).
     # DP_TESTS="" skips the tests; DP_RUNS names fewer of fsdp2, bert and resnet; DP_SUFFIX ends
     # the files' names.
     for t in ${DP_TESTS-tests/test_fully_sharded.py:240 tests/test_distributed.py:150 tests/test_distributed_compiled.py:240}; do

@@ -19,11 +19,13 @@ def test_two_ranks_measure_eager_ddp_and_mutwo(tmp_path: Path) -> None:
     out = tmp_path / "dp.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(_free_port()), str(SCRIPT), "--models", "tiny:64:0.95", "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, GPU or not
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, GPU or not
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo"
+    assert result["allocator"] == "expandable_segments:True"  # every variant's, eager DDP's too
     variants = [row["variant"] for row in result["runs"]]
     assert variants == ["eager DDP", "mutwo 0.95 x mutwo's simulated peak", "mutwo no recompute"]
     for row in result["runs"]:
