@@ -41,7 +41,7 @@ from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner
 from mutwo.runtime.execution.failure import Failure, InconsistentStateError
 from mutwo.runtime.execution.step import GraphStep
 from mutwo.runtime.measurement.device_memory import apply_memory_limit
-from mutwo.runtime.measurement.expandable_segments import use_expandable_segments
+from mutwo.runtime.measurement.expandable_segments import expandable_segments_on, use_expandable_segments
 from mutwo.runtime.measurement.iterations import device_of
 from mutwo.runtime.measurement.out_of_memory import (
     MemorySettings,
@@ -485,7 +485,9 @@ def optimize(
     that size would: the process is capped at it from here on
     (``torch.cuda.set_per_process_memory_fraction``), and planning stays within it, profiling the
     step out of core when it does not fit (docs/out-of-core.md). A budget in bytes bounds profiling
-    the same way.
+    the same way. On CUDA the process's caching allocator is switched to expandable segments,
+    unless the allocator was configured (``PYTORCH_CUDA_ALLOC_CONF``, or settings given at run
+    time): the step then holds little over what it allocates (docs/backends.md).
 
     ``on_failure``: what a step that raises (``torch.OutOfMemoryError``...) leaves. It raises its
     own exception, and the buffers and step counts it wrote are put back. ``"refuse"``: when it
@@ -515,9 +517,10 @@ def optimize(
     say = (lambda message: print(message, file=sys.stderr)) if lead else (lambda message: None)
     log = say if verbose else (lambda message: None)
     device = device_of([*model.parameters(), *model.buffers()])
+    was_on = device.type == "cuda" and expandable_segments_on()
     allocator = use_expandable_segments(device)
-    if allocator is not None:
-        log(f"mutwo: {allocator}")
+    if allocator is not None:  # a change to the whole process is said even when not verbose (once: then it is on)
+        (say if not was_on and expandable_segments_on() else log)(f"mutwo: {allocator}")
     if limit is not None:
         log(apply_memory_limit(device, limit))
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)

@@ -22,9 +22,11 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in segments.ALLOCATOR_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     before = segments.current_settings()
-    segments._set("expandable_segments:False")
+    segments._set("expandable_segments:False")  # off (torch's parser keeps an option until it is given again)
+    segments._set("")  # and nothing given since
     yield
-    segments._set(before or "expandable_segments:False")
+    segments._set("expandable_segments:False")
+    segments._set(before)
 
 
 def test_on_cuda_they_are_turned_on_and_the_log_says_how_to_keep_the_default(allocator: None) -> None:
@@ -50,11 +52,13 @@ def test_an_allocator_the_user_configured_is_left_as_it_is(allocator: None, monk
     assert said is not None and f"left as configured ({variable}={given})" in said
 
 
-def test_the_users_other_settings_are_kept_beside_them(allocator: None) -> None:
-    segments._set("garbage_collection_threshold:0.8")
-    segments.use_expandable_segments(CUDA)
-    assert segments.expandable_segments_on()
-    assert "garbage_collection_threshold:0.8" in segments.current_settings()
+def test_settings_given_at_run_time_are_left_as_they_are(allocator: None) -> None:
+    """A user who set ``max_split_size_mb`` at run time configured the allocator; with expandable
+    segments it would make torch's cache grow without bound (pytorch/pytorch#123548)."""
+    segments._set("max_split_size_mb:128")
+    said = segments.use_expandable_segments(CUDA)
+    assert not segments.expandable_segments_on()
+    assert said is not None and "left as configured (set at run time: max_split_size_mb:128)" in said
 
 
 def test_the_last_word_on_the_option_decides(allocator: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,16 +81,45 @@ def test_a_plan_made_with_them_is_not_a_plan_made_without(allocator: None, monke
     assert (without["expandable_segments"], with_them["expandable_segments"]) == (False, True)
 
 
-def test_without_torchs_getter_the_settings_are_read_from_a_memory_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch 2.11 has no ``_accelerator_getAllocatorSettings``; its memory snapshot reports the
-    settings last given (on an H200: ``expandable_segments:True`` once set at run time)."""
+@pytest.fixture
+def torch_2_11(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, object]]:
+    """CUDA in use, torch 2.11's API: no settings getter; its memory snapshot (whose
+    ``allocator_settings`` the H200 printed: the string last given and the flags in force)."""
     monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    reported = {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
-    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: reported)
+    snapshot: dict[str, dict[str, object]] = {"allocator_settings": {}}
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snapshot)
+    return snapshot
+
+
+def test_without_torchs_getter_the_settings_are_read_from_a_memory_snapshot(
+        torch_2_11: dict[str, dict[str, object]]) -> None:  # fmt: skip
+    torch_2_11["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert segments.current_settings() == "expandable_segments:True"
     assert segments.expandable_segments_on()
+
+
+def test_the_flag_in_force_decides_over_the_settings_last_given(torch_2_11: dict[str, dict[str, object]]) -> None:
+    """Settings given after expandable segments, without them, leave them on."""
+    torch_2_11["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8",
+                                        "expandable_segments": True}  # fmt: skip
+    assert segments.expandable_segments_on()
+
+
+def test_an_allocator_that_refuses_snapshots_is_left_alone_without_a_crash(
+        allocator: None, torch_2_11: dict[str, dict[str, object]],
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """torch refuses a snapshot under cudaMallocAsync; without a getter, nothing may ask for one."""
+
+    def refuse() -> None:
+        raise RuntimeError("Calling snapshot with backend:cudaMallocAsync is not meaningful")
+
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", refuse)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
+    said = segments.use_expandable_segments(CUDA)
+    assert said is not None and "cudaMallocAsync, left as it is" in said
+    assert not segments.expandable_segments_on() and segments.current_settings() == ""
 
 
 def test_another_allocator_backend_is_left_as_it_is(allocator: None, monkeypatch: pytest.MonkeyPatch) -> None:

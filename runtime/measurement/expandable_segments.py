@@ -12,10 +12,11 @@ allocator and 99 MiB with expandable segments, at the same step time (182.7 and 
 same model's checkpointed eager step held 1,000 MiB less with them too. torchtitan's launch script
 sets the same option.
 
-The setting is process-wide, so mutwo leaves it alone when the user configured the allocator
-(``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` set, whatever it says: an explicit
-``expandable_segments:False`` is how to keep the default allocator, and ``max_split_size_mb``
-together with expandable segments makes torch's cache grow without bound, pytorch/pytorch#123548).
+The setting is process-wide, so mutwo leaves it alone when the user configured the allocator:
+``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` set, whatever it says (an explicit
+``expandable_segments:False`` is how to keep the default allocator), or settings given at run time,
+or another allocator backend. ``max_split_size_mb`` together with expandable segments makes torch's
+cache grow without bound (pytorch/pytorch#123548).
 It applies to segments created after it is set: what the model and optimizer already hold stays
 where it is.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 
@@ -41,32 +43,54 @@ def user_allocator_settings() -> str | None:
     return None
 
 
+def _native() -> bool:
+    """Whether torch's own caching allocator serves CUDA (not cudaMallocAsync, not a pluggable one)."""
+    return torch.cuda.memory.get_allocator_backend() == "native"
+
+
+def _snapshot_settings() -> dict[str, Any]:
+    """The allocator settings a memory snapshot reports (torch 2.11 has no getter for them); {}
+    where none can be taken: no CUDA in use, or an allocator that refuses snapshots."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized() and _native()):
+        return {}
+    try:
+        return dict(torch.cuda.memory._snapshot().get("allocator_settings", {}))
+    except RuntimeError:
+        return {}
+
+
 def current_settings() -> str:
-    """The allocator settings in force in this process, as torch reports them ('' where it cannot)."""
+    """The allocator settings last given to this process, as torch reports them ('' where it cannot):
+    the environment's at start, or those set at run time since."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if get is not None:
         return str(get())
-    # torch 2.11 and 2.12 have no getter; a memory snapshot reports the settings last given, at
-    # start or since (measured on an H200 with torch 2.11).
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        reported = torch.cuda.memory._snapshot().get("allocator_settings", {}).get("PYTORCH_CUDA_ALLOC_CONF")
-        if reported is not None:
-            return str(reported)
+    # torch 2.11 and 2.12 have no getter; a memory snapshot reports the settings last given
+    # (measured on an H200 with torch 2.11).
+    reported = _snapshot_settings().get("PYTORCH_CUDA_ALLOC_CONF")
+    if reported is not None:
+        return str(reported)
     given = user_allocator_settings()
     return given.split("=", 1)[1] if given is not None else ""
 
 
 def expandable_segments_on() -> bool:
-    """Whether the caching allocator maps new memory in expandable segments."""
-    value = None
+    """Whether the caching allocator maps new memory in expandable segments: the flag in force
+    where a snapshot reports it (settings given later without the option leave it on, torch's
+    parser never resets it), else the last word on it in the settings last given."""
+    live = _snapshot_settings().get(_OPTION)
+    if isinstance(live, bool):
+        return live
+    value = False
     for option in current_settings().split(","):
         key, _, setting = option.partition(":")
         if key.strip() == _OPTION:
             value = setting.strip().lower() == "true"
-    return bool(value)
+    return value
 
 
 def _set(settings: str) -> None:
+    """Give torch's allocator ``settings`` at run time (the options they name; others stay)."""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None:
         setter(settings)
@@ -77,19 +101,20 @@ def _set(settings: str) -> None:
 
 
 def use_expandable_segments(device: torch.device) -> str | None:
-    """On CUDA, turn on expandable segments unless the user configured the allocator; a line for
-    the log saying what was done (None when nothing was, or nothing needs saying: the CPU, or
-    expandable segments already on)."""
-    if device.type != "cuda" or expandable_segments_on():
+    """On CUDA, turn on expandable segments unless the user configured the allocator (in the
+    environment or at run time); a line for the log saying what was done (None when nothing was,
+    or nothing needs saying: the CPU, or expandable segments already on)."""
+    if device.type != "cuda":
         return None
     backend = torch.cuda.memory.get_allocator_backend()
     if backend != "native":  # cudaMallocAsync, or a pluggable allocator: torch's caching allocator is not in use
         return f"allocator: {backend}, left as it is (expandable segments are the native allocator's)"
-    given = user_allocator_settings()
-    if given is not None:
+    if expandable_segments_on():
+        return None
+    given = user_allocator_settings() or (f"set at run time: {current_settings()}" if current_settings() else None)
+    if given is not None:  # max_split_size_mb with them grows the cache without bound (pytorch#123548)
         return (f"allocator: left as configured ({given}); expandable_segments:True would let the step hold "
                 "less over what it allocates")  # fmt: skip
-    current = current_settings()
-    _set(f"{current},{_OPTION}:True" if current else f"{_OPTION}:True")
+    _set(f"{_OPTION}:True")
     return ("allocator: expandable segments on (new memory is mapped into growing segments, so the step holds "
             "little over what it allocates); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False keeps the default")

@@ -172,6 +172,7 @@ class Calibration(Generic[Step]):
         """The calibration for a results row or summary.json."""
         return {"target_bytes": self.target_bytes, "target_note": self.target_note, "tolerance": self.tolerance,
                 "chosen_round": self.chosen, "within_tolerance": self.within,
+                "unreachable_budget_bytes": self.unreachable_bytes,
                 "rounds": [asdict(r) for r in self.rounds]}  # fmt: skip
 
     def summary(self) -> str:
@@ -195,11 +196,13 @@ class Calibration(Generic[Step]):
             beyond_bytes = max(0, kept.measured_peak_bytes - kept.planned_peak_bytes)
             held, budget, needed, beyond = sizes(kept.measured_peak_bytes, self.target_bytes, self.unreachable_bytes,
                                                  beyond_bytes)  # fmt: skip
-            return (f"mutwo: the planned step holds {held}, {over:.1f}% over the budget of {budget}, and no plan "
-                    f"reaches the {needed} a next plan would need: the process holds {beyond} beyond what the "
-                    "plan counts (the allocator's cache, a CUDA graph's pool, and tensors outside the training "
-                    "step count against the budget too); ask for a larger budget, or free what else the process "
-                    "holds before planning")  # fmt: skip
+            against = (f"the {budget} calibration held it to ({self.target_note})" if self.target_note
+                       else f"the budget of {budget}")  # fmt: skip
+            return (f"mutwo: the planned step holds {held}, {over:.1f}% over {against}, and no plan reaches the "
+                    f"{needed} a next plan would need: the process holds {beyond} beyond what the plan counts "
+                    "(the allocator's cache, a CUDA graph's pool, and tensors outside the training step count "
+                    "against the budget too); ask for a larger budget (and memory limit), or free what else the "
+                    "process holds before planning")  # fmt: skip
         if self.target_note:  # under a limit already: over the headroom, not over the limit
             return (f"mutwo: the planned step holds {held}, {over:.1f}% over the {budget} calibration held it to "
                     f"({self.target_note}) after {len(self.rounds)} plan(s), so another process may run out of "
