@@ -37,5 +37,5 @@ def to_fx(graph: Graph) -> fx.GraphModule:
         mapping[node] = fx_node
     fx_graph.lint()
     # its code is generated when it is first run or read: the compile-time rewrites and AOTAutograd's
-    # renaming would each regenerate it, and a cached compile never runs it (mutwo.ir.fx_modules)
+    # renaming would each regenerate it, and a cached compile reads it once, for its key (mutwo.ir.fx_modules)
     return graph_module(torch.nn.Module(), fx_graph, class_name="MutwoStep")

@@ -17,7 +17,7 @@ from mutwo.runtime.execution.cuda_graphs import graphable_optimizer
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, lift_memory_limit
 from mutwo.runtime.measurement.expandable_segments import (
     ALLOCATOR_VARIABLES,
-    _set,
+    apply_settings,
     expandable_segments_on,
     use_expandable_segments,
 )
@@ -130,5 +130,5 @@ def test_cuda_a_memory_limit_caps_expandable_segments(clean_device: int, monkeyp
     assert torch.cuda.memory_reserved(DEVICE) <= cap
     assert any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot()), "mapped expandably"
     del kept
-    _set("expandable_segments:False")  # process-wide: the tests after this one find the allocator as before
-    _set("")
+    apply_settings("expandable_segments:False")  # process-wide: the tests after this one find the allocator as before
+    apply_settings("")

@@ -22,11 +22,11 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in segments.ALLOCATOR_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     before = segments.current_settings()
-    segments._set("expandable_segments:False")  # off (torch's parser keeps an option until it is given again)
-    segments._set("")  # and nothing given since
+    segments.apply_settings("expandable_segments:False")  # off (torch's parser keeps an option until it is given again)
+    segments.apply_settings("")  # and nothing given since
     yield
-    segments._set("expandable_segments:False")
-    segments._set(before)
+    segments.apply_settings("expandable_segments:False")
+    segments.apply_settings(before)
 
 
 def test_on_cuda_they_are_turned_on_and_the_log_says_how_to_keep_the_default(allocator: None) -> None:
@@ -55,7 +55,7 @@ def test_an_allocator_the_user_configured_is_left_as_it_is(allocator: None, monk
 def test_settings_given_at_run_time_are_left_as_they_are(allocator: None) -> None:
     """A user who set ``max_split_size_mb`` at run time configured the allocator; with expandable
     segments it would make torch's cache grow without bound (pytorch/pytorch#123548)."""
-    segments._set("max_split_size_mb:128")
+    segments.apply_settings("max_split_size_mb:128")
     said = segments.use_expandable_segments(CUDA)
     assert not segments.expandable_segments_on()
     assert said is not None and "left as configured (set at run time: max_split_size_mb:128)" in said

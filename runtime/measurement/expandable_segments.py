@@ -89,7 +89,7 @@ def expandable_segments_on() -> bool:
     return value
 
 
-def _set(settings: str) -> None:
+def apply_settings(settings: str) -> None:
     """Give torch's allocator ``settings`` at run time (the options they name; others stay)."""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None:
@@ -115,6 +115,6 @@ def use_expandable_segments(device: torch.device) -> str | None:
     if given is not None:  # max_split_size_mb with them grows the cache without bound (pytorch#123548)
         return (f"allocator: left as configured ({given}); expandable_segments:True would let the step hold "
                 "less over what it allocates")  # fmt: skip
-    _set(f"{_OPTION}:True")
+    apply_settings(f"{_OPTION}:True")
     return ("allocator: expandable segments on (new memory is mapped into growing segments, so the step holds "
             "little over what it allocates); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False keeps the default")
