@@ -135,7 +135,7 @@ from stack_sampler import StackSampler  # noqa: E402
 
 from mutwo.ir.budget import Budget, parse_bytes  # noqa: E402
 from mutwo.runtime.measurement.device_memory import apply_memory_limit, free_planning_leftovers  # noqa: E402
-from mutwo.runtime.measurement.expandable_segments import user_allocator_settings  # noqa: E402
+from mutwo.runtime.measurement.expandable_segments import ALLOCATORS, user_allocator_settings  # noqa: E402
 from mutwo.tools.config import PRECISIONS  # noqa: E402
 from mutwo.tools.experiment_configuration import run_configuration  # noqa: E402
 from mutwo.tools.experiment_measure import build_training, measure_after_planning  # noqa: E402
@@ -148,8 +148,6 @@ PRESETS = {"swap-study": ["eager", "checkpoint", "mutwo-none", "mutwo-eager0.5",
                           "mutwo-checkpoint", "mutwo-swap-checkpoint"]}  # fmt: skip
 MUTWO_PREFIXES = ("mutwo-swap", "mutwo+opt")
 WARMUP, MEASURED = 3, 10
-#: ``--allocator``'s choices: the allocator settings every variant's process gets.
-ALLOCATORS = {"expandable": "expandable_segments:True", "default": "expandable_segments:False"}
 
 
 def equal_allocators(choice: str | None) -> str:

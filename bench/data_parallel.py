@@ -65,13 +65,14 @@ from torch.nn.parallel import DistributedDataParallel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import ALLOCATORS, checkpoint_blocks, equal_allocators  # noqa: E402
+from bench.compare import checkpoint_blocks, equal_allocators  # noqa: E402
 from mutwo.ir.budget import Budget, parse_budget  # noqa: E402
 from mutwo.ir.pass_manager import PipelineFailure  # noqa: E402
 from mutwo.runtime.api import optimize  # noqa: E402
 from mutwo.runtime.execution.backends import BACKENDS  # noqa: E402
 from mutwo.runtime.execution.cuda_graphs import release_all  # noqa: E402
 from mutwo.runtime.execution.step import GraphStep  # noqa: E402
+from mutwo.runtime.measurement.expandable_segments import ALLOCATORS  # noqa: E402
 from mutwo.runtime.parallel import distributed  # noqa: E402
 from mutwo.runtime.parallel.sharding import shard_blocks  # noqa: E402
 from mutwo.runtime.planning.step_planning import Optimized  # noqa: E402
@@ -100,6 +101,7 @@ class Bench:
     out: Path | None
     backend: str = "eager"  #: what runs mutwo's planned steps
     calibrate_peak: int | None = None  #: re-plans of peak calibration (None: mutwo's default)
+    allocator: str | None = None  #: the allocator settings every variant runs with (``--allocator``)
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def measure(self, step: Any, base: dict[str, Any], planned: bool = True) -> dict[str, Any]:
@@ -135,7 +137,7 @@ class Bench:
         return {"device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
                 "world_size": dist.get_world_size(), "backend": dist.get_backend(), "torch": torch.__version__,
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "date": time.strftime("%Y-%m-%d"),
-                "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+                "allocator": self.allocator,
                 "warmup": WARMUP, "measured": MEASURED, "runs": self.rows}  # fmt: skip
 
 
@@ -267,12 +269,12 @@ def main() -> None:
     if not distributed.launched_by_torchrun():
         parser.error("launch it with torchrun --nproc-per-node N bench/data_parallel.py ...")
     try:  # before anything is allocated on the device: eager and mutwo rows compare at equal allocators
-        equal_allocators(args.allocator)
+        allocator = equal_allocators(args.allocator)
     except ValueError as error:
         parser.error(str(error))
     device = distributed.join_from_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     bench = Bench(device, args.out, args.backend or ("inductor-cudagraphs" if device.type == "cuda" else "eager"),
-                  args.calibrate_peak)  # fmt: skip
+                  args.calibrate_peak, allocator)  # fmt: skip
     try:
         run = bench_fsdp2 if args.sharding == "fsdp2" else bench_model
         for item in (args.models or (FSDP2_MODELS if args.sharding == "fsdp2" else MODELS)).split(","):

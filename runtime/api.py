@@ -41,7 +41,7 @@ from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner
 from mutwo.runtime.execution.failure import Failure, InconsistentStateError
 from mutwo.runtime.execution.step import GraphStep
 from mutwo.runtime.measurement.device_memory import apply_memory_limit
-from mutwo.runtime.measurement.expandable_segments import expandable_segments_on, use_expandable_segments
+from mutwo.runtime.measurement.expandable_segments import SWITCHED_ON, use_expandable_segments
 from mutwo.runtime.measurement.iterations import device_of
 from mutwo.runtime.measurement.out_of_memory import (
     MemorySettings,
@@ -517,10 +517,9 @@ def optimize(
     say = (lambda message: print(message, file=sys.stderr)) if lead else (lambda message: None)
     log = say if verbose else (lambda message: None)
     device = device_of([*model.parameters(), *model.buffers()])
-    was_on = device.type == "cuda" and expandable_segments_on()
     allocator = use_expandable_segments(device)
     if allocator is not None:  # a change to the whole process is said even when not verbose (once: then it is on)
-        (say if not was_on and expandable_segments_on() else log)(f"mutwo: {allocator}")
+        (say if allocator == SWITCHED_ON else log)(f"mutwo: {allocator}")
     if limit is not None:
         log(apply_memory_limit(device, limit))
     training = TrainingOptions(max_grad_norm, norm_type, precision, accumulation_steps, grad_scaler)

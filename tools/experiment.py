@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mutwo.ir.pass_base import write_atomic
-from mutwo.runtime.measurement.expandable_segments import user_allocator_settings
+from mutwo.runtime.measurement.expandable_segments import ALLOCATORS, user_allocator_settings
 from mutwo.tools.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, Parser, UsageError
 from mutwo.tools.experiment_configuration import run_configuration
 from mutwo.tools.experiment_measure import OUT_OF_MEMORY
@@ -186,7 +186,7 @@ def _run_worker(args: argparse.Namespace, batch_size: int, variant: str, out: Pa
     command += ["--warmup", str(args.warmup), "--iterations", str(args.iterations)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if user_allocator_settings() is None:  # every variant with the allocator mutwo's rows get: equal allocators
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS["expandable"]
     base = {"batch_size": batch_size, "variant": variant}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)

@@ -32,6 +32,12 @@ import torch
 #: The environment variables torch reads its allocator settings from (the second is torch 2.9+'s name).
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _OPTION = "expandable_segments"
+#: The benchmarks' ``--allocator`` choices: the settings every variant's process gets, so that
+#: held memory is compared at equal allocators (expandable: as mutwo sets them in its own process).
+ALLOCATORS = {"expandable": f"{_OPTION}:True", "default": f"{_OPTION}:False"}
+#: What :func:`use_expandable_segments` says when it switched them on: a change to the whole process.
+SWITCHED_ON = ("allocator: expandable segments on (new memory is mapped into growing segments, so the step holds "
+               "little over what it allocates); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False keeps the default")
 
 
 def user_allocator_settings() -> str | None:
@@ -111,10 +117,10 @@ def use_expandable_segments(device: torch.device) -> str | None:
         return f"allocator: {backend}, left as it is (expandable segments are the native allocator's)"
     if expandable_segments_on():
         return None
-    given = user_allocator_settings() or (f"set at run time: {current_settings()}" if current_settings() else None)
+    current = current_settings()
+    given = user_allocator_settings() or (f"set at run time: {current}" if current else None)
     if given is not None:  # max_split_size_mb with them grows the cache without bound (pytorch#123548)
         return (f"allocator: left as configured ({given}); expandable_segments:True would let the step hold "
                 "less over what it allocates")  # fmt: skip
-    apply_settings(f"{_OPTION}:True")
-    return ("allocator: expandable segments on (new memory is mapped into growing segments, so the step holds "
-            "little over what it allocates); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False keeps the default")
+    apply_settings(ALLOCATORS["expandable"])
+    return SWITCHED_ON
