@@ -6,9 +6,8 @@ every ``recompile()``. For a whole training iteration of 5,000-10,000 nodes each
 captured module and mutwo lifts its constants, which mutwo only reads node by node; ``to_fx``
 builds the step's module and the compile-time rewrites regenerate it, before AOTAutograd renames
 its placeholders around its cache key (regenerating it twice more, and once for the key itself,
-which it still does) and then serves the compiled step from its cache without running it. On the
-CPU, for a 16-layer Llama's step (4,587 nodes), the eager backend's restart regenerated code four
-times, 1.0 of its 7.9 s (cProfile).
+which it still does) and then serves the compiled step from its cache without running it. The
+eager backend's restart regenerated the code four times, its Inductor restart six.
 
 torch's ``_LazyGraphModule`` (what Dynamo hands its backends) marks a ``recompile()`` and
 generates the code when the module is called or its ``code`` is read. It is private to torch
