@@ -7,7 +7,7 @@ captured module and mutwo lifts its constants, which mutwo only reads node by no
 builds the step's module and the compile-time rewrites regenerate it, before AOTAutograd renames
 its placeholders around its cache key (regenerating it twice more, and once for the key itself,
 which it still does) and then serves the compiled step from its cache without running it. The
-eager backend's restart regenerated the code four times, its Inductor restart six.
+eager backend's restart regenerated the code four times, its Inductor restart seven (cProfile).
 
 torch's ``_LazyGraphModule`` (what Dynamo hands its backends) marks a ``recompile()`` and
 generates the code when the module is called or its ``code`` is read. It is private to torch
