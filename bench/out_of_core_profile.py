@@ -33,8 +33,10 @@ import mutwo
 from mutwo.ir.budget import parse_bytes
 from mutwo.ir.memory import simulate
 from mutwo.runtime.measurement.device_memory import apply_memory_limit
+from mutwo.runtime.measurement.expandable_segments import expandable_segments_on
 from mutwo.runtime.measurement.profiler import Profile, profile_graph
 from mutwo.runtime.planning.captured import capture_graph
+from mutwo.runtime.planning.step_planning import DEFAULT_PASSES
 from mutwo.tools.experiment_measure import build_training
 
 MIB = 2**20
@@ -118,6 +120,9 @@ def capped(args: argparse.Namespace) -> dict[str, Any]:
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
                               passes=args.passes, verbose=True)  # fmt: skip
         row["planning_seconds"] = time.perf_counter() - begin
+        # Since a2b5206 mutwo turns expandable segments on itself unless the allocator is configured.
+        row["expandable_segments"] = expandable_segments_on()
+        row["setup_seconds"] = step.setup_seconds
         for _ in range(args.warmup):
             step(training.batch)
         torch.cuda.synchronize()
@@ -158,7 +163,7 @@ def main() -> int:
     sub.choices["capped"].add_argument("--memory-limit", required=True)
     sub.choices["capped"].add_argument("--budget", required=True)
     sub.choices["capped"].add_argument("--backend", default="eager")
-    sub.choices["capped"].add_argument("--passes", default="profile,optimizer,select,rewrite")
+    sub.choices["capped"].add_argument("--passes", default=DEFAULT_PASSES)
     sub.choices["capped"].add_argument("--warmup", type=int, default=3)
     sub.choices["capped"].add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
