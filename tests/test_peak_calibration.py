@@ -16,7 +16,8 @@ import torch
 import mutwo
 import mutwo.runtime.planning.captured as captured
 import mutwo.runtime.planning.peak_calibration as peak_calibration
-from mutwo.ir.budget import parse_budget
+from mutwo.ir.budget import Budget, parse_budget
+from mutwo.ir.pass_base import PassContext
 from mutwo.ir.swap import OFFLOAD
 from mutwo.runtime.api import optimize_graph
 from mutwo.runtime.planning.peak_calibration import CalibrationRound, calibrate, next_budget
@@ -242,6 +243,38 @@ def test_a_memory_limit_at_the_budget_calibrates_under_it_and_says_why(monkeypat
     assert "1% under the" in calibration.target_note and "1% under the" in calibration.summary()
     assert any("holding the step to" in m and "from process to process" in m for m in messages)
     assert calibration.rounds[calibration.chosen].measured_peak_bytes <= calibration.target_bytes
+    # The first plan was made for the window's middle under the target, not for the budget at the limit.
+    target = calibration.target_bytes
+    assert calibration.rounds[0].budget_bytes == target - int(peak_calibration.TOLERANCE * target / 2)
+    assert any("the first plan is made for" in m and "1% under the" in m for m in messages)
+
+
+@pytest.mark.parametrize(("budget", "limit", "rounds", "first"), [
+    ("1000B", 1000, 2, 976),  # at the limit: held to 990, the first plan at its window's middle, 990 - 14
+    ("1200B", 1000, 1, 976),  # over it
+    (None, 1000, 2, 976),  # no budget: select plans for the limit
+    ("900B", 1000, 2, None),  # under the headroom: planned as asked
+    ("1000B", 1000, 0, None),  # no calibration: nothing moves a plan's held memory under the limit
+    ("0.9", 1000, 2, None),  # a fraction, resolved by select: planned as asked
+    ("1000B", None, 2, None),  # no limit known
+], ids=["at-the-limit", "over", "no-budget", "under", "no-rounds", "fraction", "no-limit"])  # fmt: skip
+def test_the_first_plan_under_a_limit_aims_at_calibrations_window(budget: str | None, limit: int | None, rounds: int,
+                                                                   first: int | None) -> None:  # fmt: skip
+    """Held 1% under a limit, a plan made for the budget at the limit simulates over the target,
+    and its round runs out of memory under the limit: the first plan is made for the middle of the
+    window under the target instead, and calibration still holds the step to what the budget asked
+    allows."""
+    ctx = PassContext()
+    asked = parse_budget(budget) if budget is not None else None
+    ctx.services["budget"] = asked
+    if limit is not None:
+        ctx.services["device_memory"] = limit
+    line = peak_calibration.plan_first_at_window(ctx, rounds)
+    if first is None:
+        assert line is None and ctx.services["budget"] is asked and peak_calibration.ASKED_BUDGET not in ctx.services
+    else:
+        assert ctx.services["budget"] == Budget(bytes=first) and line is not None and "990.0" not in line
+        assert ctx.services[peak_calibration.ASKED_BUDGET] == (asked.bytes if asked is not None else limit)
 
 
 def test_a_round_out_of_memory_planned_under_its_budget_steps_from_its_plan() -> None:

@@ -82,6 +82,7 @@ from mutwo.runtime.planning.peak_calibration import (
     CalibrationOutOfMemory,
     calibrated_step,
     calibration_rounds,
+    plan_first_at_window,
     release_recording,
 )
 from mutwo.runtime.planning.plan_cache import CachedPlanning
@@ -456,6 +457,9 @@ class MutwoOpt:
         failure: PipelineFailure | None = None
         rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes,
                                     budgeted=config.budget is not None or limit is not None)  # fmt: skip
+        aimed = plan_first_at_window(ctx, rounds)
+        if aimed is not None:
+            self.log(aimed)
         with self.timed("plan cache"):
             self.plan_cache = self.look_up_plan(config, lowered, manager, ctx, limit, rounds)
         try:

@@ -47,6 +47,7 @@ from mutwo.runtime.planning.peak_calibration import (
     calibration_refusal,
     calibration_rounds,
     pipeline_plan,
+    plan_first_at_window,
 )
 from mutwo.runtime.planning.plan_cache import CachedPlanning, CacheOption
 from mutwo.runtime.planning.plan_choice import choice_refusal, measured_choice
@@ -158,6 +159,9 @@ def optimize_graph(
         context.services.update(backend_services(backend), measure_choice=measure_choice)
         planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline,
                                             budgeted=budget is not None or memory_limit is not None)  # fmt: skip
+        aimed = plan_first_at_window(context, planned_rounds)
+        if aimed is not None:
+            log(f"mutwo: {aimed}")
         settings = run_settings(budget=budget, memory_limit=memory_limit, backend=backend, keep_grads=keep_grads,
                                 calibration_rounds=planned_rounds, measure_choice=measure_choice,
                                 precision=training.precision if training is not None else "fp32")  # fmt: skip
