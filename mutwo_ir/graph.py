@@ -10,9 +10,7 @@ import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from torch.utils import _pytree as pytree
-
-from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta
+from mutwo.ir.node import Node, NodeKind, Phase, StorageKey, TensorMeta, iter_nodes, map_nodes
 
 
 class GraphError(ValueError):
@@ -152,8 +150,8 @@ class Graph:
         if before is not None and after is not None:
             raise GraphError("give at most one of before= and after=")
         # Check everything before changing anything: a refused node leaves no trace.
-        for operand in pytree.tree_leaves((args, kwargs or {})):
-            if isinstance(operand, Node) and operand.graph is not self:
+        for operand in iter_nodes((args, kwargs or {})):
+            if operand.graph is not self:
                 raise GraphError(f"operand {operand!r} of new node {name!r} is not in this graph")
         insert_at = len(self._nodes)
         if before is not None:
@@ -201,9 +199,7 @@ class Graph:
         original allocated become new storages of the copy, and storages it aliased follow the
         remapped operands.
         """
-        args, kwargs = pytree.tree_map(
-            lambda leaf: remap.get(leaf, leaf) if isinstance(leaf, Node) else leaf, (node.args, node.kwargs)
-        )
+        args, kwargs = map_nodes((node.args, node.kwargs), lambda leaf: remap.get(leaf, leaf))
         storage_map = _storage_remap(node, remap)
         tensors = tuple(
             None if t is None else TensorMeta(t.shape, t.dtype, t.device, storage_map.get(t.storage, t.storage),
@@ -226,7 +222,7 @@ class Graph:
         for user in list(old.users):
             if user is new or self.position(user) <= start:
                 continue
-            args, kwargs = pytree.tree_map(lambda leaf: new if leaf is old else leaf, (user.args, user.kwargs))
+            args, kwargs = map_nodes((user.args, user.kwargs), lambda leaf: new if leaf is old else leaf)
             user.set_operands(args, kwargs)
             changed += 1
         return changed
@@ -264,15 +260,11 @@ class Graph:
         clone = Graph()
         clone.meta = copy.deepcopy(self.meta)
         mapping: dict[Node, Node] = {}
-
-        def remap(leaf: Any) -> Any:
-            return mapping[leaf] if isinstance(leaf, Node) else leaf
-
         for node in self._nodes:
             new = Node(id=node.id, name=node.name, op=node.op, target=node.target, kind=node.kind, phase=node.phase,
                        tensors=node.tensors, is_tuple=node.is_tuple, label=node.label, origin=node.origin)
-            new._args = pytree.tree_map(remap, node._args) if node._args else ()
-            new._kwargs = pytree.tree_map(remap, node._kwargs) if node._kwargs else {}
+            new._args = map_nodes(node._args, mapping.__getitem__) if node._args else ()
+            new._kwargs = map_nodes(node._kwargs, mapping.__getitem__) if node._kwargs else {}
             new.graph = clone
             for operand in new.operands:
                 operand.users[new] = None

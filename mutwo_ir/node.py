@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.immutable_collections import immutable_list
 from torch.utils import _pytree as pytree
 
 
@@ -156,10 +157,7 @@ class Node:
         cached = self._operands
         if cached is not None and cached[0] is self._args and cached[1] is self._kwargs:
             return list(cached[2])
-        seen: dict[Node, None] = {}
-        for leaf in pytree.tree_leaves((self._args, self._kwargs)):
-            if isinstance(leaf, Node):
-                seen[leaf] = None
+        seen = dict.fromkeys(iter_nodes((self._args, self._kwargs)))
         self._operands = (self._args, self._kwargs, tuple(seen))
         return list(seen)
 
@@ -210,7 +208,7 @@ class Node:
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
             value = self._kwargs.get(argument.name, self._args[index] if index < len(self._args) else None)
-            written.extend(leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Node))
+            written.extend(iter_nodes(value))
         return written
 
     @property
@@ -280,7 +278,37 @@ def target_name(target: Callable[..., Any] | str) -> str:
 
 
 def iter_nodes(value: Any) -> Iterator[Node]:
-    """Every node inside a nested args structure."""
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, Node):
-            yield leaf
+    """Every node inside a nested args structure, in pytree's order of leaves."""
+    kind = type(value)
+    if kind is Node:
+        yield value
+    elif kind is tuple or kind is list or kind is immutable_list:
+        for item in value:
+            yield from iter_nodes(item)
+    elif kind is dict:
+        for item in value.values():
+            yield from iter_nodes(item)
+    elif isinstance(value, (tuple, list, dict, Node)):  # a namedtuple, an immutable_list...: pytree's
+        yield from (leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Node))
+
+
+def map_nodes(value: Any, replace: Callable[[Node], Any]) -> Any:
+    """``value`` (a nested args structure) with every node replaced by ``replace(node)``, as
+    ``pytree.tree_map`` would rebuild it. Plain tuples, lists and dicts, which are what an aten
+    call's arguments hold, and fx's immutable lists are rebuilt here, other containers by pytree:
+    its generic walk made copying GPT-2's graph of 3,275 nodes take 0.145 s on this project's CPU
+    machine, 0.062 s without it, and a plan or a restart copies the graph several times."""
+    kind = type(value)
+    if kind is Node:
+        return replace(value)
+    if kind is tuple:
+        return tuple(map_nodes(item, replace) for item in value)
+    if kind is list:
+        return [map_nodes(item, replace) for item in value]
+    if kind is immutable_list:  # what fx makes of a list argument
+        return immutable_list(map_nodes(item, replace) for item in value)
+    if kind is dict:
+        return {key: map_nodes(item, replace) for key, item in value.items()}
+    if isinstance(value, (tuple, list, dict, Node)):  # other containers, and subclasses: pytree's
+        return pytree.tree_map(lambda leaf: replace(leaf) if isinstance(leaf, Node) else leaf, value)
+    return value
