@@ -13,6 +13,11 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 _UNKNOWN_UNIT = "{!r} has unknown unit {!r}; use B, KiB, MiB, GiB, KB, MB or GB"
 _PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+#: The pass-context service holding the budget asked for, in bytes, when the run's ``budget``
+#: service is a lower one to aim at (peak calibration's first plan under a memory limit,
+#: :func:`mutwo.runtime.planning.peak_calibration.plan_first_at_window`): the selection passes aim
+#: at the budget and keep a plan that peaks over it but within this one.
+ASKED_BUDGET = "budget_asked_bytes"
 
 
 class BudgetError(ValueError):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mutwo.ir.budget import (
+    ASKED_BUDGET,
     Budget,
     UnreachableBudget,
     budget_text,
@@ -52,7 +53,7 @@ class PlanData:
     predicted_peak_node: int
     predicted_peak_phase: str
     base_seconds: float  #: the unoptimized iteration, priced by the time model (measured on CUDA)
-    met: bool  #: whether the predicted peak is within the budget (always, for ``min``)
+    met: bool  #: whether the predicted peak is within the budget (always, for ``min``), or the one asked (ASKED_BUDGET)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -177,6 +178,19 @@ class Start:
     budget: Budget
     budget_bytes: int
     unoptimized: int
+    #: The most a plan may peak and still be kept: the budget, or the one asked when the budget is
+    #: a lower aim (:data:`~mutwo.ir.budget.ASKED_BUDGET`).
+    ceiling_bytes: int
+
+    def within_ceiling(self, plan: PlanData, ctx: PassContext, who: str) -> None:
+        """Keep ``plan`` when it misses the budget it aimed at but peaks within the one asked
+        (said in the log); a plan over both stays unmet."""
+        if plan.met or plan.predicted_peak > self.ceiling_bytes:
+            return
+        ctx.log(f"{who}: the budget aimed at, {readable_bytes(self.budget_bytes)}, is out of reach; keeping the "
+                f"plan that peaks at {readable_bytes(plan.predicted_peak)}, within the "
+                f"{readable_bytes(self.ceiling_bytes)} asked")  # fmt: skip
+        plan.met = True
 
 
 #: The ``fused`` option of the planning passes: why it is off by default.
@@ -215,7 +229,12 @@ def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: s
         ctx.log(f"{who}: the budget {budget} ({readable_bytes(budget.resolve(unoptimized))}) is over the memory "
                 f"limit: planning for the limit, {readable_bytes(limit)}")  # fmt: skip
         budget = Budget(bytes=int(limit))
-    return Start(profile, liveness, workspace, base, budget, budget.resolve(unoptimized), unoptimized)
+    budget_bytes = budget.resolve(unoptimized)
+    asked = ctx.services.get(ASKED_BUDGET)
+    ceiling = budget_bytes
+    if asked is not None and not budget.minimum:
+        ceiling = max(budget_bytes, int(asked) if limit is None else min(int(asked), int(limit)))
+    return Start(profile, liveness, workspace, base, budget, budget_bytes, unoptimized, ceiling)
 
 
 def resolve_budget(option_value: str | None, ctx: PassContext, peak: int, unlimited: str) -> Budget:
@@ -372,8 +391,9 @@ class SelectPass(Pass):
         unoptimized_text, budget_size = sizes(begin.unoptimized, budget_bytes)
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {unoptimized_text}, budget "
                 f"{budget_text(str(budget), budget_size)}")  # fmt: skip
-        if not self.lowest:
-            self._fail_fast(base, budget, budget_bytes, candidates, begin.unoptimized)
+        if not self.lowest:  # out of reach only when the budget asked is
+            ceiling = budget if begin.ceiling_bytes == budget_bytes else Budget(bytes=begin.ceiling_bytes)
+            self._fail_fast(base, ceiling, begin.ceiling_bytes, candidates, begin.unoptimized)
         # The greedy cannot undo a choice: when its first choice made every exact plan worse than
         # none (a block's transients, which the estimate ignores, sat at the peak), plan again
         # without that candidate, a few times at most.
@@ -389,6 +409,7 @@ class SelectPass(Pass):
             ctx.log(self._sharing(time_model, best))
         plan = self._plan(graph, budget, budget_bytes, base, best, time_model, begin.unoptimized)
         plan.refused = refused
+        begin.within_ceiling(plan, ctx, "select")
         plan.publish(ctx, "plan", "plan", "select")
         if not plan.met:
             raise self._unreachable(graph, plan, budget, "optimizer-in-backward" in ctx.artifacts)

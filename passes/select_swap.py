@@ -256,6 +256,7 @@ class SelectSwapPass(Pass):
             best, candidates, sites = recompute_only, only, only_sites
         plan = self._plan(graph, budget, budget_bytes, base, best, candidates, sites, seconds, transfer)
         plan.alternative = alternative
+        begin.within_ceiling(plan, ctx, "select-swap")
         plan.publish(ctx, "swap-plan", "swap_plan", "select-swap")
         # A caller that measures both compiled plans (``measure_choice`` among the services) needs no hint.
         if plan.of(SWAP) and ctx.services.get("fused_recompute", False) and not ctx.services.get("measure_choice"):

@@ -277,6 +277,35 @@ def test_the_first_plan_under_a_limit_aims_at_calibrations_window(budget: str | 
         assert ctx.services[peak_calibration.ASKED_BUDGET] == (asked.bytes if asked is not None else limit)
 
 
+def test_a_first_plan_whose_aim_is_out_of_reach_is_kept_within_the_budget_asked(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """With the budget and the limit at the lowest peak recomputation reaches, the first plan's
+    aim (the window's middle under 1% below the limit) is out of reach: select keeps the lowest
+    plan, which is within the budget asked, says so, and calibration goes on from it (it used to
+    refuse a budget that it could plan)."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    work = models.cnn(batch_size=32)
+    twin = copy.deepcopy(work.model)
+    lowest = mutwo.optimize(twin, torch.optim.Adam(twin.parameters(), lr=1e-3), work.batch, work.loss_fn,
+                            budget="min", backend="eager", cache=False)  # fmt: skip
+    assert lowest.last is not None
+    floor = lowest.last.plan.predicted_peak
+    capsys.readouterr()
+    step = mutwo.optimize(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch, work.loss_fn,
+                          budget=floor, memory_limit=floor, backend="eager", calibrate_peak=1, cache=False,
+                          verbose=True)  # fmt: skip
+    said = capsys.readouterr()
+    messages = (said.out + said.err).splitlines()
+    assert any("the first plan is made for" in m for m in messages)
+    assert any("is out of reach; keeping the plan that peaks at" in m and "within the" in m for m in messages)
+    calibration = step.last.calibration if step.last is not None else None
+    assert calibration is not None and calibration.target_bytes == int(0.99 * floor)
+    target = calibration.target_bytes
+    assert calibration.rounds[0].budget_bytes == target - int(peak_calibration.TOLERANCE * target / 2)
+    assert calibration.rounds[0].planned_peak_bytes <= floor
+
+
 def test_a_round_out_of_memory_planned_under_its_budget_steps_from_its_plan() -> None:
     """A budget over the peak with nothing recomputed plans nothing: stepping 10% down from the
     budget would plan the same graph again (and stop), so the step starts at the plan's peak."""

@@ -60,7 +60,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from mutwo.ir.budget import Budget, sizes
+from mutwo.ir.budget import ASKED_BUDGET, Budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
@@ -312,11 +312,6 @@ def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
     aimed = int((1 - LIMIT_HEADROOM) * limit_bytes)
     return aimed, (f"{LIMIT_HEADROOM:.0%} under the {limit_bytes / 2**20:,.1f} MiB the process may hold; the "
                    f"budget asked is {budget_bytes / 2**20:,.1f} MiB")  # fmt: skip
-
-
-#: The context service that keeps the budget asked for when the first plan was made for less
-#: (:func:`plan_first_at_window`): calibration holds the step to what that budget allows.
-ASKED_BUDGET = "budget_asked_bytes"
 
 
 def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
