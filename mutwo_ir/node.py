@@ -288,7 +288,7 @@ def iter_nodes(value: Any) -> Iterator[Node]:
     elif kind is dict:
         for item in value.values():
             yield from iter_nodes(item)
-    elif isinstance(value, (tuple, list, dict, Node)):  # a namedtuple, an immutable_list...: pytree's
+    elif _pytree_container(value):
         yield from (leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Node))
 
 
@@ -309,6 +309,12 @@ def map_nodes(value: Any, replace: Callable[[Node], Any]) -> Any:
         return immutable_list(map_nodes(item, replace) for item in value)
     if kind is dict:
         return {key: map_nodes(item, replace) for key, item in value.items()}
-    if isinstance(value, (tuple, list, dict, Node)):  # other containers, and subclasses: pytree's
+    if _pytree_container(value):
         return pytree.tree_map(lambda leaf: replace(leaf) if isinstance(leaf, Node) else leaf, value)
     return value
+
+
+def _pytree_container(value: Any) -> bool:
+    """Whether pytree may walk into ``value``, or find a node in it: a type registered with pytree
+    (a deque, a namedtuple, a registered dataclass...) or a subclass of the containers above."""
+    return type(value) in pytree.SUPPORTED_NODES or isinstance(value, (tuple, list, dict, Node))

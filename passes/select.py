@@ -6,7 +6,7 @@ import copy
 import csv
 import io
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -189,7 +189,8 @@ class Start:
             return
         ctx.log(f"{who}: the budget aimed at, {readable_bytes(self.budget_bytes)}, is out of reach; keeping the "
                 f"plan that peaks at {readable_bytes(plan.predicted_peak)}, within the "
-                f"{readable_bytes(self.ceiling_bytes)} asked")  # fmt: skip
+                f"{readable_bytes(self.ceiling_bytes)} that the budget asked and the memory the process may "
+                "hold allow")  # fmt: skip
         plan.met = True
 
 
@@ -232,8 +233,9 @@ def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: s
     budget_bytes = budget.resolve(unoptimized)
     asked = ctx.services.get(ASKED_BUDGET)
     ceiling = budget_bytes
-    if asked is not None and not budget.minimum:
-        ceiling = max(budget_bytes, int(asked) if limit is None else min(int(asked), int(limit)))
+    if asked is not None and not budget.minimum:  # never over what the process may hold (the card, a limit)
+        held = ctx.services.get("device_memory", limit)
+        ceiling = max(budget_bytes, int(asked) if held is None else min(int(asked), int(held)))
     return Start(profile, liveness, workspace, base, budget, budget_bytes, unoptimized, ceiling)
 
 
@@ -411,8 +413,10 @@ class SelectPass(Pass):
         plan.refused = refused
         begin.within_ceiling(plan, ctx, "select")
         plan.publish(ctx, "plan", "plan", "select")
-        if not plan.met:
-            raise self._unreachable(graph, plan, budget, "optimizer-in-backward" in ctx.artifacts)
+        if not plan.met:  # named by the budget asked, not the lower one the first plan aimed at
+            asked = (budget, plan) if begin.ceiling_bytes == budget_bytes else \
+                (Budget(bytes=begin.ceiling_bytes), replace(plan, budget_bytes=begin.ceiling_bytes))
+            raise self._unreachable(graph, asked[1], asked[0], "optimizer-in-backward" in ctx.artifacts)
         return plan
 
     def _greedy_plan(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], base: MemorySimulation,

@@ -265,7 +265,9 @@ class SelectSwapPass(Pass):
                     "recompute-only plan ran 15% under its prediction, a plan with swaps 17% slower than it, while "
                     "BERT-base's swap plans ran 6% faster than recompute only; docs/swap.md): --measure-choice "
                     "(measure_choice=True) measures both compiled plans and keeps the faster")
-        if not plan.met:
+        if not plan.met:  # named by the budget asked, not the lower one the first plan aimed at
+            if begin.ceiling_bytes != budget_bytes:
+                budget, budget_bytes = Budget(bytes=begin.ceiling_bytes), begin.ceiling_bytes
             budget_size, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
             raise UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak select-swap "
                                     f"reaches with {self.allow} is {lowest} "

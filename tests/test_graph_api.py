@@ -438,3 +438,38 @@ def test_operands_follow_every_change_of_the_arguments() -> None:
     assert n.gh.operands == [n.h]
     copied = graph.copy().node(n.gh.id)
     assert [o.id for o in copied.operands] == [n.h.id] and copied.operands[0] is not n.h
+
+
+def test_arguments_are_walked_and_rebuilt_as_pytree_does() -> None:
+    """``iter_nodes`` and ``map_nodes`` walk plain tuples, lists, dicts and fx's immutable lists
+    themselves, for speed: every container must give pytree's leaves in pytree's order, and be
+    rebuilt as pytree rebuilds it (other containers: pytree's own walk)."""
+    import collections
+
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+    from torch.utils import _pytree as pytree
+
+    from mutwo.ir.node import iter_nodes, map_nodes
+
+    graph = build_small_graph()[0]
+    a, b, c = graph.nodes[:3]
+    pair = collections.namedtuple("pair", "first second")
+    structures = [
+        (a, [b, 1.5, None], {"k": c, "s": "text"}),
+        immutable_list([a, immutable_list([b])]),
+        immutable_dict({"x": a, "y": [b, c]}),
+        collections.OrderedDict([("z", c), ("a", a)]),
+        collections.deque([a, (b, c)]),
+        pair(a, [c, b]),
+        torch.Size([2, 3]),
+        (slice(0, 2), torch.float32, torch.device("cpu"), [a, a]),
+        [],
+        {},
+    ]
+    swapped = {a: b, b: c, c: a}
+    for value in structures:
+        expected = [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Node)]
+        assert list(iter_nodes(value)) == expected, value
+        mapped = map_nodes(value, swapped.__getitem__)
+        reference = pytree.tree_map(lambda leaf: swapped[leaf] if isinstance(leaf, Node) else leaf, value)
+        assert type(mapped) is type(reference) and mapped == reference, value

@@ -307,6 +307,26 @@ def test_a_first_plan_whose_aim_is_out_of_reach_is_kept_within_the_budget_asked(
     assert calibration.rounds[0].planned_peak_bytes <= floor
 
 
+def test_a_plan_cache_hit_under_a_limit_says_no_first_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A hit makes no plan (it rewrites with the entry's): the first plan's aim is said on the miss
+    only, and the hit trains the plan the miss kept."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    said = []
+    for _ in range(2):
+        work = models.cnn(batch_size=32)
+        budget = 1_200_000  # bytes: under the unoptimized peak, over the lowest
+        step = mutwo.optimize(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch,
+                              work.loss_fn, budget=budget, memory_limit=budget, backend="eager", calibrate_peak=1,
+                              cache=tmp_path, verbose=True)  # fmt: skip
+        out = capsys.readouterr()
+        said.append((step.last.cache_hit if step.last is not None else None, out.out + out.err))
+    (first_hit, first_log), (second_hit, second_log) = said
+    assert first_hit is False and "the first plan is made for" in first_log
+    assert second_hit is True and "the first plan is made for" not in second_log
+
+
 def test_a_round_out_of_memory_planned_under_its_budget_steps_from_its_plan() -> None:
     """A budget over the peak with nothing recomputed plans nothing: stepping 10% down from the
     budget would plan the same graph again (and stop), so the step starts at the plan's peak."""

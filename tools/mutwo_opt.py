@@ -458,10 +458,10 @@ class MutwoOpt:
         rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes,
                                     budgeted=config.budget is not None or limit is not None)  # fmt: skip
         aimed = plan_first_at_window(ctx, rounds)
-        if aimed is not None:
-            self.log(aimed)
         with self.timed("plan cache"):
             self.plan_cache = self.look_up_plan(config, lowered, manager, ctx, limit, rounds)
+        if aimed is not None and not self.plan_cache.hit:  # a hit makes no plan: it rewrites with the entry's
+            self.log(aimed)
         try:
             with self.timed("passes"):
                 planned, ctx, result = self.plan_cache.run(manager.passes, graph, ctx, manager.instrumentation)

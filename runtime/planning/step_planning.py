@@ -160,8 +160,6 @@ def optimize_graph(
         planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline,
                                             budgeted=budget is not None or memory_limit is not None)  # fmt: skip
         aimed = plan_first_at_window(context, planned_rounds)
-        if aimed is not None:
-            log(f"mutwo: {aimed}")
         settings = run_settings(budget=budget, memory_limit=memory_limit, backend=backend, keep_grads=keep_grads,
                                 calibration_rounds=planned_rounds, measure_choice=measure_choice,
                                 precision=training.precision if training is not None else "fp32")  # fmt: skip
@@ -169,6 +167,8 @@ def optimize_graph(
             cached = CachedPlanning.begin(cache, lowered, pipeline, settings, context.services.get("device_memory"),
                                           lambda line: stages.progress(f"mutwo: {line}"),
                                           data_parallel is not None)  # fmt: skip
+        if aimed is not None and not cached.hit:  # a hit makes no plan: it rewrites with the entry's
+            log(f"mutwo: {aimed}")
         running = ",".join(p.name for p in cached.passes(pipeline))
         with stages.stage("passes", f"running the passes ({running})", record=False), passes_noted(memory):
             lowered.graph, context, result = cached.run(pipeline, lowered.graph, context)
