@@ -161,3 +161,34 @@ def test_select_swap_hints_at_the_measured_choice_only_when_it_is_not_made(
     err = capsys.readouterr().err
     assert code == EXIT_OK, err
     assert ("--measure-choice (measure_choice=True) measures both" in err) != measure, err
+
+
+@pytest.mark.parametrize("faster", [RECOMPUTE_ONLY], indirect=True)
+@pytest.mark.filterwarnings("ignore:mutwo. the planned step holds")  # the CPU's peaks are not the point here
+def test_under_a_limit_the_recompute_only_plan_is_first_made_for_calibrations_window(
+        faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # fmt: skip
+    """Under a memory limit at the budget, both candidates' calibrations start from a plan made for
+    the middle of the window under the target (1% under the limit), as the first plan does: a plan
+    for the target itself would run out of memory under the limit. The kept recompute-only plan's
+    files are written from the plan it kept."""
+    import mutwo.runtime.planning.peak_calibration as peak_calibration
+
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    work = models.mlp(batch_size=512)
+    twin = models.mlp(batch_size=512)
+    planned = mutwo.optimize(twin.model, torch.optim.Adam(twin.model.parameters(), lr=1e-3), twin.batch, twin.loss_fn,
+                             budget=0.85, backend="eager", cache=False)  # fmt: skip
+    assert planned.last is not None
+    budget = planned.last.plan.budget_bytes
+    step = mutwo.optimize(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch, work.loss_fn,
+                          budget=budget, memory_limit=budget, passes="profile,swap", backend="inductor",
+                          measure_choice=True, calibrate_peak=1, cache=False, out_dir=tmp_path)  # fmt: skip
+    optimized = step.last
+    assert optimized is not None and optimized.choice is not None and optimized.choice["kept"] == faster
+    calibration = optimized.calibration
+    assert calibration is not None and calibration.target_bytes == int(0.99 * budget)
+    target = calibration.target_bytes
+    aim = target - int(peak_calibration.TOLERANCE * target / 2)
+    assert calibration.rounds[0].budget_bytes == aim  # the recompute-only candidate's own calibration
+    assert (tmp_path / "plan.json").exists()

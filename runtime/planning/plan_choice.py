@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mutwo.ir.budget import Budget
+from mutwo.ir.budget import ASKED_BUDGET, Budget
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
@@ -152,10 +152,12 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
     planning = PassManager(recompute_only_passes(manager.passes), manager.instrumentation)
     keep_grads = bool(first.ctx.services.get("keep_grads", False))
 
-    def plan(budget_bytes: int, folder: Path | None) -> tuple[Graph, Any] | None:
+    def plan(budget_bytes: int, folder: Path | None, asked: int | None = None) -> tuple[Graph, Any] | None:
         graph = original.copy()
         ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log, keep_grads=keep_grads)
         ctx.services.update(backend_services(first.compiled.backend))
+        if asked is not None:  # a plan over the aim but within the target is kept, as the first plan's
+            ctx.services[ASKED_BUDGET] = asked
         ctx.artifacts["profile"] = first.ctx.artifacts["profile"]
         try:
             planning.run(graph, ctx)
@@ -164,8 +166,13 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
             return None
         return graph, ctx
 
+    # Under a limit, planned for the middle of calibration's window under the target, as the first
+    # plan was (plan_first_at_window): a plan for the target itself simulates at the top of the
+    # window, and its round runs out of memory under the limit.
+    under_limit = bool(calibrate) and first.calibration is not None and bool(first.calibration.target_note)
+    aim = target - int(TOLERANCE * target / 2) if under_limit else target
     # Planned without writing files: select-swap's are in out_dir; the kept plan's are written below.
-    planned = plan(target, None)
+    planned = plan(aim, None, target if aim != target else None)
     if planned is None:
         return first, {"skipped": "no recompute-only plan reaches the budget"}
     other = Calibrated(planned[0], compile_graph(planned[0]), planned[1])
@@ -185,7 +192,7 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
     if made is other and out_dir is not None:
         # The kept plan's passes again, writing their files over select-swap's (clones.json, and any
         # later pass's); swap_plan.json and swaps.json stay, describing the plan weighed and not kept.
-        rewritten = plan(other.ctx.artifacts["plan"].budget_bytes, out_dir)
+        rewritten = plan(other.ctx.artifacts["plan"].budget_bytes, out_dir, other.ctx.services.get(ASKED_BUDGET))
         if rewritten is not None:
             made = Calibrated(made.graph, made.compiled, rewritten[1], made.calibration)
     return made, choice
