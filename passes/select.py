@@ -182,6 +182,10 @@ class Start:
     #: a lower aim (:data:`~mutwo.ir.budget.ASKED_BUDGET`).
     ceiling_bytes: int
 
+    def asked(self) -> Budget:
+        """The budget a failure is named by: the one asked, not a lower one the plan aimed at."""
+        return self.budget if self.ceiling_bytes == self.budget_bytes else Budget(bytes=self.ceiling_bytes)
+
     def within_ceiling(self, plan: PlanData, ctx: PassContext, who: str) -> None:
         """Keep ``plan`` when it misses the budget it aimed at but peaks within the one asked
         (said in the log); a plan over both stays unmet."""
@@ -394,8 +398,7 @@ class SelectPass(Pass):
         ctx.log(f"select: {len(candidates)} candidates; unoptimized peak {unoptimized_text}, budget "
                 f"{budget_text(str(budget), budget_size)}")  # fmt: skip
         if not self.lowest:  # out of reach only when the budget asked is
-            ceiling = budget if begin.ceiling_bytes == budget_bytes else Budget(bytes=begin.ceiling_bytes)
-            self._fail_fast(base, ceiling, begin.ceiling_bytes, candidates, begin.unoptimized)
+            self._fail_fast(base, begin.asked(), begin.ceiling_bytes, candidates, begin.unoptimized)
         # The greedy cannot undo a choice: when its first choice made every exact plan worse than
         # none (a block's transients, which the estimate ignores, sat at the peak), plan again
         # without that candidate, a few times at most.
@@ -414,9 +417,8 @@ class SelectPass(Pass):
         begin.within_ceiling(plan, ctx, "select")
         plan.publish(ctx, "plan", "plan", "select")
         if not plan.met:  # named by the budget asked, not the lower one the first plan aimed at
-            asked = (budget, plan) if begin.ceiling_bytes == budget_bytes else \
-                (Budget(bytes=begin.ceiling_bytes), replace(plan, budget_bytes=begin.ceiling_bytes))
-            raise self._unreachable(graph, asked[1], asked[0], "optimizer-in-backward" in ctx.artifacts)
+            raise self._unreachable(graph, replace(plan, budget_bytes=begin.ceiling_bytes), begin.asked(),
+                                    "optimizer-in-backward" in ctx.artifacts)  # fmt: skip
         return plan
 
     def _greedy_plan(self, graph: Graph, liveness: Liveness, workspace: dict[int, int], base: MemorySimulation,

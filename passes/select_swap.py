@@ -266,8 +266,7 @@ class SelectSwapPass(Pass):
                     "BERT-base's swap plans ran 6% faster than recompute only; docs/swap.md): --measure-choice "
                     "(measure_choice=True) measures both compiled plans and keeps the faster")
         if not plan.met:  # named by the budget asked, not the lower one the first plan aimed at
-            if begin.ceiling_bytes != budget_bytes:
-                budget, budget_bytes = Budget(bytes=begin.ceiling_bytes), begin.ceiling_bytes
+            budget, budget_bytes = begin.asked(), begin.ceiling_bytes
             budget_size, lowest, unoptimized = sizes(budget_bytes, plan.predicted_peak, base.peak_bytes)
             raise UnreachableBudget(f"budget {budget} ({budget_size}) is unreachable: the lowest peak select-swap "
                                     f"reaches with {self.allow} is {lowest} "

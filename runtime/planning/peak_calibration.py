@@ -252,6 +252,12 @@ def _within(round_: CalibrationRound, target: int, tolerance: float) -> bool:
     return not round_.out_of_memory and (1 - tolerance) * target <= peak <= target
 
 
+def window_middle(target: int, tolerance: float = TOLERANCE) -> int:
+    """The middle of calibration's window under ``target`` (a step is within between ``1 -
+    tolerance`` of it and it): what a plan aims at to be held within the window."""
+    return target - int(tolerance * target / 2)
+
+
 def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: float = TOLERANCE) -> int:
     """The budget for the next plan, from the ``rounds`` so far (the last one not within).
 
@@ -276,7 +282,7 @@ def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: floa
     no byte lies between (the rounds then stop)."""
     last = rounds[-1]
     ran = [r for r in rounds if not r.out_of_memory]
-    aim = target - int(tolerance * target / 2)
+    aim = window_middle(target, tolerance)
     if last.out_of_memory:
         # From the plan's simulated peak when under its budget: a budget still above it plans the
         # same graph again (a budget over the peak with nothing recomputed recomputes nothing).
@@ -331,7 +337,7 @@ def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
     target, note = held_target(asked, limit)
     if not note:
         return None
-    aim = target - int(TOLERANCE * target / 2)
+    aim = window_middle(target)
     ctx.services["budget"], ctx.services[ASKED_BUDGET] = Budget(bytes=aim), asked
     return (f"peak calibration: the first plan is made for {aim / 2**20:,.1f} MiB, the middle of the window under "
             f"the {target / 2**20:,.1f} MiB calibration holds the step to ({note})")

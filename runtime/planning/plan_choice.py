@@ -31,7 +31,13 @@ from mutwo.passes.share_gathers import ShareGathersPass
 from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import measure_iterations
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
-from mutwo.runtime.planning.peak_calibration import TOLERANCE, Calibrated, calibrated_step, release_recording
+from mutwo.runtime.planning.peak_calibration import (
+    TOLERANCE,
+    Calibrated,
+    calibrated_step,
+    release_recording,
+    window_middle,
+)
 
 SWAP_AND_RECOMPUTE = "swap+recompute"
 RECOMPUTE_ONLY = "recompute only"
@@ -170,7 +176,7 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
     # plan was (plan_first_at_window): a plan for the target itself simulates at the top of the
     # window, and its round runs out of memory under the limit.
     under_limit = bool(calibrate) and first.calibration is not None and bool(first.calibration.target_note)
-    aim = target - int(TOLERANCE * target / 2) if under_limit else target
+    aim = window_middle(target) if under_limit else target
     # Planned without writing files: select-swap's are in out_dir; the kept plan's are written below.
     planned = plan(aim, None, target if aim != target else None)
     if planned is None:
