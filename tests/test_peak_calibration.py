@@ -243,16 +243,15 @@ def test_a_memory_limit_at_the_budget_calibrates_under_it_and_says_why(monkeypat
     assert "1% under the" in calibration.target_note and "1% under the" in calibration.summary()
     assert any("holding the step to" in m and "from process to process" in m for m in messages)
     assert calibration.rounds[calibration.chosen].measured_peak_bytes <= calibration.target_bytes
-    # The first plan was made for the window's middle under the target, not for the budget at the limit.
-    target = calibration.target_bytes
-    assert calibration.rounds[0].budget_bytes == target - int(peak_calibration.TOLERANCE * target / 2)
+    # The first plan was made for the window under the target, not for the budget at the limit.
+    assert calibration.rounds[0].budget_bytes == peak_calibration.first_plan_aim(calibration.target_bytes)
     assert any("the first plan is made for" in m and "1% under the" in m for m in messages)
 
 
 @pytest.mark.parametrize(("budget", "limit", "rounds", "first"), [
-    ("1000B", 1000, 2, 976),  # at the limit: held to 990, the first plan at its window's middle, 990 - 14
-    ("1200B", 1000, 1, 976),  # over it
-    (None, 1000, 2, 976),  # no budget: select plans for the limit
+    ("1000B", 1000, 2, 942),  # at the limit: held to 990, its window's middle 990 - 14, over 1.035
+    ("1200B", 1000, 1, 942),  # over it
+    (None, 1000, 2, 942),  # no budget: select plans for the limit
     ("900B", 1000, 2, None),  # under the headroom: planned as asked
     ("1000B", 1000, 0, None),  # no calibration: nothing moves a plan's held memory under the limit
     ("0.9", 1000, 2, None),  # a fraction, resolved by select: planned as asked
@@ -261,8 +260,8 @@ def test_a_memory_limit_at_the_budget_calibrates_under_it_and_says_why(monkeypat
 def test_the_first_plan_under_a_limit_aims_at_calibrations_window(budget: str | None, limit: int | None, rounds: int,
                                                                    first: int | None) -> None:  # fmt: skip
     """Held 1% under a limit, a plan made for the budget at the limit simulates over the target,
-    and its round runs out of memory under the limit: the first plan is made for the middle of the
-    window under the target instead, and calibration still holds the step to what the budget asked
+    and its round runs out of memory under the limit: the first plan is made so that a step holding
+    :data:`FIRST_PLAN_HELD_RATIO` times its simulated peak holds the middle of the window instead, and calibration still holds the step to what the budget asked
     allows."""
     ctx = PassContext()
     asked = parse_budget(budget) if budget is not None else None
@@ -281,7 +280,7 @@ def test_the_first_plan_under_a_limit_aims_at_calibrations_window(budget: str | 
 def test_a_first_plan_whose_aim_is_out_of_reach_is_kept_within_the_budget_asked(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """With the budget and the limit at the lowest peak recomputation reaches, the first plan's
-    aim (the window's middle under 1% below the limit) is out of reach: select keeps the lowest
+    aim (in the window under 1% below the limit) is out of reach: select keeps the lowest
     plan, which is within the budget asked, says so, and calibration goes on from it (it used to
     refuse a budget that it could plan)."""
     real = peak_calibration.measured_peak
@@ -302,8 +301,7 @@ def test_a_first_plan_whose_aim_is_out_of_reach_is_kept_within_the_budget_asked(
     assert any("is out of reach; keeping the plan that peaks at" in m and "within the" in m for m in messages)
     calibration = step.last.calibration if step.last is not None else None
     assert calibration is not None and calibration.target_bytes == int(0.99 * floor)
-    target = calibration.target_bytes
-    assert calibration.rounds[0].budget_bytes == target - int(peak_calibration.TOLERANCE * target / 2)
+    assert calibration.rounds[0].budget_bytes == peak_calibration.first_plan_aim(calibration.target_bytes)
     assert calibration.rounds[0].planned_peak_bytes <= floor
 
 

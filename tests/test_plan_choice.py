@@ -168,8 +168,8 @@ def test_select_swap_hints_at_the_measured_choice_only_when_it_is_not_made(
 def test_under_a_limit_the_recompute_only_plan_is_first_made_for_calibrations_window(
         faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # fmt: skip
     """Under a memory limit at the budget, both candidates' calibrations start from a plan made for
-    the middle of the window under the target (1% under the limit), as the first plan does: a plan
-    for the target itself would run out of memory under the limit. The kept recompute-only plan's
+    the window under the target (1% under the limit), as the first plan does: a plan for the target
+    itself would run out of memory under the limit. The kept recompute-only plan's
     files are written from the plan it kept."""
     import mutwo.runtime.planning.peak_calibration as peak_calibration
 
@@ -189,6 +189,7 @@ def test_under_a_limit_the_recompute_only_plan_is_first_made_for_calibrations_wi
     calibration = optimized.calibration
     assert calibration is not None and calibration.target_bytes == int(0.99 * budget)
     target = calibration.target_bytes
-    aim = target - int(peak_calibration.TOLERANCE * target / 2)
+    aim = peak_calibration.first_plan_aim(target)
+    assert aim < target - int(peak_calibration.TOLERANCE * target / 2)  # under the window's middle
     assert calibration.rounds[0].budget_bytes == aim  # the recompute-only candidate's own calibration
     assert (tmp_path / "plan.json").exists()

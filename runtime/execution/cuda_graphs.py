@@ -226,6 +226,12 @@ class CudaGraphRunner:
         torch.cuda.synchronize(device)
         # What the warm-up freed stays cached for its side stream, where no replay reuses it: give
         # it back, so that the process holds the state and the graph's pool, as the plan counts.
+        # cuBLAS keeps one workspace per stream for the life of the process; one first made while a
+        # graph recorded comes from that graph's private pool and kept the whole pool alive after the
+        # graph was released (62 MiB held past each calibration round, bench/held_excess_probe.py).
+        # Cleared around the recording, as Inductor's CUDA-graph trees do: this graph's workspace is
+        # made in its own pool and goes back with it.
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
@@ -235,10 +241,16 @@ class CudaGraphRunner:
         with SWAP_RUNTIME.recording() as host_buffers, torch.cuda.graph(graph), torch.no_grad():
             self.outputs = self.run(*self.static)
         self.host_buffers = host_buffers
+        clear_cublas_workspaces()  # the graph's workspace stays in its pool, for the replays; nothing else uses it
         self.recorded_peak_absolute = torch.cuda.max_memory_allocated(device)
         self.recorded_peak_bytes = self.recorded_peak_absolute - before
         self.graph = graph
         self.recordings += 1
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's per-stream workspaces (each is made again, by the next matmul on its stream)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 #: One warm-up stream per device for every recording in the process. cuBLAS keeps a workspace per

@@ -35,8 +35,8 @@ from mutwo.runtime.planning.peak_calibration import (
     TOLERANCE,
     Calibrated,
     calibrated_step,
+    first_plan_aim,
     release_recording,
-    window_middle,
 )
 
 SWAP_AND_RECOMPUTE = "swap+recompute"
@@ -172,11 +172,10 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
             return None
         return graph, ctx
 
-    # Under a limit, planned for the middle of calibration's window under the target, as the first
-    # plan was (plan_first_at_window): a plan for the target itself simulates at the top of the
-    # window, and its round runs out of memory under the limit.
+    # Under a limit, planned where the first plan was (plan_first_at_window): a plan for the target
+    # itself simulates at the top of the window, and its round runs out of memory under the limit.
     under_limit = bool(calibrate) and first.calibration is not None and bool(first.calibration.target_note)
-    aim = window_middle(target) if under_limit else target
+    aim = first_plan_aim(target) if under_limit else target
     # Planned without writing files: select-swap's are in out_dir; the kept plan's are written below.
     planned = plan(aim, None, target if aim != target else None)
     if planned is None:
