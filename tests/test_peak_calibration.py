@@ -261,8 +261,8 @@ def test_the_first_plan_under_a_limit_aims_at_calibrations_window(budget: str | 
                                                                    first: int | None) -> None:  # fmt: skip
     """Held 1% under a limit, a plan made for the budget at the limit simulates over the target,
     and its round runs out of memory under the limit: the first plan is made so that a step holding
-    :data:`FIRST_PLAN_HELD_RATIO` times its simulated peak holds the middle of the window instead, and calibration still holds the step to what the budget asked
-    allows."""
+    :data:`FIRST_PLAN_HELD_RATIO` times its simulated peak holds the middle of the window instead,
+    and calibration still holds the step to what the budget asked allows."""
     ctx = PassContext()
     asked = parse_budget(budget) if budget is not None else None
     ctx.services["budget"] = asked
