@@ -19,6 +19,7 @@ from mutwo.ir.swap import SWAP_RELEASES, swap_nodes
 from mutwo.ir.to_fx import to_fx
 from mutwo.passes.mu_two_swap import SWAP
 from mutwo.runtime.execution.backends import compile_graph
+from mutwo.runtime.execution.cuda_graphs import clear_cublas_workspaces
 from mutwo.runtime.execution.swap import RUNTIME
 from mutwo.runtime.measurement.equivalence import check_graphs, compare_graphs, deterministic_algorithms
 from mutwo.runtime.measurement.iterations import measure_iterations
@@ -149,6 +150,27 @@ def test_cuda_a_pipeline_without_swaps_skips_the_contention_iterations(tmp_path:
     assert ("copy_contention" in json.loads((out / "profile.json").read_text())["meta"]) is measured
 
 
+def _recorded_cublas_workspace(device: torch.device) -> int:
+    """The bytes a recording of one matmul allocates besides its result: cuBLAS's workspace, which
+    a recording makes in its own pool (``runtime/execution/cuda_graphs.py``)."""
+    a = torch.ones(64, 64, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        a @ a  # warm-up, outside the recording
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize(device)
+    clear_cublas_workspaces()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.cuda.graph(graph):
+        result = a @ a
+    workspace = torch.cuda.max_memory_allocated(device) - before - result.untyped_storage().nbytes()
+    clear_cublas_workspaces()
+    return workspace
+
+
 @pytest.mark.parametrize("backend", ["cudagraphs", "inductor-cudagraphs"])
 def test_cuda_graphs_record_a_swap_plan_and_free_each_offload_at_its_release(backend: str) -> None:
     """The CNN's swap-only plan recorded as a CUDA graph: the copies are replayed with the graph
@@ -174,7 +196,9 @@ def test_cuda_graphs_record_a_swap_plan_and_free_each_offload_at_its_release(bac
         return device_bytes(rewritten.inputs, rewritten.inputs[0].device) + runner.recorded_peak_bytes
 
     planned = recorded_peak(rewritten.graph)
-    assert planned <= 1.03 * plan.predicted_peak, (planned, plan.predicted_peak)
+    # The recording makes cuBLAS's workspace in its own pool (the plan does not count it).
+    workspace = _recorded_cublas_workspace(rewritten.inputs[0].device)
+    assert planned <= 1.03 * plan.predicted_peak + workspace, (planned, plan.predicted_peak, workspace)
     # The control: the same plan with each offloaded tensor held until its prefetch (as deferring
     # the frees to the end of the capture would hold it), compiled by the same backend. Not the
     # unplanned step: Inductor compiles that leaner than the eager simulation the plan's budget is
