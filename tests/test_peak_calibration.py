@@ -199,6 +199,26 @@ def test_under_a_limit_no_round_is_planned_where_the_rounds_ratios_say_it_runs_o
     rounds = [CalibrationRound(942, 936, 948), CalibrationRound(968, 966, 958)]
     assert next_budget(990, rounds) == 1015  # 17 under the window's middle, over a slope of 10/26
     assert next_budget(990, rounds, limit_bytes=1000) == int(1000 / (948 / 936)) == 987
+    # Between a round that fitted and one that ran out, the bracket's middle (970) is over the
+    # ceiling (943) too.
+    bracketed = [CalibrationRound(940, 900, 954), CalibrationRound(1000, 990, 1000, out_of_memory=True)]
+    assert next_budget(990, bracketed) == 970
+    assert next_budget(990, bracketed, limit_bytes=1000) == int(1000 / (954 / 900)) == 943
+
+
+def test_the_ceiling_never_plans_under_a_budget_that_fitted() -> None:
+    """A round simulated well under its budget and held 5.6% over that: the ceiling (947) is under
+    the round's own budget (960), so the same budget comes again and the round that fitted is kept,
+    rather than compiling a plan that recomputes more and lands further under the window; the log
+    says why the next plan was not made where the gap pointed."""
+
+    def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
+        return CalibrationRound(budget, 900, 950), budget
+
+    messages: list[str] = []
+    calibration = calibrate(990, 2, plan_and_measure, messages.append, first_budget=960, limit_bytes=1000)
+    assert [r.budget_bytes for r in calibration.rounds] == [960] and calibration.chosen == 0
+    assert any("the next budget is" in m and "the process may hold" in m for m in messages), messages
 
 
 def test_a_round_out_of_memory_says_what_it_held_when_it_failed() -> None:

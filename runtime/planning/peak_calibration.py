@@ -322,14 +322,24 @@ def next_budget(target: int, rounds: Sequence[CalibrationRound], tolerance: floa
     # plans alike make a flat slope, and its secant step overshoots: the 0.5B Llama under a 12 GiB
     # cap held 11,664 and 11,784 MiB at 11,577 and 11,896 MiB, was planned next at 12,424 MiB, over
     # the limit itself, and ran out of memory (session29_h200/).
-    ratios = [r.measured_peak_bytes / r.planned_peak_bytes for r in ran if r.planned_peak_bytes > 0]
-    if limit_bytes is not None and ratios:
-        following = min(following, int(limit_bytes / max(ratios)))
+    # Applied last, so that the bracket below cannot move a budget back over it, and never under a
+    # budget that fitted: that round is kept instead (the same budget again ends the rounds).
+    ceiling = held_ratio_ceiling(rounds, limit_bytes)
     fitted = max((r.budget_bytes for r in ran if r.measured_peak_bytes <= target), default=None)
     missed = min((r.budget_bytes for r in rounds if r.out_of_memory or r.measured_peak_bytes > target), default=None)
     if fitted is not None and missed is not None and fitted < missed and not fitted < following < missed:
         following = (fitted + missed) // 2
+    if ceiling is not None:
+        following = min(following, max(ceiling, fitted or 0))
     return following
+
+
+def held_ratio_ceiling(rounds: Sequence[CalibrationRound], limit_bytes: int | None) -> int | None:
+    """The budget at which a step holding the largest ratio of held to simulated bytes of the
+    ``rounds`` that ran would hold ``limit_bytes``; None without a limit or a round that ran."""
+    ratios = [r.measured_peak_bytes / r.planned_peak_bytes for r in rounds
+              if not r.out_of_memory and r.planned_peak_bytes > 0]  # fmt: skip
+    return int(limit_bytes / max(ratios)) if limit_bytes is not None and ratios else None
 
 
 def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
@@ -425,6 +435,11 @@ def calibrate(target_bytes: int, rounds: int,
         if _within(result, target_bytes, tolerance):
             break
         following = next_budget(target_bytes, results, tolerance, limit_bytes)
+        unbounded = next_budget(target_bytes, results, tolerance)
+        if limit_bytes is not None and following < unbounded:
+            log(f"peak calibration: the next budget is {following / 2**20:,.1f} MiB, not {unbounded / 2**20:,.1f}: "
+                "a step holding as much over its simulated peak as a round here did would hold more than the "
+                f"{limit_bytes / 2**20:,.1f} MiB the process may hold (a budget measured already ends the rounds)")
         # Every budget at or above the graph's simulated peak with nothing recomputed plans nothing:
         # measured on the H100 (BERT-base b64 at torch.compile 0.5's peak), that step peaked 4.9%
         # under the budget, and a third compile planned nothing again.
