@@ -13,6 +13,7 @@ import torch
 
 from mutwo.ir.budget import (
     ASKED_BUDGET,
+    FIRST_PLAN_AIM,
     Budget,
     UnreachableBudget,
     budget_text,
@@ -235,6 +236,18 @@ def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: s
                 f"limit: planning for the limit, {readable_bytes(limit)}")  # fmt: skip
         budget = Budget(bytes=int(limit))
     budget_bytes = budget.resolve(unoptimized)
+    aim_under_limit = ctx.services.get(FIRST_PLAN_AIM)
+    if aim_under_limit is not None and not budget.minimum and ASKED_BUDGET not in ctx.services:
+        # A fraction resolved at or near the limit: the first plan aims under calibration's window,
+        # as a budget in bytes there does (peak_calibration.plan_first_at_window).
+        aim = aim_under_limit(budget_bytes)
+        if aim is not None and aim < budget_bytes:
+            who = unlimited.split(":", 1)[0]
+            ctx.log(f"{who}: the first plan is made for {readable_bytes(aim)}, under the "
+                    f"{readable_bytes(budget_bytes)} the budget {budget} asks: calibration holds the step 1% under "
+                    "the memory limit")  # fmt: skip
+            ctx.services[ASKED_BUDGET] = budget_bytes
+            budget, budget_bytes = Budget(bytes=aim), aim
     asked = ctx.services.get(ASKED_BUDGET)
     ceiling = budget_bytes
     if asked is not None and not budget.minimum:  # never over what the process may hold (the card, a limit)

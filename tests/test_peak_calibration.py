@@ -307,6 +307,32 @@ def test_the_first_plan_under_a_limit_aims_at_calibrations_window(budget: str | 
         assert ctx.services[peak_calibration.ASKED_BUDGET] == (asked.bytes if asked is not None else limit)
 
 
+def test_a_fraction_at_the_limit_makes_its_first_plan_where_bytes_would(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """``budget=0.9`` with the memory limit at 90% of the unoptimized peak: the fraction resolves in
+    select to the limit itself, where a plan simulates over calibration's target; select makes the
+    first plan where a budget in bytes at the limit makes it, says so, and calibration holds the
+    step to what the resolved fraction allows."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    twin = models.cnn(batch_size=32)
+    planned = mutwo.optimize(twin.model, torch.optim.Adam(twin.model.parameters(), lr=1e-3), twin.batch, twin.loss_fn,
+                             budget=0.85, backend="eager", cache=False)  # fmt: skip
+    assert planned.last is not None
+    limit = int(0.9 * planned.last.plan.unoptimized_peak)
+    work = models.cnn(batch_size=32)
+    capsys.readouterr()
+    step = mutwo.optimize(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch, work.loss_fn,
+                          budget=0.9, memory_limit=limit, backend="eager", calibrate_peak=1, cache=False,
+                          verbose=True)  # fmt: skip
+    said = capsys.readouterr()
+    messages = (said.out + said.err).splitlines()
+    calibration = step.last.calibration if step.last is not None else None
+    assert calibration is not None and calibration.target_bytes == int(0.99 * limit)
+    assert calibration.rounds[0].budget_bytes == peak_calibration.first_plan_aim(calibration.target_bytes)
+    assert any("select: the first plan is made for" in m and "the budget 0.9 asks" in m for m in messages), messages
+
+
 @pytest.mark.filterwarnings("ignore:mutwo. the planned step holds")  # over its target at the floor: expected
 def test_a_first_plan_whose_aim_is_out_of_reach_is_kept_within_the_budget_asked(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip

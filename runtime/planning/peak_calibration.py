@@ -51,6 +51,7 @@ lowest measured peak is kept and the result says so; when every round ran out of
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -60,7 +61,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from mutwo.ir.budget import ASKED_BUDGET, Budget, sizes
+from mutwo.ir.budget import ASKED_BUDGET, FIRST_PLAN_AIM, Budget, sizes
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
@@ -371,11 +372,16 @@ def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
     that runs out of memory measures nothing for the next to step from, one that fits measures the
     gap the next lands by. Sets the context's budget and keeps the one asked under
     :data:`ASKED_BUDGET`; the line for the log, or None when nothing changed (no calibration, no
-    budget in bytes, or one under the target already)."""
+    budget in bytes, or one under the target already). A fraction is resolved by the selection
+    pass, which asks the :data:`~mutwo.ir.budget.FIRST_PLAN_AIM` service set here where to aim."""
     budget: Budget | None = ctx.services.get("budget")
     limit = ctx.services.get("device_memory")
     asked = limit if budget is None else budget.bytes  # without a budget, select plans for the limit
-    if rounds <= 0 or limit is None or asked is None:
+    if rounds <= 0 or limit is None:
+        return None
+    if asked is None:  # a fraction: the selection pass resolves it, then asks where to aim
+        if budget is not None and not budget.minimum:
+            ctx.services[FIRST_PLAN_AIM] = functools.partial(_aim_under_limit, limit=limit)
         return None
     target, note = held_target(asked, limit)
     if not note:
@@ -385,6 +391,13 @@ def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
     return (f"peak calibration: the first plan is made for {aim / 2**20:,.1f} MiB, so that a step holding "
             f"{FIRST_PLAN_HELD_RATIO - 1:.1%} over its simulated peak holds the middle of the window under the "
             f"{target / 2**20:,.1f} MiB calibration holds the step to ({note})")
+
+
+def _aim_under_limit(resolved: int, limit: int) -> int | None:
+    """Where the first plan aims for a budget of ``resolved`` bytes under ``limit``, or None where
+    calibration holds the step to the budget itself (:data:`~mutwo.ir.budget.FIRST_PLAN_AIM`)."""
+    target, note = held_target(resolved, limit)
+    return first_plan_aim(target) if note else None
 
 
 def calibrate(target_bytes: int, rounds: int,
