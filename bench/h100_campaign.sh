@@ -63,7 +63,7 @@
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for every variant.
 # Session 29 (one H200, session29_h200/): start held-excess; then HELD_VARIANTS=capped start
 #   i38-held-bert i38-held-llama tests-all i38-held-resnet (ResNet cut off by the hold's time).
-# Owed after session 29: HELD_VARIANTS=capped i38-held-* at HEAD (the first plan's ratio 1.025 and
+# Owed after session 29: i38-held-* (both variants) at HEAD (the first plan's ratio 1.025 and
 #   the ceiling under a limit are unmeasured), with i38-held-resnet; then the rest below.
 # Owed after session 28: i38-held-* again (079b88b plans the first round under a cap at calibration's
 #   window, unmeasured: did the capped rows stop spending their first round?), on an H100 when one is
