@@ -54,6 +54,9 @@ def pools_summary(when: str) -> dict[str, Any]:
 
 
 def main() -> int:
+    if not torch.cuda.is_available():  # the allocator's pools are CUDA's
+        print("held_excess_probe.py: no CUDA device: run it on a GPU machine", file=sys.stderr)
+        return 2
     original_release = peak_calibration.release_recording
 
     def release_after_snapshot(run: Any) -> None:
