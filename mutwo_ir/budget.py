@@ -20,8 +20,9 @@ _PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$"
 ASKED_BUDGET = "budget_asked_bytes"
 #: The pass-context service, when the run's budget is a fraction and peak calibration will hold the
 #: step under a memory limit: a function from the budget the fraction resolves to, in bytes, to the
-#: lower budget the first plan aims at, or None where the plan is made as asked. The selection
-#: passes call it once they resolve the fraction and keep the resolved bytes as :data:`ASKED_BUDGET`.
+#: lower budget the first plan aims at and why, or None where the plan is made as asked. The
+#: selection passes call it once they resolve the fraction and keep the resolved bytes as
+#: :data:`ASKED_BUDGET`.
 FIRST_PLAN_AIM = "first_plan_aim"
 
 

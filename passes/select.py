@@ -240,12 +240,12 @@ def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: s
     if aim_under_limit is not None and not budget.minimum and ASKED_BUDGET not in ctx.services:
         # A fraction resolved at or near the limit: the first plan aims under calibration's window,
         # as a budget in bytes there does (peak_calibration.plan_first_at_window).
-        aim = aim_under_limit(budget_bytes)
-        if aim is not None and aim < budget_bytes:
+        aimed = aim_under_limit(budget_bytes)
+        if aimed is not None and aimed[0] < budget_bytes:
+            aim, why = aimed
             who = unlimited.split(":", 1)[0]
             ctx.log(f"{who}: the first plan is made for {readable_bytes(aim)}, under the "
-                    f"{readable_bytes(budget_bytes)} the budget {budget} asks: calibration holds the step 1% under "
-                    "the memory limit")  # fmt: skip
+                    f"{readable_bytes(budget_bytes)} the budget {budget} asks: {why}")  # fmt: skip
             ctx.services[ASKED_BUDGET] = budget_bytes
             budget, budget_bytes = Budget(bytes=aim), aim
     asked = ctx.services.get(ASKED_BUDGET)

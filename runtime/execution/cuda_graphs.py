@@ -224,14 +224,14 @@ class CudaGraphRunner:
         # The warm-up's copies have ended: the recording must not wait for their events (a capture
         # cannot wait for an event recorded outside it), and the swap runtime drops them.
         torch.cuda.synchronize(device)
-        # What the warm-up freed stays cached for its side stream, where no replay reuses it: give
-        # it back, so that the process holds the state and the graph's pool, as the plan counts.
-        # cuBLAS keeps one workspace per stream for the life of the process; one first made while a
-        # graph recorded comes from that graph's private pool and kept the whole pool alive after the
+        # cuBLAS keeps one workspace per stream until told otherwise; one first made while a graph
+        # recorded comes from that graph's private pool and kept the whole pool alive after the
         # graph was released (62 MiB held past each calibration round, bench/held_excess_probe.py).
         # Cleared around the recording, as Inductor's CUDA-graph trees do: this graph's workspace is
         # made in its own pool and goes back with it.
         clear_cublas_workspaces()
+        # What the warm-up freed stays cached for its side stream, where no replay reuses it: give
+        # it back, so that the process holds the state and the graph's pool, as the plan counts.
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
@@ -255,8 +255,9 @@ def clear_cublas_workspaces() -> None:
 
 #: One warm-up stream per device for every recording in the process. cuBLAS keeps a workspace per
 #: stream it has run on (32 MiB with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``) from the caching
-#: allocator for as long as the process lives: a new stream per recording left one more behind
-#: each time a step was recorded again (calibration rounds, a measured choice).
+#: allocator until its workspaces are cleared: before recordings cleared them, a new stream per
+#: recording left one more behind each time a step was recorded again (calibration rounds, a
+#: measured choice), and one stream needs no more.
 _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

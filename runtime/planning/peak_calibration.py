@@ -393,11 +393,11 @@ def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
             f"{target / 2**20:,.1f} MiB calibration holds the step to ({note})")
 
 
-def _aim_under_limit(resolved: int, limit: int) -> int | None:
-    """Where the first plan aims for a budget of ``resolved`` bytes under ``limit``, or None where
-    calibration holds the step to the budget itself (:data:`~mutwo.ir.budget.FIRST_PLAN_AIM`)."""
+def _aim_under_limit(resolved: int, limit: int) -> tuple[int, str] | None:
+    """Where the first plan aims for a budget of ``resolved`` bytes under ``limit`` and why, or None
+    where calibration holds the step to the budget itself (:data:`~mutwo.ir.budget.FIRST_PLAN_AIM`)."""
     target, note = held_target(resolved, limit)
-    return first_plan_aim(target) if note else None
+    return (first_plan_aim(target), f"calibration holds the step {note}") if note else None
 
 
 def calibrate(target_bytes: int, rounds: int,
