@@ -53,6 +53,60 @@ def test_a_step_under_its_plan_is_replanned_with_the_gap_added() -> None:
     assert "kept round 3" in calibration.summary() and "within 3% under it" in calibration.summary()
 
 
+def test_a_re_plan_predicted_under_one_percent_faster_than_a_fitting_step_is_not_compiled() -> None:
+    """BERT-base b64 under a 16 GiB cap on an H200 (session 29): its first step held 3.5% under the
+    window's top and fitted, and the re-plan, predicted no faster, cost a 75 s compile. A re-plan
+    must be predicted at least 1% faster than the fitting round; one that is compiles as before."""
+    def calibration_predicting(speedup: float) -> tuple[Any, list[int], list[int], list[str]]:
+        budgets: list[int] = []
+        previewed: list[int] = []
+        messages: list[str] = []
+
+        def plan_and_measure(budget: int) -> tuple[CalibrationRound, int]:
+            budgets.append(budget)
+            return CalibrationRound(budget, budget, int(budget * 0.85), predicted_seconds=1.0), len(budgets)
+
+        def predict(budget: int) -> float:
+            previewed.append(budget)
+            return 1.0 - speedup
+
+        calibration = calibrate(1000, 3, plan_and_measure, messages.append, predict=predict)
+        return calibration, budgets, previewed, messages
+
+    calibration, budgets, previewed, messages = calibration_predicting(0.009)
+    assert budgets == [1000] and previewed == [1135] and calibration.chosen == 0 and not calibration.within
+    assert "predicted 991.0 ms per iteration against 1000.0 ms for the 0.0 MiB plan whose step fits" in messages[-1]
+    assert "0.9% faster, under the 1% worth a compile" in messages[-1] and messages[-1].endswith("; stopping")
+    assert calibration.describe()["stopped"] == calibration.stopped != ""
+    assert calibration.over_budget() is None  # it fits: nothing to warn about
+    calibration, budgets, previewed, _ = calibration_predicting(0.01)
+    assert budgets == [1000, 1135, 1160] and previewed == budgets[1:] and calibration.within
+    assert calibration.stopped == ""
+    _, _, _, messages = calibration_predicting(-0.05)
+    assert "(no faster, under the 1% worth a compile)" in messages[-1]
+
+
+def test_a_re_plan_is_previewed_only_after_a_step_that_fits_and_only_upward() -> None:
+    """No round fitted (the step held over the target), or the next budget is under the fitting
+    one's: the next plan is compiled without asking what it predicts."""
+    asked: list[int] = []
+
+    def predict(budget: int) -> float:
+        asked.append(budget)
+        return 1.0
+
+    def over(budget: int) -> tuple[CalibrationRound, None]:
+        return CalibrationRound(budget, budget, int(budget * 1.10), predicted_seconds=1.0), None
+
+    calibrate(1000, 1, over, predict=predict)
+    assert asked == []
+    rounds = [CalibrationRound(1000, 1000, 900, predicted_seconds=1.0)]
+    assert peak_calibration.not_worth_a_compile(rounds, 1000, 990, predict) == "" and asked == []
+    unknown = [CalibrationRound(1000, 1000, 900)]  # a plan without a predicted time: nothing to compare
+    assert peak_calibration.not_worth_a_compile(unknown, 1000, 1100, predict) == "" and asked == []
+    assert peak_calibration.not_worth_a_compile(rounds, 1000, 1100, lambda budget: None) == ""  # no plan reaches it
+
+
 def test_a_step_over_its_plan_is_replanned_lower() -> None:
     plan_and_measure, budgets = compiled_step_keeping(1.10)
     calibration = calibrate(1000, 3, plan_and_measure)
@@ -635,6 +689,32 @@ def test_the_api_keeps_the_calibrated_plan_and_trains_with_it(monkeypatch: pytes
     assert torch.isfinite(step(work.batch))
 
 
+def test_the_api_previews_a_re_plan_and_compiles_only_one_worth_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``optimize``: each round carries its plan's predicted time, and with every re-plan
+    made not worth a compile (a gain of 100% asked) the rounds end after the first, which fitted,
+    and the log says why; the previewed plan is not planned twice when it is compiled."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    work = models.cnn(batch_size=32)
+
+    def optimized(lines: list[str]) -> Any:
+        model = copy.deepcopy(work.model)
+        return optimize_graph(model, torch.optim.Adam(model.parameters(), lr=1e-3),
+                              work.batch, work.loss_fn, budget=parse_budget("0.85"), backend="inductor",
+                              calibrate_peak=2, log=lines.append)  # fmt: skip
+
+    lines: list[str] = []
+    calibration = optimized(lines).calibration
+    assert len(calibration.rounds) >= 2 and all(r.predicted_seconds is not None for r in calibration.rounds)
+    planned = [line for line in lines if line.startswith("select: recompute")]
+    assert len(planned) == len(calibration.rounds) + (calibration.chosen > 0), planned  # the kept one writes its files
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", 1.0)
+    lines = []
+    calibration = optimized(lines).calibration
+    assert len(calibration.rounds) == 1 and calibration.chosen == 0 and calibration.stopped
+    assert any("under the 100% worth a compile); stopping" in line for line in lines), lines
+
+
 def test_a_kept_round_planned_again_differently_trains_the_step_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kept round's passes run again to write their files; should planning give another graph
     (a profile an earlier round's slicing priced once made it, on the H100), the step trained is
@@ -659,7 +739,9 @@ def test_a_budget_that_plans_the_same_graph_again_is_not_compiled_or_measured_ag
     activation), so each round raises the budget by the gap and plans the same graph: its compile
     (minutes on a real model) and its peak are known from the first round. Every op is priced
     alike: which plan a raised budget allows follows the profile's times, and measured ones on a
-    loaded CI machine once made a cheaper plan fit the second round."""
+    loaded CI machine once made a cheaper plan fit the second round. A re-plan no faster than a
+    fitting round is not even planned now (:data:`MIN_REPLAN_GAIN`), so every re-plan is let run."""
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", 0.0)
     real, measured = peak_calibration.measured_peak, []
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: measured.append(1) or real(run, inputs))
     evenly_timed(captured)

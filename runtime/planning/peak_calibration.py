@@ -113,6 +113,14 @@ SLOPE_SPAN = 0.01
 #: The most a slope may stretch the gap's step (GPT-2 small's rows needed 2.8-3.2 times): an
 #: overshoot under a memory limit runs out of memory (and fails a data-parallel run).
 MAX_STEP = 3.0
+#: The least share of a fitting round's predicted step time a re-plan must save to be compiled and
+#: measured: each re-plan is a whole-iteration compile (65-100 s for BERT-base b64 and the 0.5B
+#: Llama on an H200), and a plan whose step holds less than calibration's window but fits is
+#: already a step to train. Under a 16 GiB cap BERT-base's second plan was predicted 613.5 ms
+#: against its first's 604.4 ms (a slicing of its head that recomputes more), and the 0.5B Llama's
+#: second and third under 12 GiB 814.5 and 802.9 ms against its first's 820.3 ms (0.7% and 2.1%),
+#: for 75-97 s each (``bench/results/session29_h200/``).
+MIN_REPLAN_GAIN = 0.01
 
 
 class CalibrationOutOfMemory(torch.OutOfMemoryError):
@@ -140,6 +148,8 @@ class CalibrationRound:
     allocated_peak_bytes: int | None = None
     out_of_memory: bool = False
     held_at_failure_bytes: int | None = None
+    #: the time per iteration the plan predicts (the time model's), when known
+    predicted_seconds: float | None = None
 
     @property
     def held_over_allocated_at_failure(self) -> int | None:
@@ -163,6 +173,9 @@ class Calibration(Generic[Step]):
     target_note: str = ""
     #: the budget a next round needed that no plan reaches, when that ended the rounds
     unreachable_bytes: int | None = None
+    #: why the rounds ended before the step was within the window though a next plan was made
+    #: (one not worth a compile, :data:`MIN_REPLAN_GAIN`), else empty
+    stopped: str = ""
 
     @property
     def target(self) -> str:
@@ -184,7 +197,7 @@ class Calibration(Generic[Step]):
         """The calibration for a results row or summary.json."""
         return {"target_bytes": self.target_bytes, "target_note": self.target_note, "tolerance": self.tolerance,
                 "chosen_round": self.chosen, "within_tolerance": self.within,
-                "unreachable_budget_bytes": self.unreachable_bytes,
+                "unreachable_budget_bytes": self.unreachable_bytes, "stopped": self.stopped,
                 "rounds": [asdict(r) for r in self.rounds]}  # fmt: skip
 
     def summary(self) -> str:
@@ -404,7 +417,8 @@ def calibrate(target_bytes: int, rounds: int,
               plan_and_measure: Callable[[int], tuple[CalibrationRound, Step] | None],
               log: Callable[[str], None] = lambda message: None,
               tolerance: float = TOLERANCE, target_note: str = "",
-              first_budget: int | None = None, limit_bytes: int | None = None) -> Calibration[Step]:  # fmt: skip
+              first_budget: int | None = None, limit_bytes: int | None = None,
+              predict: Callable[[int], float | None] | None = None) -> Calibration[Step]:  # fmt: skip
     """Plan, compile and measure at ``target_bytes``, then up to ``rounds`` more times at budgets
     moved by the measured gap, until a step's measured peak is within ``tolerance`` of the target.
     When ``rounds`` is 1 or more and every round ran out of memory, more rounds follow, each at
@@ -416,13 +430,17 @@ def calibrate(target_bytes: int, rounds: int,
     that budget, which ends the rounds (the first call must succeed). ``target_note``: why the
     target is under the budget asked for (:func:`held_target`), said with it; ``first_budget``:
     the budget the first round's plan was made for, when not the target (the budget asked);
-    ``limit_bytes``: what the process may hold, when known (:func:`next_budget`)."""
+    ``limit_bytes``: what the process may hold, when known (:func:`next_budget`); ``predict(budget_bytes)``:
+    the time per iteration the plan for that budget predicts, without compiling it (None: no plan
+    reaches it), when known: once a round fitted, a re-plan predicted less than
+    :data:`MIN_REPLAN_GAIN` faster than it is not compiled, and the rounds end (:func:`not_worth_a_compile`)."""
     if rounds < 0:
         raise ValueError(f"calibration rounds must be 0 or more, got {rounds}")
     results: list[CalibrationRound] = []
     steps: list[Step] = []
     budget = target_bytes if first_budget is None else first_budget
     unreachable = None
+    stopped = ""
     index = 0
     while True:
         # Each round compiles and measures (minutes on a large model): said as it starts.
@@ -465,6 +483,11 @@ def calibrate(target_bytes: int, rounds: int,
             break  # the same plan again would measure the same peak
         if index >= rounds and not _plan_again_out_of_memory(target_bytes, rounds, results, following, log):
             break
+        if predict is not None:
+            stopped = not_worth_a_compile(results, target_bytes, following, predict)
+            if stopped:
+                log(f"peak calibration: {stopped}; stopping")
+                break
         budget = following
         index += 1
     if all(r.out_of_memory for r in results):
@@ -474,11 +497,35 @@ def calibrate(target_bytes: int, rounds: int,
             f"({len(results)} round(s), down to {results[-1].budget_bytes / 2**20:,.1f} MiB planned); give a "
             "lower budget, or a higher memory limit")  # fmt: skip
     calibration = Calibration(target_bytes, results, steps, _choose(results, target_bytes, tolerance), tolerance,
-                              target_note, unreachable)  # fmt: skip
+                              target_note, unreachable, stopped)  # fmt: skip
     over = calibration.over_budget()
     if over is not None:  # the budget is what the process may hold: said even when the log is quiet
         warnings.warn(over, stacklevel=2)
     return calibration
+
+
+def not_worth_a_compile(rounds: Sequence[CalibrationRound], target: int, following: int,
+                        predict: Callable[[int], float | None], min_gain: float | None = None) -> str:
+    """Why the plan for ``following`` is not worth compiling and measuring, else "": once a round's
+    step fitted under ``target``, the plan of a larger budget (one that recomputes less) must be
+    predicted at least ``min_gain`` (default :data:`MIN_REPLAN_GAIN`) faster than the fitting round
+    of the largest budget (the one :func:`_choose` keeps). A budget no plan reaches is left for the
+    round to find out."""
+    min_gain = MIN_REPLAN_GAIN if min_gain is None else min_gain
+    fitted = [r for r in rounds if not r.out_of_memory and r.measured_peak_bytes <= target]
+    if not fitted:
+        return ""
+    kept = max(fitted, key=lambda r: r.budget_bytes)
+    if kept.predicted_seconds is None or following <= kept.budget_bytes:
+        return ""
+    seconds = predict(following)
+    if seconds is None or kept.predicted_seconds - seconds >= min_gain * kept.predicted_seconds:
+        return ""
+    gain = (kept.predicted_seconds - seconds) / kept.predicted_seconds
+    faster = f"{gain:.1%} faster" if gain > 0 else "no faster"
+    return (f"the plan for {following / 2**20:,.1f} MiB is predicted {seconds * 1e3:.1f} ms per iteration against "
+            f"{kept.predicted_seconds * 1e3:.1f} ms for the {kept.budget_bytes / 2**20:,.1f} MiB plan whose step fits "
+            f"({faster}, under the {min_gain:.0%} worth a compile)")
 
 
 def _ran_out(result: CalibrationRound) -> str:
@@ -626,7 +673,12 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
 
     keep_grads = bool(first.ctx.services.get("keep_grads", False))  # optimizer-in-backward keeps them then
 
+    #: plans made without files, by budget: a plan previewed for its predicted time is the one compiled
+    previewed: dict[int, tuple[Graph, PassContext] | None] = {}
+
     def plan(budget_bytes: int, folder: Path | None) -> tuple[Graph, PassContext] | None:
+        if folder is None and budget_bytes in previewed:
+            return previewed.pop(budget_bytes)
         graph = original.copy()
         ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log, keep_grads=keep_grads)
         ctx.services.update(backend_services(first.compiled.backend))  # as for the first plan
@@ -636,6 +688,10 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         except PipelineFailure:  # a budget out of reach: the rounds so far stand
             return None
         return graph, ctx
+
+    def predict(budget_bytes: int) -> float | None:
+        planned = previewed[budget_bytes] = plan(budget_bytes, None)
+        return None if planned is None else pipeline_plan(planned[1].artifacts).predicted_seconds
 
     def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, Calibrated] | None:
         if measured:
@@ -667,7 +723,8 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         if data_parallel is not None:
             peak, allocated = largest_measured(peak, allocated, data_parallel)
         measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak, made_plan.unoptimized_peak,
-                                          allocated, out_of_memory, held_at_failure), made  # fmt: skip
+                                          allocated, out_of_memory, held_at_failure,
+                                          made_plan.predicted_seconds), made  # fmt: skip
         return measured[text]
 
     asked = first.ctx.services.get(ASKED_BUDGET, target.budget_bytes)  # the first plan may have aimed lower
@@ -677,7 +734,7 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         log(f"peak calibration: holding the step to {aimed / 2**20:,.1f} MiB, {note}: one plan's held memory moved "
             "by up to 0.6% from process to process")  # fmt: skip
     calibration = calibrate(aimed, rounds, plan_and_measure, log, target_note=note,
-                            first_budget=target.budget_bytes, limit_bytes=limit)  # fmt: skip
+                            first_budget=target.budget_bytes, limit_bytes=limit, predict=predict)  # fmt: skip
     log(calibration.summary())
     kept = calibration.step
     if kept is not first:  # its passes again, writing their files; the same graph, Inductor's cache compiles it
