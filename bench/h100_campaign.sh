@@ -157,22 +157,26 @@ case "$section" in
       --out "$OUT/uncapped_bert_b64.json" ;;
   i38-tests)
     timeout 400 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
-  i38-held-bert|i38-held-llama|i38-held-resnet)
+  i38-held-bert|i38-held-llama|i38-held-resnet|i38-held-*-capped|i38-held-*-uncapped)
     # Issue 38's "Done when": each model under its cap with the budget at the cap, and the same
     # budget uncapped (profiled in memory), both inductor-cudagraphs and mutwo's default pipeline
     # (the uncapped one with its profile forced in memory), calibrated by default, 50 steps.
+    # A -capped or -uncapped suffix (i38-held-resnet-capped) runs that variant alone, so that
+    # PARALLEL can put a model's two variants on two GPUs.
+    variants=${HELD_VARIANTS:-capped uncapped}
+    case $section in *-uncapped) variants=uncapped ;; *-capped) variants=capped ;; esac
     case $section in
-      *bert) config=examples/bert.yaml; batch=64; cap=16GiB; stem=bert_b64 ;;
-      *llama) config=examples/llama_0_5b.yaml; batch=8; cap=12GiB; stem=llama_0_5b_b8 ;;
-      *resnet) config=examples/resnet152_channels_last.yaml; batch=128; cap=12GiB; stem=resnet152_cl_b128 ;;
+      *bert*) config=examples/bert.yaml; batch=64; cap=16GiB; stem=bert_b64 ;;
+      *llama*) config=examples/llama_0_5b.yaml; batch=8; cap=12GiB; stem=llama_0_5b_b8 ;;
+      *resnet*) config=examples/resnet152_channels_last.yaml; batch=128; cap=12GiB; stem=resnet152_cl_b128 ;;
     esac
     # Each process compiles from an empty Inductor cache, so that planning times compare.
     # HELD_VARIANTS=capped measures the capped row alone.
-    case " ${HELD_VARIANTS:-capped uncapped} " in *" capped "*)
+    case " $variants " in *" capped "*)
       TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 1500 python3 bench/out_of_core_profile.py capped --config $config \
         --batch-size $batch --memory-limit $cap --budget $cap --backend inductor-cudagraphs --steps 50 \
         --out "$OUT/held_capped_$stem.json" ;; esac
-    case " ${HELD_VARIANTS:-capped uncapped} " in *" uncapped "*)
+    case " $variants " in *" uncapped "*)
       TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 1500 python3 bench/out_of_core_profile.py capped --config $config \
         --batch-size $batch --memory-limit 79GiB --budget $cap --backend inductor-cudagraphs --steps 50 \
         --passes "profile{out_of_core=false},optimizer,chunk,select,rewrite" --out "$OUT/held_uncapped_$stem.json" ;; esac ;;
