@@ -36,8 +36,9 @@
 #                --fit before it profiled each batch at its size (H100, 2026-11-23; issue16_h100/;
 #                superseded, out of docs/benchmarks.md since session 17)                ~7, 2 min
 #   opt          "Other measurements", the optimizer passes on GPT-2 small and BERT-base (issue16_h100/) ~14 min
-#   i38-opt-bert "Under a hard cap": BERT-base b64 through mutwo-opt --memory-limit 16GiB --budget
-#                16GiB under inductor-cudagraphs (H100, 2026-11-26; session14_h100/)        ~9 min
+#   i38-opt-bert, i38-opt-llama, i38-opt-resnet
+#                "Under a hard cap": each model through mutwo-opt --memory-limit CAP --budget CAP
+#                under inductor-cudagraphs                                           ~2-3 min each
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41; BERT: H100, 2026-11-28,
@@ -80,7 +81,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: parallel, held-excess, pool-excess, dp-record-stream-reuse, i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-opt-bert, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: parallel, held-excess, pool-excess, dp-record-stream-reuse, i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-held-MODEL-capped, i38-held-MODEL-uncapped, i38-opt-bert, i38-opt-llama, i38-opt-resnet, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -228,15 +229,21 @@ case "$section" in
       --config examples/resnet152_channels_last.yaml --batch-size 128 --backend inductor-cudagraphs \
       --sample-stacks "$OUT/compile_resnet152_cl_b128.folded" --out "$OUT/compile_resnet152_cl_b128.json"
     python3 bench/stack_sampler.py --top 120 "$OUT/compile_resnet152_cl_b128.folded" ;;
-  i38-opt-bert)
-    # Issue 38 through the command line: mutwo-opt under --memory-limit at the same budget,
-    # inductor-cudagraphs, calibrated by default; summary.json has the measured held bytes.
+  i38-opt-bert|i38-opt-llama|i38-opt-resnet)
+    # Issue 38 through the command line: mutwo-opt under --memory-limit at the same budget as
+    # i38-held-*'s capped rows, inductor-cudagraphs, calibrated by default; summary.json has the
+    # measured held bytes.
+    case $section in
+      *bert) config=examples/bert.yaml; batch=64; cap=16GiB; stem=bert_b64 ;;
+      *llama) config=examples/llama_0_5b.yaml; batch=8; cap=12GiB; stem=llama_0_5b_b8 ;;
+      *resnet) config=examples/resnet152_channels_last.yaml; batch=128; cap=12GiB; stem=resnet152_cl_b128 ;;
+    esac
     start=$(date +%s)
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 1200 mutwo-opt examples/bert.yaml --batch-size 64 \
-      --memory-limit 16GiB --budget 16GiB --backend inductor-cudagraphs --cache-dir "$BG/plan-cache" -o "$BG/opt_bert" \
-      2> "$OUT/opt_bert_b64.log"
-    status=$?; echo "mutwo-opt exit $status in $(( $(date +%s) - start )) s" | tee -a "$OUT/opt_bert_b64.log"
-    cp "$BG/opt_bert/summary.json" "$OUT/opt_bert_b64_summary.json"; exit $status ;;
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 1200 mutwo-opt $config --batch-size $batch \
+      --memory-limit $cap --budget $cap --backend inductor-cudagraphs --cache-dir "$BG/plan-cache" -o "$BG/opt_$stem" \
+      2> "$OUT/opt_$stem.log"
+    status=$?; echo "mutwo-opt exit $status in $(( $(date +%s) - start )) s" | tee -a "$OUT/opt_$stem.log"
+    cp "$BG/opt_$stem/summary.json" "$OUT/opt_${stem}_summary.json"; exit $status ;;
   i38-fix-tests)
     # The cuda-marked tests of the files whose CUDA tests failed in the fourteenth session's i38-tests.
     timeout 400 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests/test_backends.py \
