@@ -64,11 +64,11 @@
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for every variant.
 # Session 29 (one H200, session29_h200/): start held-excess; then HELD_VARIANTS=capped start
 #   i38-held-bert i38-held-llama tests-all i38-held-resnet (ResNet cut off by the hold's time).
-# Owed after session 29: i38-held-* (both variants) at HEAD (the first plan's ratio 1.025 and
-#   the ceiling under a limit are unmeasured), with i38-held-resnet; then the rest below.
-# Owed after session 28: i38-held-* again (079b88b plans the first round under a cap at calibration's
-#   window, unmeasured: did the capped rows stop spending their first round?), on an H100 when one is
-#   lent; RESTART_MODELS=resnet i40-restart-models (restarts with expandable segments and lazy code);
+# Session 30 (two H200s, then one; session30_gpus/): PARALLEL="i38-held-bert-capped i38-held-llama-capped
+#   i38-held-resnet-uncapped;i38-held-resnet-capped i38-held-bert-uncapped i38-held-llama-uncapped" start
+#   parallel, then the cuda tests on GPU 1; then start i38-opt-bert i38-opt-llama i38-opt-resnet.
+# Owed after session 30: on an H100 when one is lent, i38-held-* and i38-opt-*;
+#   RESTART_MODELS=resnet i40-restart-models (restarts with expandable segments and lazy code);
 #   resnet-eager-probe; i40-restart-pyc's bytecode half; the headline rows again, every variant with
 #   expandable segments; dp-two-gpus with all three rows in one run.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
