@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import datetime
 import json
 import os
 import socket
@@ -147,14 +149,18 @@ def _against_ddp(rank: int, world: int, device: torch.device, case: str) -> None
 
 
 @contextlib.contextmanager
-def rank_group(rank: int, world: int, port: int, device_type: str) -> Iterator[torch.device]:
+def rank_group(rank: int, world: int, port: int, device_type: str,
+               timeout_seconds: float | None = None) -> Iterator[torch.device]:  # fmt: skip
     """One rank of a spawned test run: its process group (NCCL on CUDA, with deterministic kernels;
-    gloo on the CPU) for the duration, and the device it trains on."""
+    gloo on the CPU) for the duration, and the device it trains on. ``timeout_seconds``: how long a
+    collective waits for the other ranks (torch's default, 30 minutes, if None), for a test whose
+    failure would leave the ranks in different collectives."""
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
+    timeout = {} if timeout_seconds is None else {"timeout": datetime.timedelta(seconds=timeout_seconds)}
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+                            world_size=world, **timeout)  # fmt: skip
     try:
         with deterministic_algorithms() if cuda else contextlib.nullcontext():
             yield torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -201,9 +207,9 @@ def _calibrated_together(rank: int, world: int, port: int) -> None:
         return held, allocated
 
     peak_calibration.measured_peak = skewed  # this spawned process's own module
-    # Every re-plan is compiled, even one predicted no faster than a round that fitted: the test is
-    # of the rounds the ranks agree on, not of when they stop.
-    peak_calibration.MIN_REPLAN_GAIN = 0.0
+    # Every re-plan is compiled, even one predicted slower than a round that fitted: the test is of
+    # the rounds the ranks agree on, not of when they stop (the next test is).
+    peak_calibration.MIN_REPLAN_GAIN = float("-inf")
     with rank_group(rank, world, port, "cpu") as device:
         workload = models.mlp(seed=0, batch_size=1024)
         batch = to_device(distributed.shard_batch(workload.batch, rank, world), device)
@@ -229,6 +235,39 @@ def _calibrated_together(rank: int, world: int, port: int) -> None:
 
 def test_two_ranks_calibrate_from_the_largest_measurement_and_keep_one_plan() -> None:
     mp.spawn(_calibrated_together, args=(2, _free_port()), nprocs=2)
+
+
+def _stopping_together(rank: int, world: int, port: int) -> None:
+    """Calibrate a data-parallel MLP whose first step fits well under the window (its measured peak
+    scaled by 0.8), while rank 1 predicts every re-plan twice as fast as rank 0 does (rank 0: no
+    faster than the first plan). Alone, rank 1 would compile the re-plan and rank 0 stop, leaving
+    them in different collectives; the slowest prediction decides for both, so both stop."""
+    measure, plan_of = peak_calibration.measured_peak, peak_calibration.pipeline_plan
+    peak_calibration.measured_peak = lambda run, inputs: (int(measure(run, inputs)[0] * 0.8), None)
+    first_budget: list[int] = []
+
+    def skewed_plan(artifacts: dict[str, Any]) -> Any:
+        plan = plan_of(artifacts)
+        first_budget.append(plan.budget_bytes)
+        seconds = 0.5 if rank == 1 and plan.budget_bytes > first_budget[0] else 1.0
+        return dataclasses.replace(plan, base_seconds=seconds, added_seconds=0.0)
+
+    peak_calibration.pipeline_plan = skewed_plan
+    with rank_group(rank, world, port, "cpu", timeout_seconds=120) as device:
+        workload = models.mlp(seed=0, batch_size=1024)
+        batch = to_device(distributed.shard_batch(workload.batch, rank, world), device)
+        model = copy.deepcopy(workload.model)
+        step = optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, workload.loss_fn, budget=0.95,
+                        calibrate_peak=2, keep_grads=True)  # fmt: skip
+        calibration = step.last.calibration
+        assert calibration is not None and len(calibration.rounds) == 1 and "no faster" in calibration.stopped
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, calibration.describe())
+        assert everyone[0] == everyone[1], "the ranks calibrated differently"
+
+
+def test_two_ranks_stop_calibrating_together_when_one_predicts_a_faster_re_plan() -> None:
+    mp.spawn(_stopping_together, args=(2, _free_port()), nprocs=2)
 
 
 def _disagreeing(rank: int, world: int, port: int) -> None:

@@ -76,14 +76,34 @@ def test_a_re_plan_predicted_under_one_percent_faster_than_a_fitting_step_is_not
     calibration, budgets, previewed, messages = calibration_predicting(0.009)
     assert budgets == [1000] and previewed == [1135] and calibration.chosen == 0 and not calibration.within
     assert "predicted 991.0 ms per iteration against 1000.0 ms for the 0.0 MiB plan whose step fits" in messages[-1]
-    assert "0.9% faster, under the 1% worth a compile" in messages[-1] and messages[-1].endswith("; stopping")
+    assert "0.90% faster, under the 1% worth a compile" in messages[-1] and messages[-1].endswith("; stopping")
     assert calibration.describe()["stopped"] == calibration.stopped != ""
     assert calibration.over_budget() is None  # it fits: nothing to warn about
-    calibration, budgets, previewed, _ = calibration_predicting(0.01)
+    calibration, budgets, previewed, _ = calibration_predicting(0.0101)
     assert budgets == [1000, 1135, 1160] and previewed == budgets[1:] and calibration.within
     assert calibration.stopped == ""
     _, _, _, messages = calibration_predicting(-0.05)
+    assert "(5.00% slower, under the 1% worth a compile)" in messages[-1]
+    _, _, _, messages = calibration_predicting(0.0)
     assert "(no faster, under the 1% worth a compile)" in messages[-1]
+
+
+def test_a_re_plan_is_compared_with_the_fitting_round_of_the_largest_budget() -> None:
+    """Each round predicts another time: the re-plan is weighed against the round calibration
+    would keep (the largest budget whose step fitted), not the first or the last round, and never
+    against a round that ran out of memory (whose peak is recorded as its budget, under the target)."""
+    def round_at(budget: int, peak: int, seconds: float) -> CalibrationRound:
+        return CalibrationRound(budget, budget, peak, predicted_seconds=seconds)
+
+    # 1000 and 1135 fit, 1160 held over: the next budget lies between 1135 and 1160, and its plan
+    # (0.995 s) is weighed against 1135's 1.00 s, not the first round's 1.20 s or the last's 0.99 s.
+    rounds = [round_at(1000, 850, 1.20), round_at(1135, 964, 1.00), round_at(1160, 1100, 0.99)]
+    asked: list[int] = []
+    reason = peak_calibration.not_worth_a_compile(rounds, 1000, 1147, lambda b: asked.append(b) or 0.995)
+    assert asked == [1147] and "against 1000.0 ms for the 0.0 MiB plan" in reason and "0.50% faster" in reason
+    ran_out = [rounds[0], CalibrationRound(1200, 1200, 1000, out_of_memory=True, predicted_seconds=2.0)]
+    reason = peak_calibration.not_worth_a_compile(ran_out, 1000, 1300, lambda b: 1.195)
+    assert "against 1200.0 ms" in reason  # the round that ran out of memory is not the one kept
 
 
 def test_a_re_plan_is_previewed_only_after_a_step_that_fits_and_only_upward() -> None:
@@ -311,6 +331,7 @@ def test_a_memory_limit_at_the_budget_calibrates_under_it_and_says_why(monkeypat
     held 1% under it, the log says why, and the kept round's measured peak is under that target."""
     real = peak_calibration.measured_peak
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", float("-inf"))  # re-plans, whatever the CPU's times
     work = models.cnn(batch_size=32)
     optimizer = torch.optim.Adam(work.model.parameters(), lr=1e-3)
     twin = copy.deepcopy(work.model)
@@ -585,6 +606,7 @@ def test_an_inductor_step_on_the_cpu_is_replanned_and_the_kept_plan_reported(
     again with a larger budget, compile again, and report the kept round's plan."""
     real = peak_calibration.measured_peak
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", float("-inf"))  # re-plans, whatever the CPU's times
     row = run_configuration(TINY_MLP, 512, "0.9", tmp_path, device="cpu", warmup=0, iterations=1,
                             backend="inductor", calibrate_peak=2)  # fmt: skip
     assert "error" not in row, row.get("error")
@@ -594,6 +616,22 @@ def test_an_inductor_step_on_the_cpu_is_replanned_and_the_kept_plan_reported(
     assert row["planned_peak_bytes"] == kept["planned_peak_bytes"]  # the row describes the kept plan
     assert kept["measured_peak_bytes"] <= 1.03 * row["calibration"]["target_bytes"]
     assert row["calibration_seconds"] >= 0 and row["iteration_ms"] > 0
+
+
+def test_the_bench_harness_weighs_a_re_plan_before_compiling_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The experiment runner (bench/compare.py's rows) calibrates as ``optimize`` does: with every
+    re-plan made not worth a compile, the first round, which fitted, is kept, and its rounds carry
+    their plans' predicted times."""
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", 1.0)
+    row = run_configuration(TINY_MLP, 512, "0.9", tmp_path, device="cpu", warmup=0, iterations=1,
+                            backend="inductor", calibrate_peak=2)  # fmt: skip
+    assert "error" not in row, row.get("error")
+    calibration = row["calibration"]
+    assert len(calibration["rounds"]) == 1 and "under the 100% worth a compile" in calibration["stopped"]
+    assert calibration["rounds"][0]["predicted_seconds"] > 0
 
 
 def test_an_eager_step_is_calibrated_too(tmp_path: Path) -> None:
@@ -612,6 +650,7 @@ def test_mutwo_opt_keeps_the_calibrated_plan(tmp_path: Path, monkeypatch: pytest
     describe that plan, and --check passes on it."""
     real = peak_calibration.measured_peak
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", float("-inf"))  # re-plans, whatever the CPU's times
     out = tmp_path / "out"
     code = main(["-q", "--device", "cpu", "--backend", "inductor", "--budget", "0.85", "--calibrate-peak", "2",
                  "--check", "-o", str(out), str(TINY_MLP)])  # fmt: skip
@@ -703,6 +742,7 @@ def test_the_api_previews_a_re_plan_and_compiles_only_one_worth_it(monkeypatch: 
                               work.batch, work.loss_fn, budget=parse_budget("0.85"), backend="inductor",
                               calibrate_peak=2, log=lines.append)  # fmt: skip
 
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", float("-inf"))  # every re-plan compiled, first
     lines: list[str] = []
     calibration = optimized(lines).calibration
     assert len(calibration.rounds) >= 2 and all(r.predicted_seconds is not None for r in calibration.rounds)
@@ -722,6 +762,7 @@ def test_a_kept_round_planned_again_differently_trains_the_step_measured(monkeyp
     real = peak_calibration.measured_peak
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.8), None))
     monkeypatch.setattr(peak_calibration, "same_plan", lambda graph, other: False)
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", float("-inf"))  # re-plans, whatever the CPU's times
     lines: list[str] = []
     work = models.cnn(batch_size=32)
     optimized = optimize_graph(work.model, torch.optim.Adam(work.model.parameters(), lr=1e-3), work.batch,
@@ -739,9 +780,9 @@ def test_a_budget_that_plans_the_same_graph_again_is_not_compiled_or_measured_ag
     activation), so each round raises the budget by the gap and plans the same graph: its compile
     (minutes on a real model) and its peak are known from the first round. Every op is priced
     alike: which plan a raised budget allows follows the profile's times, and measured ones on a
-    loaded CI machine once made a cheaper plan fit the second round. A re-plan no faster than a
-    fitting round is not even planned now (:data:`MIN_REPLAN_GAIN`), so every re-plan is let run."""
-    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", 0.0)
+    loaded CI machine once made a cheaper plan fit the second round. A re-plan whose graph was
+    measured already costs no compile, so the gain a compile must buy (:data:`MIN_REPLAN_GAIN`)
+    does not stop the rounds."""
     real, measured = peak_calibration.measured_peak, []
     monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: measured.append(1) or real(run, inputs))
     evenly_timed(captured)

@@ -203,23 +203,30 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
     from mutwo.runtime.planning.peak_calibration import CalibrationRound, calibrate, measured_peak
 
     candidates: list[tuple[Any, Any, Any]] = []
+    previewed: dict[int, tuple[Any, Any] | PipelineFailure] = {}  # plans made to compare, by budget
+
+    def predict(budget_bytes: int) -> float | None:
+        planned = previewed[budget_bytes] = _plan(pristine, lowered, planning, budget_bytes, first.backend, profile,
+                                                  log)  # fmt: skip
+        return None if isinstance(planned, PipelineFailure) else float(planned[1].predicted_seconds)
 
     def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, tuple[Any, Any, Any]] | None:
         if not candidates:  # the first round is the step already planned and compiled
             made = first, plan, first.graph
         else:
-            replanned = _plan_compiled(pristine, lowered, planning, budget_bytes, first.backend, profile, log)
-            if isinstance(replanned, PipelineFailure):  # a lower budget out of reach: the rounds so far stand
+            planned = previewed.pop(budget_bytes, None) or _plan(pristine, lowered, planning, budget_bytes,
+                                                                 first.backend, profile, log)  # fmt: skip
+            if isinstance(planned, PipelineFailure):  # a lower budget out of reach: the rounds so far stand
                 return None
-            made = replanned
+            made = _compiled(*planned, lowered, first.backend)
         candidates.append(made)
         step, chosen, _ = made
         with device_turn(device_lock):
             measured, allocated = measured_peak(step.compiled.run, lowered.inputs)
         return CalibrationRound(budget_bytes, chosen.predicted_peak, measured, chosen.unoptimized_peak,
-                                allocated), made  # fmt: skip
+                                allocated, predicted_seconds=float(chosen.predicted_seconds)), made  # fmt: skip
 
-    calibration = calibrate(plan.budget_bytes, rounds, plan_and_measure, log)
+    calibration = calibrate(plan.budget_bytes, rounds, plan_and_measure, log, predict=predict)
     log(calibration.summary())
     step, chosen, graph = calibration.step
     swapping = isinstance(chosen, SwapPlan)
@@ -233,11 +240,18 @@ def _plan_compiled(pristine: Any, lowered: Any, planning: str, budget_bytes: int
     """A copy of ``pristine`` planned by the ``planning`` passes (after ``profile``) at
     ``budget_bytes`` and compiled for ``backend``: its step, plan and graph; the failure when the
     budget is out of reach."""
+    planned = _plan(pristine, lowered, planning, budget_bytes, backend, profile, log)
+    return planned if isinstance(planned, PipelineFailure) else _compiled(*planned, lowered, backend)
+
+
+def _plan(pristine: Any, lowered: Any, planning: str, budget_bytes: int, backend: str, profile: Any,
+          log: Callable[[str], None]) -> tuple[Any, Any] | PipelineFailure:  # fmt: skip
+    """A copy of ``pristine`` planned as :func:`_plan_compiled` plans it, not compiled: the graph and
+    its plan, or the failure when the budget is out of reach."""
     from mutwo.ir.budget import Budget
     from mutwo.ir.pass_manager import PassManager
     from mutwo.ir.registry import PassRegistry
     from mutwo.runtime.execution.backends import backend_services
-    from mutwo.runtime.execution.step import GraphStep
     from mutwo.runtime.planning.captured import pass_context
     from mutwo.runtime.planning.peak_calibration import pipeline_plan
 
@@ -249,9 +263,16 @@ def _plan_compiled(pristine: Any, lowered: Any, planning: str, budget_bytes: int
         PassManager(PassRegistry().build_pipeline(planning, {"profile"})).run(graph, context)
     except PipelineFailure as failure:
         return failure
+    return graph, pipeline_plan(context.artifacts)
+
+
+def _compiled(graph: Any, plan: Any, lowered: Any, backend: str) -> tuple[Any, Any, Any]:
+    """``graph`` (planned with ``plan``) compiled for ``backend``: its step, plan and graph."""
+    from mutwo.runtime.execution.step import GraphStep
+
     step = GraphStep(graph, lowered.captured, lowered.binding, backend)
     step.compile(lowered.inputs)
-    return step, pipeline_plan(context.artifacts), graph
+    return step, plan, graph
 
 
 def _recompute_only_step(pristine: Any, lowered: Any, planning: str, budget_bytes: int, backend: str, profile: Any,

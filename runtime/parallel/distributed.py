@@ -369,6 +369,14 @@ def on_any_rank(flag: bool, dp: DataParallel) -> bool:
     return bool(tensor.item())
 
 
+def largest(value: float, dp: DataParallel) -> float:
+    """The largest ``value`` over the ranks (a plan's predicted time, which each rank's own
+    measurements may move: every rank then decides alike from it)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=dp.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dp.group)
+    return float(tensor.item())
+
+
 def smallest(value: int, dp: DataParallel) -> int:
     """The smallest ``value`` over the ranks (the device memory every rank's plan must fit)."""
     tensor = torch.tensor([value], dtype=torch.int64, device=dp.device)

@@ -68,7 +68,7 @@ from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.ir.printer import print_graph
 from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import cpu_iteration_peak, device_bytes, device_of, measure_iterations
-from mutwo.runtime.parallel.distributed import DataParallel, largest_measured, require_same_graph
+from mutwo.runtime.parallel.distributed import DataParallel, largest, largest_measured, require_same_graph
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 
 #: How far under the budget a compiled step's measured peak may be (the fused-executor issue's 3%).
@@ -433,9 +433,10 @@ def calibrate(target_bytes: int, rounds: int,
     target is under the budget asked for (:func:`held_target`), said with it; ``first_budget``:
     the budget the first round's plan was made for, when not the target (the budget asked);
     ``limit_bytes``: what the process may hold, when known (:func:`next_budget`); ``predict(budget_bytes)``:
-    the time per iteration the plan for that budget predicts, without compiling it (None: no plan
-    reaches it), when known: once a round fitted, a re-plan predicted less than
-    :data:`MIN_REPLAN_GAIN` faster than it is not compiled, and the rounds end (:func:`not_worth_a_compile`)."""
+    the time per iteration the plan for that budget predicts, without compiling it (None: nothing
+    to compare, as no plan reaches it or its graph was measured already), when known: once a round
+    fitted, a re-plan predicted less than :data:`MIN_REPLAN_GAIN` faster than it is not compiled,
+    and the rounds end (:func:`not_worth_a_compile`)."""
     if rounds < 0:
         raise ValueError(f"calibration rounds must be 0 or more, got {rounds}")
     results: list[CalibrationRound] = []
@@ -518,13 +519,13 @@ def not_worth_a_compile(rounds: Sequence[CalibrationRound], target: int, followi
     if not fitted:
         return ""
     kept = max(fitted, key=lambda r: r.budget_bytes)
-    if kept.predicted_seconds is None or following <= kept.budget_bytes:
+    if kept.predicted_seconds is None or kept.predicted_seconds <= 0 or following <= kept.budget_bytes:
         return ""
     seconds = predict(following)
     if seconds is None or kept.predicted_seconds - seconds >= min_gain * kept.predicted_seconds:
         return ""
     gain = (kept.predicted_seconds - seconds) / kept.predicted_seconds
-    faster = f"{gain:.1%} faster" if gain > 0 else "no faster"
+    faster = f"{gain:.2%} faster" if gain > 0 else "no faster" if gain == 0 else f"{-gain:.2%} slower"
     return (f"the plan for {following / 2**20:,.1f} MiB is predicted {seconds * 1e3:.1f} ms per iteration against "
             f"{kept.predicted_seconds * 1e3:.1f} ms for the {kept.budget_bytes / 2**20:,.1f} MiB plan whose step fits "
             f"({faster}, under the {min_gain:.0%} worth a compile)")
@@ -685,6 +686,8 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log, keep_grads=keep_grads)
         ctx.services.update(backend_services(first.compiled.backend))  # as for the first plan
         ctx.artifacts["profile"] = profile
+        if "transfer" in first.ctx.artifacts:  # the copies' speeds measured once: plans compare by their graphs alone
+            ctx.artifacts["transfer"] = first.ctx.artifacts["transfer"]
         try:
             planning.run(graph, ctx)
         except PipelineFailure:  # a budget out of reach: the rounds so far stand
@@ -692,8 +695,16 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         return graph, ctx
 
     def predict(budget_bytes: int) -> float | None:
+        log(f"peak calibration: planning for {budget_bytes / 2**20:,.1f} MiB, to compile it only if it is predicted "
+            f"at least {MIN_REPLAN_GAIN:.0%} faster than the step that fits")  # fmt: skip
         planned = previewed[budget_bytes] = plan(budget_bytes, None)
-        return None if planned is None else pipeline_plan(planned[1].artifacts).predicted_seconds
+        if data_parallel is not None:  # a rank whose re-plan differs fails here, before the ranks decide apart
+            require_same_graph(planned[0] if planned is not None else None, data_parallel, "re-planned")
+        if planned is None or print_graph(planned[0]) in measured:  # unreachable, or no compile to save
+            return None
+        seconds = float(pipeline_plan(planned[1].artifacts).predicted_seconds)
+        # Each rank prices the copies of a swap plan with its own transfer model: the slowest decides.
+        return seconds if data_parallel is None else largest(seconds, data_parallel)
 
     def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, Calibrated] | None:
         if measured:
@@ -722,11 +733,12 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
             peak, out_of_memory = budget_bytes, True
         else:
             held_at_failure = None
+        seconds = float(made_plan.predicted_seconds)
         if data_parallel is not None:
             peak, allocated = largest_measured(peak, allocated, data_parallel)
+            seconds = largest(seconds, data_parallel)
         measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak, made_plan.unoptimized_peak,
-                                          allocated, out_of_memory, held_at_failure,
-                                          made_plan.predicted_seconds), made  # fmt: skip
+                                          allocated, out_of_memory, held_at_failure, seconds), made  # fmt: skip
         return measured[text]
 
     asked = first.ctx.services.get(ASKED_BUDGET, target.budget_bytes)  # the first plan may have aimed lower
