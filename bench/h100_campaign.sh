@@ -11,10 +11,10 @@
 #   bash bench/h100_campaign.sh wait 560       # waits up to 560 s; copies what is done to $OUT
 #
 # What docs/benchmarks.md shows, by its sections, and the campaign sections that measured it:
-#   i38-held-bert, i38-held-llama, i38-held-resnet
+#   i38-held-bert, i38-held-llama, i38-held-resnet (or i38-held-MODEL-capped / -uncapped)
 #                "Under a hard cap at the budget": each model planned, compiled and trained 50 steps
 #                under inductor-cudagraphs with a cap at the budget, and the same budget uncapped
-#                (H200, 2026-11-26; session13_h200/, session14_h200/)   ~30 min for bert and llama, ~17 resnet
+#                (two H200s, 2026-11-29; session30_gpus/held/)   ~3-5 min a row, ~16 min on two GPUs
 #   i38-ooc      "The out-of-core profile": BERT-base b32 profiled in memory and out of core, node by
 #                node; then BERT-base b64 under a 24 GiB limit and uncapped (H100, 2026-11-26;
 #                session12_h100/)                                                            ~4 min
@@ -38,7 +38,7 @@
 #   opt          "Other measurements", the optimizer passes on GPT-2 small and BERT-base (issue16_h100/) ~14 min
 #   i38-opt-bert, i38-opt-llama, i38-opt-resnet
 #                "Under a hard cap": each model through mutwo-opt --memory-limit CAP --budget CAP
-#                under inductor-cudagraphs                                           ~2-3 min each
+#                under inductor-cudagraphs (H200, 2026-11-29; session30_gpus/opt/)    ~3-5 min each
 #   headline-gpt2, headline-bert, headline-resnet
 #                "Against eager, per-layer checkpointing and torch.compile": bench/compare.py at held
 #                memory and bench/plain_loop.py beside it (issue 41; BERT: H100, 2026-11-28,
