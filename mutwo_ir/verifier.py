@@ -162,6 +162,8 @@ def check_collectives(graph: Graph) -> None:
     """A storage a collective is communicating is read only by its ``wait_tensor``, and every
     collective is waited for before the iteration ends: reading it earlier reads a half-reduced
     buffer, and an unwaited collective is still running when the next iteration starts."""
+    if not any(node.is_collective for node in graph):  # the usual graph: nothing in flight to read
+        return
     in_flight: dict[StorageKey, Node] = {}
     for node in graph:
         if node.is_wait:
