@@ -214,8 +214,8 @@ def _calibrated_step(first: Any, plan: Any, profile: Any, pristine: Any, lowered
         if not candidates:  # the first round is the step already planned and compiled
             made = first, plan, first.graph
         else:
-            planned = previewed.pop(budget_bytes, None) or _plan(pristine, lowered, planning, budget_bytes,
-                                                                 first.backend, profile, log)  # fmt: skip
+            planned = (previewed.pop(budget_bytes) if budget_bytes in previewed
+                       else _plan(pristine, lowered, planning, budget_bytes, first.backend, profile, log))  # fmt: skip
             if isinstance(planned, PipelineFailure):  # a lower budget out of reach: the rounds so far stand
                 return None
             made = _compiled(*planned, lowered, first.backend)

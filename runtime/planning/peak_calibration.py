@@ -676,12 +676,7 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
 
     keep_grads = bool(first.ctx.services.get("keep_grads", False))  # optimizer-in-backward keeps them then
 
-    #: plans made without files, by budget: a plan previewed for its predicted time is the one compiled
-    previewed: dict[int, tuple[Graph, PassContext] | None] = {}
-
     def plan(budget_bytes: int, folder: Path | None) -> tuple[Graph, PassContext] | None:
-        if folder is None and budget_bytes in previewed:
-            return previewed.pop(budget_bytes)
         graph = original.copy()
         ctx = pass_context(lowered, Budget(bytes=budget_bytes), out_dir=folder, log=log, keep_grads=keep_grads)
         ctx.services.update(backend_services(first.compiled.backend))  # as for the first plan
@@ -694,26 +689,34 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
             return None
         return graph, ctx
 
+    #: re-plans made without files, with their printed graphs, by budget: a re-plan weighed by its
+    #: predicted time (``predict``) is the one compiled, planned, printed and compared over the ranks once
+    replans: dict[int, tuple[tuple[Graph, PassContext], str] | None] = {}
+
+    def replan(budget_bytes: int) -> tuple[tuple[Graph, PassContext], str] | None:
+        if budget_bytes not in replans:
+            planned = plan(budget_bytes, None)
+            if data_parallel is not None:  # before the ranks decide, compile or run: their collectives must match
+                require_same_graph(planned[0] if planned is not None else None, data_parallel, "re-planned")
+            replans[budget_bytes] = None if planned is None else (planned, print_graph(planned[0]))
+        return replans[budget_bytes]
+
     def predict(budget_bytes: int) -> float | None:
         log(f"peak calibration: planning for {budget_bytes / 2**20:,.1f} MiB, to compile it only if it is predicted "
             f"at least {MIN_REPLAN_GAIN:.0%} faster than the step that fits")  # fmt: skip
-        planned = previewed[budget_bytes] = plan(budget_bytes, None)
-        if data_parallel is not None:  # a rank whose re-plan differs fails here, before the ranks decide apart
-            require_same_graph(planned[0] if planned is not None else None, data_parallel, "re-planned")
-        if planned is None or print_graph(planned[0]) in measured:  # unreachable, or no compile to save
+        replanned = replan(budget_bytes)
+        if replanned is None or replanned[1] in measured:  # unreachable, or no compile to save
             return None
-        seconds = float(pipeline_plan(planned[1].artifacts).predicted_seconds)
+        seconds = float(pipeline_plan(replanned[0][1].artifacts).predicted_seconds)
         # Each rank prices the copies of a swap plan with its own transfer model: the slowest decides.
         return seconds if data_parallel is None else largest(seconds, data_parallel)
 
     def plan_and_measure(budget_bytes: int) -> tuple[CalibrationRound, Calibrated] | None:
         if measured:
-            planned = plan(budget_bytes, None)
-            if data_parallel is not None:  # before a compile or a run, whose collectives would not match
-                require_same_graph(planned[0] if planned is not None else None, data_parallel, "re-planned")
-            if planned is None:
+            replanned = replan(budget_bytes)
+            if replanned is None:
                 return None
-            text = print_graph(planned[0])
+            planned, text = replanned
             if text in measured:
                 same, made = measured[text]
                 log(f"peak calibration: {budget_bytes / 2**20:,.1f} MiB plans the graph planned for "
