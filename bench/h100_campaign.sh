@@ -284,7 +284,10 @@ case "$section" in
     # i40-restart-models: the Llama and ResNet, one of each kind, ~6 and ~12 min. RESTART_MODELS and
     # RESTART_RUNS name fewer; RESTART_SUFFIX ends the files' names (a run with another
     # PYTORCH_CUDA_ALLOC_CONF, which each start records). A run named sampled* is a "pyc" restart
-    # whose optimize() is sampled by bench/stack_sampler.py ($OUT/restart_STEM_RUN.folded, summarized).
+    # whose optimize() is sampled by bench/stack_sampler.py ($OUT/restart_STEM_RUN.folded, summarized);
+    # one named asbefore* a "pyc" restart with Python's garbage collector as it runs
+    # (--collector-as-before: the A/B of mutwo.runtime.planning.collector). RESTART_STEPS: measured
+    # steps after each start's first (20).
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
     case $section in
@@ -304,13 +307,14 @@ case "$section" in
       for run in $runs; do
         prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
         sample=(); [ ${run#sampled} != $run ] && sample=(--sample-stacks "$OUT/restart_${stem}_$run.folded")
+        [ ${run#asbefore} != $run ] && sample=(--collector-as-before)
         "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
-          start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps 20 \
+          start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps ${RESTART_STEPS:-20} \
           --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" "${sample[@]}" \
           2> "$BG/restart_$model/$run.err"
         echo "$model $run exit $?"; grep -E "peak calibration|took" "$BG/restart_$model/$run.err" | tail -12
         tail -2 "$BG/restart_$model/$run.err"
-        if [ ${#sample[@]} -gt 0 ]; then python3 bench/stack_sampler.py "${sample[1]}" --top 80; fi
+        if [ ${run#sampled} != $run ]; then python3 bench/stack_sampler.py "${sample[1]}" --top 80; fi
       done
       # $OUT takes 8 files: each model's runs' JSON in one
       python3 -c "import json, sys; print(json.dumps({p: json.load(open(p)) for p in sys.argv[1:]}, indent=1))" \

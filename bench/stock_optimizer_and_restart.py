@@ -11,8 +11,8 @@ Also that the optimizer's ``state_dict`` loads into a fresh stock optimizer that
 ``start``: the time from a fresh process's first line to the end of its first training step,
 with mutwo's plan cache in ``--cache-dir``; run twice in a row with the same folder, the second
 process reuses the first's plan. Records ``optimize()``'s per-stage setup seconds and each step's
-loss; with ``--measure-steps N``, also N steady steps' time and held memory, so that a restart is
-seen to train as the first start did.
+loss, and the seconds Python's garbage collector took in ``optimize()``; with ``--measure-steps N``,
+also N steady steps' time and held memory, so that a restart is seen to train as the first start did.
 
 Run where mutwo is installed (``make`` sets up .venv; on the GPU machine, ``. bench/gpu_env.sh``):
 
@@ -36,9 +36,11 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from stack_sampler import StackSampler  # noqa: E402  # bench/ is on sys.path when this runs as a script
+from collector_time import CollectorTime  # noqa: E402  # bench/ is on sys.path when this runs as a script
+from stack_sampler import StackSampler  # noqa: E402
 
 import mutwo  # noqa: E402
+from mutwo.runtime.planning import step_planning  # noqa: E402
 from mutwo.tools.experiment_measure import build_training, measure_step  # noqa: E402
 
 
@@ -112,15 +114,19 @@ def stock(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def start(args: argparse.Namespace) -> dict[str, Any]:
+    on_gpu = args.device == "cuda"
     row: dict[str, Any] = {"mode": "start", "config": args.config, "batch_size": args.batch_size,
                            "budget": args.budget, "backend": args.backend, "cache_dir": args.cache_dir,
-                           "memory_limit": args.memory_limit, "gpu": torch.cuda.get_device_name(),
-                           "torch": torch.__version__,
-                           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}  # fmt: skip
-    training = build_training(args.config, args.batch_size, device="cuda")
+                           "memory_limit": args.memory_limit,
+                           "gpu": torch.cuda.get_device_name() if on_gpu else None, "torch": torch.__version__,
+                           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                           "collector_heap_frozen": not args.collector_as_before}  # fmt: skip
+    training = build_training(args.config, args.batch_size, device=args.device)
     built = time.perf_counter()
     sampling = StackSampler() if args.sample_stacks else contextlib.nullcontext()
-    with sampling:
+    if args.collector_as_before:  # the A/B of mutwo.runtime.planning.collector: setup without it
+        step_planning.older_heap_frozen = step_planning.collection_paused = contextlib.nullcontext
+    with sampling, CollectorTime() as collector:
         step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
                               cache=args.cache_dir, verbose=True)  # fmt: skip
@@ -128,12 +134,14 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     if isinstance(sampling, StackSampler):
         sampling.write(args.sample_stacks)
     losses = [step(training.batch).item()]
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     done = time.perf_counter()
     row.update(import_and_build_seconds=built - PROCESS_START, optimize_seconds=optimized - built,
                first_step_seconds=done - optimized, start_to_first_step_seconds=done - PROCESS_START)  # fmt: skip
     last = step.last
     row["setup_seconds"] = step.setup_seconds
+    row["garbage_collector_in_optimize"] = collector.summary()
     row["cache_hit"] = last.cache_hit if last is not None else None
     if last is not None and last.calibration is not None:  # the rounds: what each plan held
         row["calibration"] = last.calibration.describe()
@@ -187,6 +195,10 @@ def main() -> int:
                         help="start: after the first step, 2 warm-up and this many measured steps (time, held memory)")
     parser.add_argument("--sample-stacks", default=None,
                         help="start: sample optimize()'s stacks into this folded file (bench/stack_sampler.py)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="start: where the model trains (cpu: a start's setup on a machine without a GPU)")
+    parser.add_argument("--collector-as-before", action="store_true",
+                        help="start: set up with Python's collector as it runs (mutwo.runtime.planning.collector)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:

@@ -85,6 +85,10 @@ class Instrumentation:
     """What to do between passes."""
 
     verify: bool = True
+    #: verify after the last pass only, not after each pass that changed the graph: for a pipeline
+    #: verified pass by pass on this very graph before (a plan-cache hit replays one), where each
+    #: verify of a 10,000-node graph costs about 0.1 s and would find what the last one finds
+    verify_once: bool = False
     print_ir_after_all: bool = False
     print_ir_after: frozenset[str] = frozenset()
     dump_dot: bool = False
@@ -129,6 +133,7 @@ class PassManager:
         result = PipelineResult()
         done: list[str] = []
         ctx.profile_needs = ctx.profile_needs.union(*(pass_.profile_needs for pass_ in self.passes))
+        verified: int | None = None  # the graph's version when it was last verified
         for index, pass_ in enumerate(self.passes, start=1):
             label = pass_.describe()
             stem = f"{index:02d}-{pass_.name}"
@@ -149,11 +154,16 @@ class PassManager:
                 raise PipelineFailure(pass_.name, done, PassFailure(
                     "an analysis pass changed the graph; declare is_transform = True on a pass that changes it"))
             ctx.analyses.after_transform(graph, version, pass_.preserves)
-            if inst.verify:
+            # after an analysis, a graph verified since its last change is verified already (a
+            # transform may change nodes' kinds or phases, which leave the version as it was)
+            changed_since = pass_.is_transform or graph.version != verified
+            due = changed_since and (not inst.verify_once or index == len(self.passes))
+            if inst.verify and due:
                 try:
                     verify(graph)
                 except VerificationError as error:
                     raise PipelineFailure(pass_.name, done, error) from error
+                verified = graph.version
             done.append(label)
             result.records.append(PassRecord(label, seconds, changed, output))
             if inst.dump_dot and ctx.out_dir is not None:

@@ -65,21 +65,35 @@ class ForeachBucketsPass(SchedulingPass):
             if key is not None:
                 anchors[key] = max(anchors.get(key, -1), updates.current_anchor[item])
         plan = schedule(updates, lambda item: _bucket(updates, bucket_of, item), anchors.__getitem__)
-        peaks: dict[str, int] = {}
-
-        def keep_it(old: Graph, before: MemorySimulation, new: Graph, after: MemorySimulation) -> str:
-            peaks["before"], peaks["after"] = optimizer_peak(old, before), optimizer_peak(new, after)
-            if self.when == "lower" and after.peak_bytes > before.peak_bytes:
-                return raised_peak(before, after)
-            if self.when == "lower" and peaks["after"] >= peaks["before"]:
-                return (f"the optimizer step's peak ({readable_bytes(peaks['before'])}) would not drop: its "
-                        "temporaries are not what is live there")  # fmt: skip
-            return ""
-
-        before, after, reason = try_schedule(graph, ctx, updates, plan, lambda _: None, keep_it)
-        details = {"buckets": len(buckets), "max_bytes": limit, "optimizer_peak_before": peaks["before"],
-                   "optimizer_peak_after": peaks["after"]}  # fmt: skip
+        judge = _OptimizerPeakJudge(self.when)
+        before, after, reason = try_schedule(graph, ctx, updates, plan, lambda _: None, judge,
+                                             trial=self.when != "always")  # fmt: skip
+        details = {"buckets": len(buckets), "max_bytes": limit, "optimizer_peak_before": judge.peaks[0],
+                   "optimizer_peak_after": judge.peaks[1]}  # fmt: skip
         return ScheduleOutcome(not reason, reason, before.peak_bytes, after.peak_bytes, details)
+
+
+class _OptimizerPeakJudge:
+    """Keeps the new order unless, under ``when=lower``, it raises the simulated peak or leaves the
+    optimizer step's own peak where it was; notes that peak before and after (``peaks``)."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+        self.old: MemorySimulation | None = None
+        self.peaks = [0, 0]
+
+    def before(self, graph: Graph, simulation: MemorySimulation) -> None:
+        self.old, self.peaks[0] = simulation, optimizer_peak(graph, simulation)
+
+    def verdict(self, graph: Graph, simulation: MemorySimulation) -> str:
+        assert self.old is not None
+        self.peaks[1] = optimizer_peak(graph, simulation)
+        if self.when == "lower" and simulation.peak_bytes > self.old.peak_bytes:
+            return raised_peak(self.old, simulation)
+        if self.when == "lower" and self.peaks[1] >= self.peaks[0]:
+            return (f"the optimizer step's peak ({readable_bytes(self.peaks[0])}) would not drop: its "
+                    "temporaries are not what is live there")  # fmt: skip
+        return ""
 
 
 def _buckets(updates: OptimizerUpdates, limit: int) -> dict[int, list[str]]:

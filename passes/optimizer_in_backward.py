@@ -97,16 +97,29 @@ class OptimizerInBackwardPass(SchedulingPass):
         if not plan.moved:
             return ScheduleOutcome(False, "every update already runs right after the gradients it needs")
 
-        def keep_it(_: Graph, before: MemorySimulation, __: Graph, after: MemorySimulation) -> str:
-            if self.when == "lower" and after.peak_bytes > before.peak_bytes:
-                return (f"{raised_peak(before, after)} (at %{after.peak_node}, {after.peak_phase}); when=always "
-                        "applies it anyway")
-            return ""
-
-        before, after, reason = try_schedule(graph, ctx, updates, plan, drop_gradient_outputs, keep_it)
+        before, after, reason = try_schedule(graph, ctx, updates, plan, drop_gradient_outputs, _PeakJudge(self.when),
+                                             trial=self.when != "always")  # fmt: skip
         details = {"moved_parameters": len(anchors), "groups": len(groups), "moved_items": plan.moved,
                    "freed_gradient_bytes": gradient_bytes(returned)}  # fmt: skip
         return ScheduleOutcome(not reason, reason, before.peak_bytes, after.peak_bytes, details)
+
+
+class _PeakJudge:
+    """Keeps the new order unless, under ``when=lower``, it raises the simulated peak."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+        self.old: MemorySimulation | None = None
+
+    def before(self, graph: Graph, simulation: MemorySimulation) -> None:
+        self.old = simulation
+
+    def verdict(self, graph: Graph, simulation: MemorySimulation) -> str:
+        assert self.old is not None
+        if self.when == "lower" and simulation.peak_bytes > self.old.peak_bytes:
+            return (f"{raised_peak(self.old, simulation)} (at %{simulation.peak_node}, {simulation.peak_phase}); "
+                    "when=always applies it anyway")  # fmt: skip
+        return ""
 
 
 def _not_applicable(updates: OptimizerUpdates, keep: bool, returned: list[Node]) -> str:

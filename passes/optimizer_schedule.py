@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mutwo.ir.budget import BudgetError, sizes
 from mutwo.ir.budget import parse_bytes as budget_bytes
@@ -33,6 +34,13 @@ class ScheduleOutcome:
         return {"applied": self.applied, "reason": self.reason, "peak_before": self.peak_before,
                 "peak_after": self.peak_after, **self.details}  # fmt: skip
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ScheduleOutcome:
+        """The outcome :meth:`to_json` wrote (the plan cache keeps it)."""
+        fixed = ("applied", "reason", "peak_before", "peak_after")
+        return cls(bool(data["applied"]), str(data["reason"]), int(data["peak_before"]), int(data["peak_after"]),
+                   {key: value for key, value in data.items() if key not in fixed})  # fmt: skip
+
 
 def parse_bytes(option: str, text: str) -> int:
     """An option given as bytes with a unit (``64MiB``); a ValueError naming the fix (the registry
@@ -49,19 +57,32 @@ def check_when(when: str) -> None:
         raise ValueError(f"when must be one of {', '.join(WHEN)}, not {when!r}")
 
 
-Keep = Callable[[Graph, MemorySimulation, Graph, MemorySimulation], str]
+class Judge(Protocol):
+    """What decides whether a new order is kept, from the graph's simulation before and after it."""
+
+    def before(self, graph: Graph, simulation: MemorySimulation) -> None:
+        """Note what it needs of the graph as it is (it may change once this returns)."""
+
+    def verdict(self, graph: Graph, simulation: MemorySimulation) -> str:
+        """Why not to keep the new order of ``graph`` ('' to keep it)."""
 
 
 def try_schedule(graph: Graph, ctx: PassContext, updates: OptimizerUpdates, plan: Schedule,
-                 finish: Callable[[Graph], None], keep: Keep,
+                 finish: Callable[[Graph], None], judge: Judge, *, trial: bool = True,
                  ) -> tuple[MemorySimulation, MemorySimulation, str]:  # fmt: skip
-    """Apply ``plan`` (then ``finish``) to a copy and simulate both; ``keep(graph, before, copy,
-    after)`` says why not to keep it ('' to keep it), and only then is the graph changed the same way."""
+    """Apply ``plan`` (then ``finish``) to a copy and simulate both; the judge says why not to keep
+    it ('' to keep it), and only then is the graph changed the same way. Without ``trial`` (an
+    order kept whatever it does: ``when=always``) the graph is changed at once, with no copy."""
     before = simulate_with_profile(graph, ctx)
-    trial = graph.copy()
-    _apply(trial, updates, plan, finish)
-    after = simulate_with_profile(trial, ctx)
-    reason = keep(graph, before, trial, after)
+    judge.before(graph, before)
+    if not trial:
+        _apply(graph, updates, plan, finish)
+        after = simulate_with_profile(graph, ctx)
+        return before, after, judge.verdict(graph, after)
+    copy = graph.copy()
+    _apply(copy, updates, plan, finish)
+    after = simulate_with_profile(copy, ctx)
+    reason = judge.verdict(copy, after)
     if not reason:
         _apply(graph, updates, plan, finish)
     return before, after, reason
@@ -92,6 +113,14 @@ def raised_peak(before: MemorySimulation, after: MemorySimulation) -> str:
 class SchedulingPass(Pass):
     """What both optimizer-scheduling passes do around their own ``_run``: keep the outcome as the
     artifact named after the pass, save it as JSON, and log what changed or why nothing did."""
+
+    when: str
+
+    def replaying(self, outcome: ScheduleOutcome) -> SchedulingPass | None:
+        """This pass as a plan-cache hit runs it, from its ``outcome`` when the plan was made: none
+        where it changed nothing, else the same order applied without a trial (``when=always``:
+        the graph is the one it was tried on, so the trial would keep it again)."""
+        return dataclasses.replace(self, when="always") if outcome.applied else None
 
     def run(self, graph: Graph, ctx: PassContext) -> ScheduleOutcome:
         outcome = self._run(graph, ctx)

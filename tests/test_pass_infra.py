@@ -641,6 +641,37 @@ def test_without_verification_the_corruption_goes_unnoticed(graph: Graph) -> Non
         verify(graph)
 
 
+def _counting_verifies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The graph versions the pass manager verifies, in order."""
+    import mutwo.ir.pass_manager as pass_manager
+
+    versions: list[int] = []
+    monkeypatch.setattr(pass_manager, "verify", lambda graph: versions.append(graph.version) or verify(graph))
+    return versions
+
+
+def test_an_analysis_of_a_verified_graph_is_not_verified_again(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verified after the first pass and after each transform (one that changes nothing too: it may
+    change nodes' kinds, which leave the version as it was), not after an analysis of a graph
+    verified since its last change."""
+    versions = _counting_verifies(monkeypatch)
+    stats = PassRegistry().get("stats")
+    run_pipeline(graph, stats(), stats(), AddDeadNode(), stats(), NoopTransform(), stats())
+    assert len(versions) == 3  # after the first stats, add-dead-node and noop-transform
+
+
+def test_verify_once_verifies_after_the_last_pass_only(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a plan-cache hit replays a pipeline verified pass by pass before; a corruption is still
+    caught at the end, named by the last pass."""
+    versions = _counting_verifies(monkeypatch)
+    stats = PassRegistry().get("stats")
+    run_pipeline(graph.copy(), AddDeadNode(), stats(), AddDeadNode(), NoopTransform(), verify_once=True)
+    assert len(versions) == 1
+    with pytest.raises(PipelineFailure) as error:
+        run_pipeline(graph, Corrupt(), stats(), verify_once=True)
+    assert error.value.pass_name == "stats" and isinstance(error.value.cause, VerificationError)
+
+
 def test_an_analysis_that_changes_the_graph_is_reported(graph: Graph) -> None:
     for verify_ in (True, False):
         with pytest.raises(PipelineFailure) as error:

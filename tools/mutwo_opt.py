@@ -75,6 +75,7 @@ from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.parallel.sharding import shard_blocks
 from mutwo.runtime.planning.auto_capture import capture_for_backend
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
+from mutwo.runtime.planning.collector import older_heap_frozen
 from mutwo.runtime.planning.fit import FitError
 from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.debug:
             os.environ["MUTWO_DEBUG"] = "1"
-        with mutwo_warnings_on_one_line():
+        with mutwo_warnings_on_one_line(), older_heap_frozen():  # as optimize() sets up a step
             return MutwoOpt(args).run()
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)

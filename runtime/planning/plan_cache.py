@@ -38,6 +38,7 @@ from mutwo.ir.pass_base import AnalysisCache, Pass, PassContext, write_atomic
 from mutwo.ir.pass_manager import Instrumentation, PassManager, PipelineFailure, PipelineResult
 from mutwo.ir.timeline import TransferModel
 from mutwo.passes.chunk import ChunkPass, ChunkReport
+from mutwo.passes.optimizer_schedule import ScheduleOutcome, SchedulingPass
 from mutwo.passes.profile import ProfilePass
 from mutwo.passes.select import Plan, SelectPass
 from mutwo.passes.select_swap import SelectSwapPass, SwapPlan
@@ -54,7 +55,8 @@ CacheOption = bool | str | os.PathLike[str] | None
 OFF = ("0", "off", "false", "no")
 #: What an entry keeps, each by its artifact name with the class that reads its JSON back.
 ARTIFACTS: dict[str, Any] = {"profile": Profile, "plan": Plan, "swap-plan": SwapPlan, "transfer": TransferModel,
-                             "chunk": ChunkReport}  # fmt: skip
+                             "chunk": ChunkReport, "optimizer-in-backward": ScheduleOutcome,
+                             "foreach-buckets": ScheduleOutcome}  # fmt: skip
 #: The passes whose work a hit skips: what makes the profile, and the policies that make a plan.
 PROFILES, POLICIES = (ProfilePass,), (SelectPass, SelectSwapPass)
 
@@ -119,11 +121,18 @@ class Entry:
     def passes(self, pipeline: Sequence[Pass]) -> list[Pass]:
         """The pipeline a hit runs: ``pipeline`` (or, when the measured choice kept recompute only,
         its recompute-only form) without the profile and the policy, whose artifacts this holds,
-        and with ``chunk`` slicing as it did for the kept plan (:meth:`ChunkPass.replaying`)."""
+        with ``chunk`` slicing as it did for the kept plan (:meth:`ChunkPass.replaying`) and the
+        optimizer-scheduling passes doing what they did, untried (:meth:`SchedulingPass.replaying`)."""
         planning = recompute_only_passes(pipeline) if self.recompute_only else list(pipeline)
-        chunked = self.artifacts.get("chunk")
-        replayed = [p.replaying(chunked) if isinstance(p, ChunkPass) and chunked is not None else p for p in planning]
-        return [p for p in replayed if p is not None and not isinstance(p, PROFILES + POLICIES)]
+        return [p for p in map(self._replaying, planning) if p is not None and not isinstance(p, PROFILES + POLICIES)]
+
+    def _replaying(self, pass_: Pass) -> Pass | None:
+        decided = self.artifacts.get(pass_.name)
+        if isinstance(pass_, ChunkPass) and isinstance(decided, ChunkReport):
+            return pass_.replaying(decided)
+        if isinstance(pass_, SchedulingPass) and isinstance(decided, ScheduleOutcome):
+            return pass_.replaying(decided)
+        return pass_
 
     def missing(self, pipeline: Sequence[Pass]) -> str | None:
         """What the replayed pipeline needs that the entry lacks (None: nothing)."""
@@ -236,8 +245,11 @@ class CachedPlanning:
                                            analyses=AnalysisCache())  # fmt: skip
             self._write_files(replayed)  # a failure below writes them again, from the passes
             copy = graph.copy()
+            # each pass was verified on this graph when the entry was made; a failure at the end
+            # plans again below, verifying pass by pass
+            once = dataclasses.replace(instrumentation or Instrumentation(), verify_once=True)
             try:
-                return copy, replayed, PassManager(self.passes(pipeline), instrumentation).run(copy, replayed)
+                return copy, replayed, PassManager(self.passes(pipeline), once).run(copy, replayed)
             except PipelineFailure as failure:
                 if failure.crashed:  # a bug or the device out of memory, not an entry that does not fit
                     raise
@@ -254,7 +266,8 @@ class CachedPlanning:
         """What the skipped passes write into the output folder, from the entry: profile.json and
         the plan's JSON and CSV (logged as select logs it)."""
         assert self.entry is not None
-        context.save_json("profile.json", self.entry.artifacts["profile"].to_json())
+        if context.out_dir is not None:  # a ResNet-152 profile's JSON takes 0.3 s to build
+            context.save_json("profile.json", self.entry.artifacts["profile"].to_json())
         for name, stem, maker in (("plan", "plan", "select"), ("swap-plan", "swap_plan", "select-swap")):
             plan = self.entry.artifacts.get(name)
             if plan is not None:

@@ -7,6 +7,7 @@ what it returns. :func:`mutwo.runtime.api.optimize` calls it for every graph a t
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.auto_capture import capture_for_backend
 from mutwo.runtime.planning.captured import pass_context
+from mutwo.runtime.planning.collector import collection_paused, older_heap_frozen
 from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
     Calibration,
@@ -144,8 +146,11 @@ def optimize_graph(
     if chosen is not None:
         log(f"mutwo: {chosen.sentence()}")
     stages = SetupStages(progress or log)
-    with random_stream_kept(model):  # planning runs the graph; the caller's training draws what eager's would
-        with stages.stage("capture", "capturing the training step"), stage_noted(CAPTURE, memory):
+    # planning runs the graph, and the caller's training draws what eager's would; the collector skips
+    # the heap that was there before setup (:mod:`mutwo.runtime.planning.collector`)
+    with older_heap_frozen(), random_stream_kept(model):
+        with stages.stage("capture", "capturing the training step"), stage_noted(CAPTURE, memory), \
+                collection_paused():
             lowered, chosen = capture_for_backend(backend, model, optimizer, batch, loss_fn, training, micro,
                                                   accumulated, data_parallel)  # fmt: skip
         if chosen is not None:
@@ -170,7 +175,9 @@ def optimize_graph(
         if aimed is not None and not cached.hit:  # a hit makes no plan: it rewrites with the entry's
             log(f"mutwo: {aimed}")
         running = ",".join(p.name for p in cached.passes(pipeline))
-        with stages.stage("passes", f"running the passes ({running})", record=False), passes_noted(memory):
+        # a hit runs no profile: its passes only rewrite the IR
+        with stages.stage("passes", f"running the passes ({running})", record=False), passes_noted(memory), \
+                collection_paused() if cached.hit else nullcontext():
             lowered.graph, context, result = cached.run(pipeline, lowered.graph, context)
         stages.passes(result)
         optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result,
@@ -221,7 +228,7 @@ def optimize_graph(
             with stages.stage("plan cache"):
                 cached.keep(optimized.context, calibration=calibration, choice=optimized.choice,
                             setup_seconds=stages.total())  # fmt: skip
-    free_planning_leftovers(lowered.device)  # from here on the process holds what the step needs
+        free_planning_leftovers(lowered.device)  # from here on the process holds what the step needs
     optimized.setup_seconds, optimized.cache_hit = stages.total(), cached.hit if cached.cache is not None else None
     return optimized
 
