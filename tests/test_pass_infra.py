@@ -660,6 +660,24 @@ def test_an_analysis_of_a_verified_graph_is_not_verified_again(graph: Graph, mon
     assert len(versions) == 3  # after the first stats, add-dead-node and noop-transform
 
 
+@dataclass(frozen=True)
+class PhaseScribbler(Pass):
+    """An analysis of one's own that changes a node's phase, which leaves the version as it was
+    (test pass that breaks the contract)."""
+
+    name = "phase-scribbler"
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        graph.placeholders[0].phase = Phase.BACKWARD
+
+
+def test_an_analysis_of_one_s_own_is_verified_after(graph: Graph) -> None:
+    """Only mutwo's own analyses are trusted to leave a verified graph as it was."""
+    with pytest.raises(PipelineFailure) as error:
+        run_pipeline(graph, PassRegistry().get("stats")(), PhaseScribbler())
+    assert error.value.pass_name == "phase-scribbler" and isinstance(error.value.cause, VerificationError)
+
+
 def test_verify_once_verifies_after_the_last_pass_only(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> None:
     """As a plan-cache hit replays a pipeline verified pass by pass before; a corruption is still
     caught at the end, named by the last pass."""

@@ -9,17 +9,20 @@ interpreter starts."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from mutwo.ir.printer import print_graph
 from mutwo.ir.registry import PassRegistry
 from mutwo.runtime.api import MutwoStep, optimize
 from mutwo.runtime.planning.plan_cache import Entry, cache_folder, uncacheable
@@ -163,6 +166,54 @@ def test_an_entry_that_does_not_fit_the_graph_is_planned_again(tmp_path: Path,
     assert "does not apply (pass 'extract' failed" in line and "planning again" in line
     assert again.last.cache_hit is False and again.last.plan.keys() == made.last.plan.keys()  # planned again
     assert json.loads(entry.read_text())["artifacts"]["plan"]["fingerprint"] != "0" * 16
+
+
+def test_a_scheduling_pass_listed_twice_decides_again_on_a_hit(tmp_path: Path) -> None:
+    """An entry keeps one outcome per pass name, the last run's: replayed for both listings, it
+    skipped the first (which applied when the entry was made), and the hit's graph differed."""
+    passes = "profile,select,rewrite,optimizer-in-backward,optimizer-in-backward"
+    made, again = (_plan(tmp_path, passes=passes) for _ in range(2))
+    outcome = made.last.context.artifacts["optimizer-in-backward"]
+    assert not outcome.applied  # the second listing's: the first one applied
+    assert again.last.cache_hit is True
+    assert [r.name for r in again.last.result.records] == ["extract", "insert-recompute", "share-gathers",
+                                                          "optimizer-in-backward", "optimizer-in-backward"]  # fmt: skip
+    assert print_graph(again.last.graph) == print_graph(made.last.graph)
+
+
+def test_the_collector_runs_where_device_memory_may_wait_on_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Paused while capturing and while a hit replays its passes; on while profiling, also in the
+    whole pipeline a hit falls back to when its entry does not apply; the older heap frozen
+    throughout setup, and the collector as it was afterwards."""
+    from mutwo.passes.extract import ExtractPass
+    from mutwo.passes.profile import ProfilePass
+    from mutwo.runtime.planning import step_planning
+
+    seen: dict[str, list[tuple[bool, bool]]] = {}
+
+    def spying(name: str, run: Any) -> Any:
+        def spied(*args: Any, **kwargs: Any) -> Any:
+            seen.setdefault(name, []).append((gc.isenabled(), gc.get_freeze_count() > 0))
+            return run(*args, **kwargs)
+
+        return spied
+
+    monkeypatch.setattr(step_planning, "capture_for_backend", spying("capture", step_planning.capture_for_backend))
+    monkeypatch.setattr(ProfilePass, "run", spying("profile", ProfilePass.run))
+    monkeypatch.setattr(ExtractPass, "run", spying("extract", ExtractPass.run))
+    _plan(tmp_path)
+    _plan(tmp_path)
+    [entry] = (tmp_path / "plans").iterdir()
+    data = json.loads(entry.read_text())
+    data["artifacts"]["plan"]["fingerprint"] = "0" * 16  # the hit's extract refuses it: planned again
+    entry.write_text(json.dumps(data))
+    _plan(tmp_path)
+    assert seen["capture"] == [(False, True)] * 3
+    assert seen["profile"] == [(True, True)] * 2  # the miss, and the failed hit's whole pipeline
+    # the miss's, the hit's, the failed hit's replay and its whole pipeline
+    assert seen["extract"] == [(True, True), (False, True), (False, True), (True, True)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_the_cache_switched_off_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,6 +67,19 @@ def test_collection_pauses_and_comes_back_as_it_was() -> None:
     assert not gc.isenabled()  # the user's choice, kept
 
 
+def test_garbage_from_before_setup_is_freed_when_setup_ends() -> None:
+    """As a step dropped for a new capture may be: setup's last collection sees the whole heap."""
+    holder = _Cyclic()
+    holder.tensor = torch.zeros(1024)  # type: ignore[attr-defined]
+    older = weakref.ref(holder)
+    gc.collect()  # alive: it moves to the oldest generation
+    del holder
+    workload = models.mlp()
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
+    mutwo.optimize(workload.model, optimizer, workload.batch, workload.loss_fn, cache=False)
+    assert older() is None
+
+
 @pytest.mark.parametrize("budget", [None, 1e-6])
 def test_optimize_leaves_the_collector_as_it_found_it(budget: float | None) -> None:
     """Whether setup ends with a step or with an error (a budget out of reach)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from mutwo.passes.select import Plan, SelectPass
 from mutwo.passes.select_swap import SelectSwapPass, SwapPlan
 from mutwo.runtime.measurement.profiler import Profile
 from mutwo.runtime.planning.captured import CapturedGraph
+from mutwo.runtime.planning.collector import collection_paused
 from mutwo.runtime.planning.peak_calibration import pipeline_plan
 from mutwo.runtime.planning.plan_choice import RECOMPUTE_ONLY, recompute_only_passes
 from mutwo.runtime.planning.plan_key import FORMAT, key_digest, pass_source_digest, plan_key
@@ -124,7 +126,10 @@ class Entry:
         with ``chunk`` slicing as it did for the kept plan (:meth:`ChunkPass.replaying`) and the
         optimizer-scheduling passes doing what they did, untried (:meth:`SchedulingPass.replaying`)."""
         planning = recompute_only_passes(pipeline) if self.recompute_only else list(pipeline)
-        return [p for p in map(self._replaying, planning) if p is not None and not isinstance(p, PROFILES + POLICIES)]
+        # an entry keeps one record per pass name, the last run's: a pass listed twice decides again
+        listed = Counter(p.name for p in planning)
+        replayed = [self._replaying(p) if listed[p.name] == 1 else p for p in planning]
+        return [p for p in replayed if p is not None and not isinstance(p, PROFILES + POLICIES)]
 
     def _replaying(self, pass_: Pass) -> Pass | None:
         decided = self.artifacts.get(pass_.name)
@@ -241,15 +246,16 @@ class CachedPlanning:
         does not fit this graph after all), the whole pipeline on ``graph`` in ``context``, which
         is then what a miss keeps. ``profile.json`` and the plan's files go to the output folder."""
         if self.entry is not None:
-            replayed = dataclasses.replace(context, artifacts={**context.artifacts, **self.entry.artifacts},
-                                           analyses=AnalysisCache())  # fmt: skip
-            self._write_files(replayed)  # a failure below writes them again, from the passes
-            copy = graph.copy()
-            # each pass was verified on this graph when the entry was made; a failure at the end
-            # plans again below, verifying pass by pass
-            once = dataclasses.replace(instrumentation or Instrumentation(), verify_once=True)
             try:
-                return copy, replayed, PassManager(self.passes(pipeline), once).run(copy, replayed)
+                with collection_paused():  # a replay runs no profile: it only rewrites the IR
+                    replayed = dataclasses.replace(context, artifacts={**context.artifacts, **self.entry.artifacts},
+                                                   analyses=AnalysisCache())  # fmt: skip
+                    self._write_files(replayed)  # a failure below writes them again, from the passes
+                    copy = graph.copy()
+                    # each pass was verified on this graph when the entry was made; a failure at
+                    # the end plans again below, verifying pass by pass
+                    once = dataclasses.replace(instrumentation or Instrumentation(), verify_once=True)
+                    return copy, replayed, PassManager(self.passes(pipeline), once).run(copy, replayed)
             except PipelineFailure as failure:
                 if failure.crashed:  # a bug or the device out of memory, not an entry that does not fit
                     raise

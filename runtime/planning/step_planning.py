@@ -7,7 +7,6 @@ what it returns. :func:`mutwo.runtime.api.optimize` calls it for every graph a t
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,9 +174,7 @@ def optimize_graph(
         if aimed is not None and not cached.hit:  # a hit makes no plan: it rewrites with the entry's
             log(f"mutwo: {aimed}")
         running = ",".join(p.name for p in cached.passes(pipeline))
-        # a hit runs no profile: its passes only rewrite the IR
-        with stages.stage("passes", f"running the passes ({running})", record=False), passes_noted(memory), \
-                collection_paused() if cached.hit else nullcontext():
+        with stages.stage("passes", f"running the passes ({running})", record=False), passes_noted(memory):
             lowered.graph, context, result = cached.run(pipeline, lowered.graph, context)
         stages.passes(result)
         optimized = Optimized(original, lowered.graph, lowered.captured, lowered.binding, context, result,
@@ -228,7 +225,9 @@ def optimize_graph(
             with stages.stage("plan cache"):
                 cached.keep(optimized.context, calibration=calibration, choice=optimized.choice,
                             setup_seconds=stages.total())  # fmt: skip
-        free_planning_leftovers(lowered.device)  # from here on the process holds what the step needs
+    # from here on the process holds what the step needs; after the heap is given back to the
+    # collector, so that garbage older than setup (a step dropped for a new capture) is freed too
+    free_planning_leftovers(lowered.device)
     optimized.setup_seconds, optimized.cache_hit = stages.total(), cached.hit if cached.cache is not None else None
     return optimized
 
