@@ -1,8 +1,10 @@
-"""bench/memory_trace.py and bench/stack_sampler.py on CPU: the sampler's summary counts each
-frame's time inclusively, and bad input to either gives one line, exit code 1, nothing written."""
+"""bench/memory_trace.py, bench/stack_sampler.py and bench/collector_time.py on CPU: the sampler's
+summary counts each frame's time inclusively, bad input to either script gives one line, exit code
+1, nothing written, and the collector's time is counted by generation while entered only."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
+from collector_time import CollectorTime  # noqa: E402
 from stack_sampler import summarize  # noqa: E402
 
 
@@ -38,3 +41,15 @@ def test_bad_input_is_one_line_and_exit_code_1(tmp_path: Path) -> None:
                                    "nor 'min'")
     done = _run("stack_sampler.py", str(tmp_path / "missing.folded"), cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0 and "no folded stack file" in done.stderr
+
+
+def test_the_collector_s_time_is_counted_while_entered_only() -> None:
+    with CollectorTime() as collector:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()  # after: not counted
+    summary = collector.summary()
+    young, _, full = summary["collections"]  # the two asked for (and any the interpreter ran meanwhile)
+    assert young >= 1 and full >= 1 and len(summary["full_at"]) == full
+    assert summary["seconds"] >= summary["full_seconds"] >= 0 and summary["full_at"][0][0] >= 0
+    assert collector._note not in gc.callbacks
