@@ -47,8 +47,9 @@ def test_the_collector_s_time_is_counted_while_entered_only() -> None:
     with CollectorTime() as collector:
         gc.collect()
         gc.collect(0)
-    gc.collect()  # after: not counted
     summary = collector.summary()
+    gc.collect()  # after: not counted
+    assert collector.summary() == summary
     young, _, full = summary["collections"]  # the two asked for (and any the interpreter ran meanwhile)
     assert young >= 1 and full >= 1 and len(summary["full_at"]) == full
     assert summary["seconds"] >= summary["full_seconds"] >= 0 and summary["full_at"][0][0] >= 0
