@@ -67,8 +67,12 @@
 # Session 30 (two H200s, then one; session30_gpus/): PARALLEL="i38-held-bert-capped i38-held-llama-capped
 #   i38-held-resnet-uncapped;i38-held-resnet-capped i38-held-bert-uncapped i38-held-llama-uncapped" start
 #   parallel, then the cuda tests on GPU 1; then start i38-opt-bert i38-opt-llama i38-opt-resnet.
-# Owed after session 30: on an H100 when one is lent, i38-held-* and i38-opt-*;
-#   RESTART_MODELS=resnet i40-restart-models (restarts with expandable segments and lazy code);
+# Session 31 (one H200, session31_h200/): RESTART_MODELS="llama resnet" RESTART_RUNS="first pyc1
+#   sampled1" i40-restart-models at 671d719, then RESTART_MODELS="resnet llama" RESTART_RUNS="first pyc1
+#   asbefore1 pyc2" RESTART_STEPS=5 i40-restart-models at 4d1ac11.
+# Owed after session 31: on an H100 when one is lent, i38-held-* and i38-opt-*; i40-restart-pyc
+#   (BERT) and i40-restart-models (the Llama and ResNet) at HEAD, whose rows name where the first
+#   start's collector time went (full_at); tests-all at HEAD;
 #   resnet-eager-probe; i40-restart-pyc's bytecode half; the headline rows again, every variant with
 #   expandable segments; dp-two-gpus with all three rows in one run.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
