@@ -40,7 +40,7 @@ from collector_time import CollectorTime  # noqa: E402  # bench/ is on sys.path 
 from stack_sampler import StackSampler  # noqa: E402
 
 import mutwo  # noqa: E402
-from mutwo.runtime.planning import step_planning  # noqa: E402
+from mutwo.runtime.planning import plan_cache, step_planning  # noqa: E402
 from mutwo.tools.experiment_measure import build_training, measure_step  # noqa: E402
 
 
@@ -124,8 +124,9 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     training = build_training(args.config, args.batch_size, device=args.device)
     built = time.perf_counter()
     sampling = StackSampler() if args.sample_stacks else contextlib.nullcontext()
-    if args.collector_as_before:  # the A/B of mutwo.runtime.planning.collector: setup without it
+    if args.collector_as_before:  # the A/B of mutwo.runtime.planning.collector: setup without it, where it is used
         step_planning.older_heap_frozen = step_planning.collection_paused = contextlib.nullcontext
+        plan_cache.collection_paused = contextlib.nullcontext
     with sampling, CollectorTime() as collector:
         step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,

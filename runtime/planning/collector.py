@@ -4,15 +4,16 @@ out of its passes.
 Setup (capturing the step with fake tensors, lowering it, the passes, loading the compiled step)
 creates many short-lived Python objects, so the collector runs its full collection a few
 times, and each walks every object the process holds: torch, transformers, the model (a
-ResNet-152 restart from the plan cache: four full collections and 1.3-1.6 s of ``optimize()`` on
+ResNet-152 restart from the plan cache: five full collections and 1.6-1.7 s of ``optimize()`` on
 this repository's 2-core CPU, ``garbage_collector_in_optimize`` of
-``bench/stock_optimizer_and_restart.py start``). :func:`older_heap_frozen` moves the older
-objects out of the collector's sight (:func:`gc.freeze`) for the length of setup and back
-afterwards (:func:`gc.unfreeze`); what setup creates is still collected as before, so the device
-memory of profiling or calibration that only a collection frees is freed as before. Garbage that
+``bench/stock_optimizer_and_restart.py start``; ``bench/results/session31_cpu/``).
+:func:`older_heap_frozen` moves the older objects out of the collector's sight (:func:`gc.freeze`)
+for the length of setup and back afterwards (:func:`gc.unfreeze`); what setup creates is still
+collected as before, so the device memory of profiling or calibration that only a collection
+frees is freed as before. Garbage that
 existed before setup waits until it ends, when setup's last collection sees the whole heap.
 :func:`collection_paused` keeps the collector from running on its own in stages that allocate no
-device memory. With both, the same restart spent 0.9-1.2 s in two full collections, one of them
+device memory. With both, the same restart spent 0.8-1.0 s in two full collections, one of them
 setup's last.
 """
 
