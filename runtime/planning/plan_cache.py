@@ -272,7 +272,7 @@ class CachedPlanning:
         """What the skipped passes write into the output folder, from the entry: profile.json and
         the plan's JSON and CSV (logged as select logs it)."""
         assert self.entry is not None
-        if context.out_dir is not None:  # a ResNet-152 profile's JSON takes 0.3 s to build
+        if context.out_dir is not None:  # a large profile's JSON is costly to build, and nothing reads it
             context.save_json("profile.json", self.entry.artifacts["profile"].to_json())
         for name, stem, maker in (("plan", "plan", "select"), ("swap-plan", "swap_plan", "select-swap")):
             plan = self.entry.artifacts.get(name)
