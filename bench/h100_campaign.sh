@@ -290,8 +290,9 @@ case "$section" in
     # PYTORCH_CUDA_ALLOC_CONF, which each start records). A run named sampled* is a "pyc" restart
     # whose optimize() is sampled by bench/stack_sampler.py ($OUT/restart_STEM_RUN.folded, summarized);
     # one named asbefore* a "pyc" restart with Python's garbage collector as it runs
-    # (--collector-as-before: the A/B of mutwo.runtime.planning.collector). RESTART_STEPS: measured
-    # steps after each start's first (20).
+    # (--collector-as-before: the A/B of mutwo.runtime.planning.collector); one named keyasbefore* a
+    # "pyc" restart where AOTAutograd computes its cache key (--key-as-before: the A/B of
+    # mutwo.runtime.execution.aot_key_reuse). RESTART_STEPS: measured steps after each start's first (20).
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
     case $section in
@@ -312,6 +313,7 @@ case "$section" in
         prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
         sample=(); [ ${run#sampled} != $run ] && sample=(--sample-stacks "$OUT/restart_${stem}_$run.folded")
         [ ${run#asbefore} != $run ] && sample=(--collector-as-before)
+        [ ${run#keyasbefore} != $run ] && sample=(--key-as-before)
         "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
           start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps ${RESTART_STEPS:-20} \
           --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" "${sample[@]}" \
