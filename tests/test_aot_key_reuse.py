@@ -77,6 +77,7 @@ def test_a_second_process_is_handed_the_key_and_runs_bitwise_as_the_first(
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch"))
     first_outputs, first = compiled_once()
     assert key_computations == [1] and first.cache_key_reused is False and not first.cache_hit
+    assert first.cache_key_unmade is None
     [recorded] = list(index_folder().iterdir())
     assert recorded.read_text().startswith("a")  # AOTAutograd's keys begin with its prefix
 

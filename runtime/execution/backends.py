@@ -140,6 +140,8 @@ class CompiledStep:
     #: whether AOTAutograd was handed its cache key, recorded by an earlier compile, rather than
     #: computing it (None: no Inductor compile happened)
     cache_key_reused: bool | None = None
+    #: why no key of mutwo's could be made for it, so that AOTAutograd computed its own at every start
+    cache_key_unmade: str | None = None
 
     @property
     def checked_run(self) -> Callable[..., Any] | None:
@@ -164,7 +166,8 @@ class CompiledStep:
         """What the run summary records about the backend."""
         return {"backend": self.backend, "compile_seconds": round(self.compile_seconds, 3),
                 "compile_cache_hit": self.cache_hit, "compile_cache_bypass": self.cache_bypass,
-                "compile_cache_key_reused": self.cache_key_reused}  # fmt: skip
+                "compile_cache_key_reused": self.cache_key_reused,
+                "compile_cache_key_unmade": self.cache_key_unmade}  # fmt: skip
 
 
 class InductorCompile(NamedTuple):
@@ -174,6 +177,7 @@ class InductorCompile(NamedTuple):
     cache_hit: bool
     cache_bypass: str | None
     cache_key_reused: bool
+    cache_key_unmade: str | None
 
 
 def records_cuda_graphs(backend: str) -> bool:
@@ -218,7 +222,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     communicates = has_collectives(graph)
     started = time.perf_counter()
     run: Callable[..., Any] = module
-    cache_hit = bypass = key_reused = None
+    cache_hit = bypass = key_reused = key_unmade = None
     graphed = records_cuda_graphs(backend)
     if graphed:
         refuse_uncapturable(graph, inputs)
@@ -234,10 +238,11 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
             insert_release_points(module, graph)
     if backend.startswith("inductor"):
         mark_phases(module, graph)
-        run, cache_hit, bypass, key_reused = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
+        run, cache_hit, bypass, key_reused, key_unmade = compile_inductor(module, inputs, swaps=swaps,
+                                                                          communicates=communicates)  # fmt: skip
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots], [label for _, label in slots])
-    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass, key_reused)
+    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass, key_reused, key_unmade)
 
 
 @contextmanager
@@ -334,7 +339,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
             raise inner from None
         raise CompileError(f"Inductor could not compile the step ({compile_failure_summary(error)}); "
                            "run it with --backend eager") from (error if debug_enabled() else None)  # fmt: skip
-    return InductorCompile(compiled, cache_hits() > hits, bypasses[0] if bypasses else None, key.reused)
+    return InductorCompile(compiled, cache_hits() > hits, bypasses[0] if bypasses else None, key.reused, key.reason)
 
 
 def compile_failure_summary(error: BaseException) -> str:
