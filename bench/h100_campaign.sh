@@ -85,7 +85,7 @@
 #   cl-half-swap-contention, swap-options-bert; inductor-calibrated-checkpoint (docs/backends.md
 #   names it as the next run of its random-replay rows).
 set -u
-section=${1:?"name a section: parallel, held-excess, pool-excess, dp-record-stream-reuse, i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-held-MODEL-capped, i38-held-MODEL-uncapped, i38-opt-bert, i38-opt-llama, i38-opt-resnet, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
+section=${1:?"name a section: parallel, i40-restart-all, held-excess, pool-excess, dp-record-stream-reuse, i40-restart-pyc, i40-restart-models, resnet-ckpt-probe, resnet-eager-probe, dp-two-gpus, headline-resnet-refs, headline-resnet-mutwo, compile-sampled-resnet, headline-gpt2, headline-bert, headline-resnet, i38-held-bert, i38-held-llama, i38-held-resnet, i38-held-MODEL-capped, i38-held-MODEL-uncapped, i38-opt-bert, i38-opt-llama, i38-opt-resnet, i38-fix-tests, i40-stock, i40-restart, i40-restart-sampled, i40-aot-cache, i39-chunk-tests, i39-chunk-memory, i39-memory-trace, i39-cost-bert, i39-output-code, i39-output-code-bert, i39-floor-bert, i39-cost-gpt2, i38-ooc, i38-tests, i18d-resnet, i18d-bert, i18d-tests, i18c-tests, i18c-resnet, i18c-bert, i18-tests, i18-resnet, i18-bert, cl-cudagraphs, cl-compile05-trace, tests-swap, tests-all, cl-half-swap-contention, swap-options-bert, cl-half-isolate, plan-attribution, plan-attribution-steadier, plan-stability, bert-cal3, cl-half-same-run, tests, swap-trace, swap-inductor-cl-half, swap-inductor-cl-half-swap, fused-ab, inductor-cl-mutwo, swap-inductor-bert, swap-inductor-bert-swap, inductor-cl-half, inductor-calibrated-checkpoint, opt, fit-resnet, fit-alloc, swap-resnet, swap-bert, backends, inductor, inductor-resnet, inductor-bert, inductor-cl, inductor-calibrated"}
 : "${OUT:?set OUT to the folder the results go to}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 
@@ -276,6 +276,22 @@ case "$section" in
     if [ $section = i40-restart-sampled ]; then
       python3 bench/stack_sampler.py "$OUT/restart_bert_b64_second.folded" --top 60
     fi ;;
+  i40-restart-all)
+    # Issue 40's restarts of all three models on one GPU in one machine hold: their first starts
+    # (empty caches) side by side with tests-all, so their times are not first-start figures; then,
+    # one process at a time, RESTART_RUNS (pyc1 keyasbefore1 pyc2) of each model in turn, 5 measured
+    # steps each. ~16 min on an H200. $OUT: restart_pyc_STEM.json for each model, tests_all.out.
+    script=$(realpath "$0")
+    for model in resnet llama bert; do
+      RESTART_MODELS=$model RESTART_RUNS=first RESTART_STEPS=2 bash "$script" i40-restart-models \
+        > "$BG/first_$model.log" 2>&1 &
+    done
+    bash "$script" tests-all > "$OUT/tests_all.out" 2>&1; echo "tests-all exit $?"; tail -3 "$OUT/tests_all.out"
+    wait; for model in resnet llama bert; do tail -3 "$BG/first_$model.log"; done
+    for model in resnet llama bert; do
+      RESTART_MODELS=$model RESTART_RUNS=${RESTART_RUNS:-pyc1 keyasbefore1 pyc2} RESTART_STEPS=5 \
+        bash "$script" i40-restart-models
+    done ;;
   i40-restart-pyc|i40-restart-models)
     # Issue 40's restart: per model, fresh processes on one plan cache and one Inductor cache (empty
     # before the first), budget and cap as issue 38's rows (BERT-base b64 16GiB; the 0.5B Llama b8
