@@ -308,7 +308,8 @@ case "$section" in
     # one named asbefore* a "pyc" restart with Python's garbage collector as it runs
     # (--collector-as-before: the A/B of mutwo.runtime.planning.collector); one named keyasbefore* a
     # "pyc" restart where AOTAutograd computes its cache key (--key-as-before: the A/B of
-    # mutwo.runtime.execution.aot_key_reuse). RESTART_STEPS: measured steps after each start's first (20).
+    # mutwo.runtime.execution.aot_key_reuse). RESTART_STEPS: measured steps after each start's first (20);
+    # RESTART_ARGS: more options for every start (--aot-key-lines).
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
     case $section in
@@ -332,7 +333,7 @@ case "$section" in
         [ ${run#keyasbefore} != $run ] && sample=(--key-as-before)
         "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
           start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps ${RESTART_STEPS:-20} \
-          --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" "${sample[@]}" \
+          --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" "${sample[@]}" ${RESTART_ARGS:-} \
           2> "$BG/restart_$model/$run.err"
         echo "$model $run exit $?"; grep -E "peak calibration|took" "$BG/restart_$model/$run.err" | tail -12
         tail -2 "$BG/restart_$model/$run.err"

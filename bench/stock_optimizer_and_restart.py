@@ -32,6 +32,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -133,6 +134,9 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         plan_cache.collection_paused = contextlib.nullcontext
     if args.key_as_before:  # the A/B of mutwo.runtime.execution.aot_key_reuse: torch computes its key
         backends.reused_key = lambda module, inputs: contextlib.nullcontext(KeyReuse(None, "--key-as-before"))
+    keys: list[dict[str, Any]] = []
+    if args.aot_key_lines:
+        _record_aot_keys(keys)
     with sampling, CollectorTime() as collector:
         step = mutwo.optimize(training.model, training.optimizer, training.batch, training.loss_fn,
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
@@ -149,6 +153,8 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     last = step.last
     row["setup_seconds"] = step.setup_seconds
     row["garbage_collector_in_optimize"] = collector.summary()
+    if args.aot_key_lines:
+        row["aot_keys_computed"] = keys
     row["cache_hit"] = last.cache_hit if last is not None else None
     compiled = getattr(last.step, "compiled", None) if last is not None else None
     row["compile"] = compiled.describe() if compiled is not None else None  # torch's caches, and the key handed over
@@ -158,6 +164,29 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         row.update(_train_on(step, training.batch, args.measure_steps, losses))
     row["losses"] = losses
     return row
+
+
+def _record_aot_keys(keys: list[dict[str, Any]]) -> None:
+    """Wrap AOTAutograd's key function so that each key it computes is kept in ``keys`` with its
+    per-component lines (what to compare when two processes' keys differ)."""
+    import torch._functorch._aot_autograd.autograd_cache as cache
+
+    real = cache.autograd_cache_key
+
+    def recorded(*args: Any, **kwargs: Any) -> tuple[str, list[str]]:
+        logger = logging.getLogger(cache.__name__)  # at DEBUG later torches build the lines too
+        level, propagate = logger.level, logger.propagate
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False
+        try:
+            key, lines = real(*args, **kwargs)
+        finally:
+            logger.setLevel(level)
+            logger.propagate = propagate
+        keys.append({"key": key, "lines": [line[:400] for line in lines[:3000]]})
+        return key, lines
+
+    cache.autograd_cache_key = recorded
 
 
 class _LossKeepingStep:
@@ -210,6 +239,9 @@ def main() -> int:
                         help="start: set up with Python's collector as it runs (mutwo.runtime.planning.collector)")
     parser.add_argument("--key-as-before", action="store_true",
                         help="start: let AOTAutograd compute its cache key (mutwo.runtime.execution.aot_key_reuse)")
+    parser.add_argument("--aot-key-lines", action="store_true",
+                        help="start: record each cache key AOTAutograd computes with its per-component lines "
+                             "(torch 2.11 returns them; later versions only with the logger at DEBUG)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     try:
