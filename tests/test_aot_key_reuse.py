@@ -8,6 +8,7 @@ Each compile of the tiny MLP's step by Inductor on the CPU takes 10-25 s on a 2-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -101,6 +102,34 @@ def test_a_second_process_is_handed_the_key_and_runs_bitwise_as_the_first(
     stored_outputs, stored = compiled_once()
     assert key_computations == [1] and stored.cache_key_reused is True and stored.cache_hit
     assert all(torch.equal(a, b) for a, b in zip(first_outputs, stored_outputs, strict=True))
+
+
+def test_torchs_own_key_is_the_same_whether_or_not_mutwos_is_made(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Making mutwo's key leaves the module's attributes as they were, in their order: torch's key
+    pickles them, and reading ``module.code`` (which regenerates a lazy module's code) earlier than
+    torch does changed torch's key, so that a restart computing it missed the first start's entry."""
+    import torch._functorch._aot_autograd.autograd_cache as cache
+
+    from mutwo.runtime.execution import backends
+    from mutwo.runtime.execution.aot_key_reuse import KeyReuse
+
+    lowered = _captured()
+    module = to_fx(lowered.graph)
+    attributes = list(module.__dict__)
+    assert mutwo_key(module, lowered.inputs)[0] is not None
+    assert list(module.__dict__) == attributes
+
+    computed: list[str] = []
+    real = cache.autograd_cache_key
+    monkeypatch.setattr(cache, "autograd_cache_key", lambda *a, **k: computed.append(real(*a, **k)[0]) or
+                        (computed[-1], []))  # fmt: skip
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "made"))
+    compile_graph(lowered.graph, lowered.inputs, "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-made"))
+    monkeypatch.setattr(backends, "reused_key", lambda module, inputs: contextlib.nullcontext(KeyReuse(None, "off")))
+    compile_graph(lowered.graph, lowered.inputs, "inductor")
+    assert len(computed) == 2 and computed[0] == computed[1]
 
 
 def _key_now(lowered: CapturedGraph) -> str:

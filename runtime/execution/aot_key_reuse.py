@@ -7,23 +7,28 @@ it first), hashes the installed Triton's files, and in torch 2.11 builds the key
 whether it is logged or not. Sampled in restarts of ResNet-152-cl b128 on an H200 (commit
 671d719, ``bench/results/session31_h200/before/``), that took 1.5-1.8 s of a 4-5 s compile.
 
-Everything that key covers is cheaper to read than to pickle: the graph's Python code (what
-AOTAutograd pickles of it), the inputs' layouts, Inductor's and AOTAutograd's options (their
-portable form, as torch's key reads them) and custom passes (their ``uuid()``, as torch's key
-reads them), the process's numeric settings (grad mode, autocast, deterministic algorithms,
-default dtype, matmul precision) and the versions of torch, CUDA and Triton with the device's
-name. :func:`reused_key` hashes those into mutwo's key; the first compile under it records the
-key AOTAutograd computed, in a file under torch's cache folder (``TORCHINDUCTOR_CACHE_DIR``, so it
-goes where and when the artifacts it points to go); a later compile with the same mutwo key hands
-AOTAutograd that key instead of letting it compute one. torch then loads as it does on any hit:
-its guards, its FX graph cache and its wrappers run unchanged.
+Everything that key covers is cheaper to read than to pickle: the graph's text (each node's op,
+name, target and operands, from which AOTAutograd pickles its code), the inputs' layouts,
+Inductor's and AOTAutograd's options (their portable form, as torch's key reads them) and custom
+passes (their ``uuid()``, as torch's key reads them), the process's numeric settings (grad mode,
+autocast, deterministic algorithms, default dtype, matmul precision) and the versions of torch,
+CUDA and Triton with the device's name. :func:`reused_key` hashes those into mutwo's key; the
+first compile under it records the key AOTAutograd computed, in a file under torch's cache folder
+(``TORCHINDUCTOR_CACHE_DIR``, so it goes where and when the artifacts it points to go); a later
+compile with the same mutwo key hands AOTAutograd that key instead of letting it compute one.
+torch then loads as it does on any hit: its guards, its FX graph cache and its wrappers run
+unchanged.
 
-mutwo's key is stricter than torch's, never looser: the graph's code names its placeholders, and
-mutwo's own source digest is part of it. Where it cannot be made (a graph holding tensor
-constants, whose values torch's key hashes; an option whose text names an object's address; a
-custom pass without ``uuid()``; torch's caches off) nothing is reused and torch computes its key
-as before. A reused key whose entry has gone from torch's cache is a miss like any other: the
-step is compiled and stored under that key again.
+mutwo's key is stricter than torch's, never looser: the graph's text names its placeholders, and
+mutwo's own source digest is part of it. Making it leaves the module as it was: torch's key
+pickles the module's attributes in the order they were set, so even regenerating a lazy module's
+code earlier than torch does changes torch's key (measured on an H200: restarts that let torch
+compute its key then missed the entry the first start stored, and traced the step again, 13-26
+s). Where it cannot be made (a graph holding tensor constants, whose values torch's key hashes; an
+option whose text names an object's address; a custom pass without ``uuid()``; torch's caches
+off) nothing is reused and torch computes its key as before. A reused key whose entry has gone
+from torch's cache is a miss like any other: the step is compiled and stored under that key
+again.
 """
 
 from __future__ import annotations
@@ -96,7 +101,9 @@ def mutwo_key(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[s
     comms = _optional_config("torch._inductor.config_comms")
     described = {
         "format": FORMAT,
-        "code": hashlib.sha256(module.code.encode()).hexdigest(),
+        # the graph's text, not ``module.code``: reading that regenerates a lazy module's code, which
+        # reorders the attributes torch's key pickles, and so changes torch's own key
+        "graph": hashlib.sha256(str(module.graph).encode()).hexdigest(),
         "inputs": [_layout(t) for t in inputs],
         "inductor": _portable(inductor_config),
         "inductor_comms": _portable(comms) if comms is not None else None,
