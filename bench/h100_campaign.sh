@@ -70,11 +70,14 @@
 # Session 31 (one H200, session31_h200/): RESTART_MODELS="llama resnet" RESTART_RUNS="first pyc1
 #   sampled1" i40-restart-models at 671d719, then RESTART_MODELS="resnet llama" RESTART_RUNS="first pyc1
 #   asbefore1 pyc2" RESTART_STEPS=5 i40-restart-models at 4d1ac11.
-# Owed after session 31: on an H100 when one is lent, i38-held-* and i38-opt-*; i40-restart-pyc
-#   (BERT) and i40-restart-models (the Llama and ResNet) at HEAD, whose rows name where the first
-#   start's collector time went (full_at); tests-all at HEAD;
-#   resnet-eager-probe; i40-restart-pyc's bytecode half; the headline rows again, every variant with
-#   expandable segments; dp-two-gpus with all three rows in one run.
+# Session 32 (one H200, session32_h200/): start i40-restart-all at 342a635; RESTART_MODELS=bert
+#   RESTART_RUNS="first keyasbefore1" RESTART_ARGS=--aot-key-lines i40-restart-models at 0feb896;
+#   RESTART_TESTS=0 RESTART_ORDER="resnet bert llama" RESTART_RUNS="pyc1 keyasbefore1" i40-restart-all
+#   at e0b9e2d (the keyasbefore runs were the A/B of a key handover since removed).
+# Owed after session 32: on an H100 when one is lent, i38-held-* and i38-opt-*, and RESTART_TESTS=0
+#   i40-restart-all; tests-all alone at HEAD (in session 32 it ran beside three first starts, and one
+#   timing test failed); resnet-eager-probe; i40-restart-pyc's bytecode half; the headline rows
+#   again, every variant with expandable segments; dp-two-gpus with all three rows in one run.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
@@ -279,8 +282,8 @@ case "$section" in
   i40-restart-all)
     # Issue 40's restarts of all three models on one GPU in one machine hold: their first starts
     # (empty caches) side by side with tests-all, so their times are not first-start figures; then,
-    # one process at a time, RESTART_RUNS (pyc1 keyasbefore1 pyc2) of each model in turn, 5 measured
-    # steps each. ~16 min on an H200. $OUT: restart_pyc_STEM.json for each model, tests_all.out.
+    # one process at a time, RESTART_RUNS (pyc1 pyc2) of each model in turn, 5 measured steps each.
+    # ~15 min on an H200. $OUT: restart_pyc_STEM.json for each model, tests_all.out.
     # RESTART_TESTS=0 leaves tests-all out; RESTART_ORDER orders the restarts' models.
     script=$(realpath "$0")
     for model in resnet llama bert; do
@@ -292,7 +295,7 @@ case "$section" in
     fi
     wait; for model in resnet llama bert; do tail -3 "$BG/first_$model.log"; done
     for model in ${RESTART_ORDER:-resnet llama bert}; do
-      RESTART_MODELS=$model RESTART_RUNS=${RESTART_RUNS:-pyc1 keyasbefore1 pyc2} RESTART_STEPS=5 \
+      RESTART_MODELS=$model RESTART_RUNS=${RESTART_RUNS:-pyc1 pyc2} RESTART_STEPS=5 \
         bash "$script" i40-restart-models
     done ;;
   i40-restart-pyc|i40-restart-models)
@@ -309,10 +312,10 @@ case "$section" in
     # PYTORCH_CUDA_ALLOC_CONF, which each start records). A run named sampled* is a "pyc" restart
     # whose optimize() is sampled by bench/stack_sampler.py ($OUT/restart_STEM_RUN.folded, summarized);
     # one named asbefore* a "pyc" restart with Python's garbage collector as it runs
-    # (--collector-as-before: the A/B of mutwo.runtime.planning.collector); one named keyasbefore* a
-    # "pyc" restart where AOTAutograd computes its cache key (--key-as-before: the A/B of
-    # mutwo.runtime.execution.aot_key_reuse). RESTART_STEPS: measured steps after each start's first (20);
-    # RESTART_ARGS: more options for every start (--aot-key-lines).
+    # (--collector-as-before: the A/B of mutwo.runtime.planning.collector). RESTART_STEPS: measured
+    # steps after each start's first (20); RESTART_ARGS: more options for every start (--aot-key-lines:
+    # each AOTAutograd key computed, with its per-component lines, to find what differs when a restart
+    # misses the key a first start stored).
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
     case $section in
@@ -333,7 +336,6 @@ case "$section" in
         prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
         sample=(); [ ${run#sampled} != $run ] && sample=(--sample-stacks "$OUT/restart_${stem}_$run.folded")
         [ ${run#asbefore} != $run ] && sample=(--collector-as-before)
-        [ ${run#keyasbefore} != $run ] && sample=(--key-as-before)
         "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
           start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps ${RESTART_STEPS:-20} \
           --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" "${sample[@]}" ${RESTART_ARGS:-} \

@@ -12,7 +12,7 @@ Also that the optimizer's ``state_dict`` loads into a fresh stock optimizer that
 with mutwo's plan cache in ``--cache-dir``; run twice in a row with the same folder, the second
 process reuses the first's plan. Records ``optimize()``'s per-stage setup seconds and each step's
 loss, the seconds Python's garbage collector took in ``optimize()`` and the compile's record (whether
-torch's caches answered, and whether AOTAutograd was handed its key); with ``--measure-steps N``,
+torch's caches answered, and why AOTAutograd's skipped the step if it did); with ``--measure-steps N``,
 also N steady steps' time and held memory, so that a restart is seen to train as the first start did.
 
 Run where mutwo is installed (``make`` sets up .venv; on the GPU machine, ``. bench/gpu_env.sh``):
@@ -42,8 +42,6 @@ from collector_time import CollectorTime  # noqa: E402  # bench/ is on sys.path 
 from stack_sampler import StackSampler  # noqa: E402
 
 import mutwo  # noqa: E402
-from mutwo.runtime.execution import backends  # noqa: E402
-from mutwo.runtime.execution.aot_key_reuse import KeyReuse  # noqa: E402
 from mutwo.runtime.planning import plan_cache, step_planning  # noqa: E402
 from mutwo.tools.experiment_measure import build_training, measure_step  # noqa: E402
 
@@ -124,16 +122,13 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
                            "memory_limit": args.memory_limit,
                            "gpu": torch.cuda.get_device_name() if on_gpu else None, "torch": torch.__version__,
                            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                           "collector_heap_frozen": not args.collector_as_before,
-                           "aot_key_handed_over": not args.key_as_before}  # fmt: skip
+                           "collector_heap_frozen": not args.collector_as_before}  # fmt: skip
     training = build_training(args.config, args.batch_size, device=args.device)
     built = time.perf_counter()
     sampling = StackSampler() if args.sample_stacks else contextlib.nullcontext()
     if args.collector_as_before:  # the A/B of mutwo.runtime.planning.collector: setup without it, where it is used
         step_planning.older_heap_frozen = step_planning.collection_paused = contextlib.nullcontext
         plan_cache.collection_paused = contextlib.nullcontext
-    if args.key_as_before:  # the A/B of mutwo.runtime.execution.aot_key_reuse: torch computes its key
-        backends.reused_key = lambda module, inputs: contextlib.nullcontext(KeyReuse(None, "--key-as-before"))
     keys: list[dict[str, Any]] = []
     if args.aot_key_lines:
         _record_aot_keys(keys)
@@ -157,7 +152,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
         row["aot_keys_computed"] = keys
     row["cache_hit"] = last.cache_hit if last is not None else None
     compiled = getattr(last.step, "compiled", None) if last is not None else None
-    row["compile"] = compiled.describe() if compiled is not None else None  # torch's caches, and the key handed over
+    row["compile"] = compiled.describe() if compiled is not None else None  # whether torch's caches answered
     if last is not None and last.calibration is not None:  # the rounds: what each plan held
         row["calibration"] = last.calibration.describe()
     if args.measure_steps:
@@ -237,8 +232,6 @@ def main() -> int:
                         help="start: where the model trains (cpu: a start's setup on a machine without a GPU)")
     parser.add_argument("--collector-as-before", action="store_true",
                         help="start: set up with Python's collector as it runs (mutwo.runtime.planning.collector)")
-    parser.add_argument("--key-as-before", action="store_true",
-                        help="start: let AOTAutograd compute its cache key (mutwo.runtime.execution.aot_key_reuse)")
     parser.add_argument("--aot-key-lines", action="store_true",
                         help="start: record each cache key AOTAutograd computes with its per-component lines "
                              "(torch 2.11 returns them; later versions only with the logger at DEBUG)")

@@ -438,7 +438,7 @@ def test_compile_step_regenerates_the_step_s_code_once(monkeypatch: pytest.Monke
     calls = []
     original = fx.GraphModule.recompile  # what every module's code generation comes down to
     monkeypatch.setattr(fx.GraphModule, "recompile", lambda self: calls.append(self) or original(self))
-    monkeypatch.setattr(backends, "compile_inductor", lambda module, inputs, **_: (module, False, None, False, None))
+    monkeypatch.setattr(backends, "compile_inductor", lambda module, inputs, **_: (module, False, None))
     with backends.one_recompile(module):
         backends.draw_as_eager(module, lowered.graph, lowered.inputs, "inductor")  # the mlp's dropout: rewritten
         backends.functionalizable_host_calls(module)

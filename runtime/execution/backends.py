@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import fx
@@ -41,7 +41,6 @@ from mutwo.ir.swap import SWAP_OPS
 from mutwo.ir.to_fx import to_fx
 from mutwo.runtime.capture.tracing import debug_enabled, quiet_loggers, quiet_torch_errors
 from mutwo.runtime.execution.aot_cache_bypass import noting_bypass
-from mutwo.runtime.execution.aot_key_reuse import reused_key
 from mutwo.runtime.execution.compiled_collectives import functional_collectives, has_collectives, order_kept_options
 from mutwo.runtime.execution.compiled_random import draw_as_eager
 from mutwo.runtime.execution.cuda_graphs import CudaGraphRunner, refuse_uncapturable
@@ -137,11 +136,6 @@ class CompiledStep:
     cache_hit: bool | None = None
     #: why AOTAutograd's cache skipped the step, which every start then traces again (None: it did not)
     cache_bypass: str | None = None
-    #: whether AOTAutograd was handed its cache key, recorded by an earlier compile, rather than
-    #: computing it (None: no Inductor compile happened)
-    cache_key_reused: bool | None = None
-    #: why no key of mutwo's could be made for it, so that AOTAutograd computed its own at every start
-    cache_key_unmade: str | None = None
 
     @property
     def checked_run(self) -> Callable[..., Any] | None:
@@ -165,19 +159,7 @@ class CompiledStep:
     def describe(self) -> dict[str, Any]:
         """What the run summary records about the backend."""
         return {"backend": self.backend, "compile_seconds": round(self.compile_seconds, 3),
-                "compile_cache_hit": self.cache_hit, "compile_cache_bypass": self.cache_bypass,
-                "compile_cache_key_reused": self.cache_key_reused,
-                "compile_cache_key_unmade": self.cache_key_unmade}  # fmt: skip
-
-
-class InductorCompile(NamedTuple):
-    """What :func:`compile_inductor` returns."""
-
-    run: Callable[..., Any]
-    cache_hit: bool
-    cache_bypass: str | None
-    cache_key_reused: bool
-    cache_key_unmade: str | None
+                "compile_cache_hit": self.cache_hit, "compile_cache_bypass": self.cache_bypass}  # fmt: skip
 
 
 def records_cuda_graphs(backend: str) -> bool:
@@ -222,7 +204,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     communicates = has_collectives(graph)
     started = time.perf_counter()
     run: Callable[..., Any] = module
-    cache_hit = bypass = key_reused = key_unmade = None
+    cache_hit = bypass = None
     graphed = records_cuda_graphs(backend)
     if graphed:
         refuse_uncapturable(graph, inputs)
@@ -238,11 +220,10 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
             insert_release_points(module, graph)
     if backend.startswith("inductor"):
         mark_phases(module, graph)
-        run, cache_hit, bypass, key_reused, key_unmade = compile_inductor(module, inputs, swaps=swaps,
-                                                                          communicates=communicates)  # fmt: skip
+        run, cache_hit, bypass = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots], [label for _, label in slots])
-    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass, key_reused, key_unmade)
+    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass)
 
 
 @contextmanager
@@ -291,13 +272,12 @@ def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) ->
 
 
 def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, swaps: bool = False,
-                     communicates: bool = False) -> InductorCompile:  # fmt: skip
+                     communicates: bool = False) -> tuple[Callable[..., Any], bool, str | None]:  # fmt: skip
     """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS` and :func:`batch_norm_elemt_decomposed`;
     whether torch's compile caches (AOTAutograd's and Inductor's FX graph cache, on disk under
     ``TORCHINDUCTOR_CACHE_DIR``) supplied the compiled code: a second compile of the same graph, in
-    any process, hits them; why AOTAutograd's cache skipped it, if it did (Inductor's cache may hit
-    after that, but the step was traced again); and whether AOTAutograd was handed its key rather
-    than computing it (:mod:`~mutwo.runtime.execution.aot_key_reuse`).
+    any process, hits them; and why AOTAutograd's cache skipped it, if it did (Inductor's cache
+    may hit after that, but the step was traced again).
 
     In a graph that ``swaps``, Inductor does not reuse the buffers offloads read
     (:func:`~mutwo.runtime.execution.swap_inductor.offloaded_buffers_kept_from_reuse`); in one that
@@ -328,8 +308,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
                            "post_grad_custom_post_pass": rules,
                            "unsafe_marked_cacheable_functions": cacheable}), swapping, \
                 phase_bounded_fusion(), kernel_per_node(), kept_values_stored(), batch_norm_elemt_decomposed(), \
-                torch.no_grad(), quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER), \
-                noting_bypass() as bypasses, reused_key(module, inputs) as key:
+                torch.no_grad(), quiet_torch_errors(), quiet_loggers(CPP_EXTENSION_LOGGER), noting_bypass() as bypasses:
             compiled = compile_fx(module, fakes)
     except torch.OutOfMemoryError:  # autotuning ran out: not the compiler's failure (the caller notes its stage)
         raise
@@ -339,7 +318,7 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
             raise inner from None
         raise CompileError(f"Inductor could not compile the step ({compile_failure_summary(error)}); "
                            "run it with --backend eager") from (error if debug_enabled() else None)  # fmt: skip
-    return InductorCompile(compiled, cache_hits() > hits, bypasses[0] if bypasses else None, key.reused, key.reason)
+    return compiled, cache_hits() > hits, (bypasses[0] if bypasses else None)
 
 
 def compile_failure_summary(error: BaseException) -> str:

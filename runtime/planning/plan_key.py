@@ -21,6 +21,7 @@ addresses, times, paths):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -33,15 +34,18 @@ from typing import Any
 
 import torch
 
+import mutwo.ir
+import mutwo.passes
 from mutwo.ir.budget import Budget
 from mutwo.ir.pass_base import Pass
 from mutwo.ir.printer import print_graph
-from mutwo.runtime.execution.source_digest import source_digest
 from mutwo.runtime.measurement.expandable_segments import expandable_segments_on
 from mutwo.runtime.planning.captured import CapturedGraph
 
 #: Bumped when the key or the entry changes shape: entries of another format are never read.
 FORMAT = 1
+#: The folders of mutwo whose code decides a plan (tools only run it).
+_RUNTIME = Path(__file__).resolve().parents[1]
 
 
 def plan_key(lowered: CapturedGraph, passes: Sequence[Pass], settings: dict[str, Any],
@@ -147,3 +151,14 @@ def mutwo_version() -> str:
         return version("mutwo")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A hash of mutwo's modules that planning runs (ir, passes, runtime); read once a process."""
+    digest = hashlib.sha256()
+    for folder in (Path(mutwo.ir.__file__).parent, Path(mutwo.passes.__file__).parent, _RUNTIME):
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(f"{path.relative_to(folder.parent)}\n".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
