@@ -4,6 +4,7 @@ is left out of its passes and given back after, what setup makes is still collec
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from collections.abc import Iterator
@@ -12,7 +13,12 @@ import pytest
 import torch
 
 import mutwo
-from mutwo.runtime.planning.collector import collection_paused, older_heap_frozen
+from mutwo.runtime.planning.collector import (
+    DEFERRED_THRESHOLD,
+    collection_paused,
+    full_collections_deferred,
+    older_heap_frozen,
+)
 from tests import models
 
 
@@ -30,10 +36,11 @@ def _garbage_cycle() -> weakref.ref[_Cyclic]:
 
 @pytest.fixture(autouse=True)
 def _collector_as_found() -> Iterator[None]:
-    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    enabled, frozen, thresholds = gc.isenabled(), gc.get_freeze_count(), gc.get_threshold()
     yield
     gc.unfreeze() if not frozen else None
     gc.enable() if enabled else gc.disable()
+    gc.set_threshold(*thresholds)
 
 
 def test_older_cycles_wait_until_setup_ends_and_new_ones_are_collected() -> None:
@@ -92,3 +99,65 @@ def test_optimize_leaves_the_collector_as_it_found_it(budget: float | None) -> N
         with pytest.raises(Exception, match="budget"):
             mutwo.optimize(*arguments, budget=budget, cache=False)
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_deferred_full_collections_leave_the_young_ones_and_come_back() -> None:
+    """In a heap frozen as setup freezes it: young cycles are still collected on their own; a
+    cycle that reached the oldest generation waits while objects pile up there, as a compile's
+    do; once the thresholds are back the collector's own rule collects it."""
+    gc.collect()
+    gc.freeze()
+    gc.collect()  # what is left to walk: next to nothing
+    thresholds = gc.get_threshold()
+    with full_collections_deferred():
+        assert gc.get_threshold() == (thresholds[0], thresholds[1], DEFERRED_THRESHOLD)
+        young = _garbage_cycle()
+        for _ in range(20 * thresholds[0]):  # allocations enough for young collections to run
+            _Cyclic()
+        assert young() is None
+        kept = [_Cyclic() for _ in range(10 * thresholds[0])]  # alive, as a compile's objects are
+        old = _Cyclic()
+        gc.collect(1)  # both survive a young collection: in the oldest generation
+        held = weakref.ref(old)
+        del old  # now garbage, in the oldest generation
+        for _ in range(50 * thresholds[0] * thresholds[1]):  # past the oldest generation's usual threshold
+            _Cyclic()
+        assert gc.get_count()[2] > thresholds[2] and held() is not None  # no full collection ran
+    assert gc.get_threshold() == thresholds
+    for _ in range(20 * thresholds[0]):
+        _Cyclic()
+    assert held() is None and len(kept) == 10 * thresholds[0]  # the full collection that waited ran
+
+
+@pytest.mark.parametrize("state", ["disabled", "threshold 0"])
+def test_full_collections_are_left_alone_where_the_collector_does_not_run_on_its_own(state: str) -> None:
+    gc.disable() if state == "disabled" else gc.set_threshold(0)
+    thresholds = gc.get_threshold()
+    with full_collections_deferred():
+        assert gc.get_threshold() == thresholds
+    assert gc.get_threshold() == thresholds
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_compile_defers_full_collections(monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """optimize()'s compile stage runs with full collections deferred, and the thresholds are back
+    after it, also when the compile fails."""
+    from mutwo.runtime.execution.step import GraphStep
+
+    seen: list[int] = []
+    real = GraphStep.compile
+
+    def compile(self: GraphStep, inputs: list[torch.Tensor]) -> object:
+        seen.append(gc.get_threshold()[2])
+        if fails:
+            raise RuntimeError("compile failed")
+        return real(self, inputs)
+
+    monkeypatch.setattr(GraphStep, "compile", compile)
+    thresholds = gc.get_threshold()
+    workload = models.mlp()
+    optimizer = torch.optim.SGD(workload.model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="compile failed") if fails else contextlib.nullcontext():
+        mutwo.optimize(workload.model, optimizer, workload.batch, workload.loss_fn, cache=False)
+    assert seen == [DEFERRED_THRESHOLD]
+    assert gc.get_threshold() == thresholds

@@ -40,7 +40,7 @@ from mutwo.runtime.parallel import distributed
 from mutwo.runtime.parallel.distributed import DataParallel
 from mutwo.runtime.planning.auto_capture import capture_for_backend
 from mutwo.runtime.planning.captured import pass_context
-from mutwo.runtime.planning.collector import collection_paused, older_heap_frozen
+from mutwo.runtime.planning.collector import collection_paused, full_collections_deferred, older_heap_frozen
 from mutwo.runtime.planning.peak_calibration import (
     Calibrated,
     Calibration,
@@ -187,7 +187,7 @@ def optimize_graph(
 
         def compiled_for(graph: Graph) -> CompiledStep:
             steps[id(graph)] = GraphStep(graph, lowered.captured, lowered.binding, backend)
-            with stage_noted(COMPILE, memory):
+            with stage_noted(COMPILE, memory), full_collections_deferred():
                 return steps[id(graph)].compile(lowered.inputs)
 
         with stages.stage("compile", f"compiling the step with {backend}" if backend != "eager"
