@@ -89,6 +89,32 @@ def test_a_second_process_reuses_the_plan_and_trains_bitwise_like_the_first(tmp_
     assert "mutwo: capturing the training step" in first_log and "mutwo: capture took " in first_log
 
 
+#: As :data:`TRAIN`, compiled by Inductor, also saving how torch's compile caches answered.
+TRAIN_COMPILED = (TRAIN.replace('budget="min", verbose=True)', 'budget="min", verbose=True, backend="inductor")')
+                  .replace('"graph": print_graph(step.last.graph)}',
+                           '"graph": print_graph(step.last.graph), "compiled": step.last.step.compiled.describe()}'))
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_compiled_step_without_tracing_it_again(tmp_path: Path) -> None:
+    """With the plan cache and torch's caches warm, a restart's compile is answered by AOTAutograd's
+    cache, not only by Inductor's: where AOTAutograd's missed, it traced the whole step again, which
+    on an H200 took 13-26 s of restarts that otherwise took 7-8 s (bench/results/session32_h200/)."""
+    assert TRAIN_COMPILED != TRAIN and "backend=" in TRAIN_COMPILED and "describe()" in TRAIN_COMPILED
+    env = {k: v for k, v in os.environ.items() if k != "MUTWO_CACHE"} | {
+        "MUTWO_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch")}
+    for name in ("first", "second"):
+        done = subprocess.run([sys.executable, "-c", TRAIN_COMPILED, str(tmp_path / f"{name}.pt")], cwd=REPO,
+                              env=env, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    first, second = torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt")
+    assert (first["hit"], second["hit"]) == (False, True)
+    assert second["graph"] == first["graph"]
+    assert first["compiled"]["compile_aot_cache_hit"] is False
+    assert second["compiled"]["compile_aot_cache_hit"] is True, second["compiled"]
+    assert all(torch.equal(first["state"][k], second["state"][k]) for k in first["state"])
+
+
 def _cnn(width: int = 8) -> models.Workload:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),

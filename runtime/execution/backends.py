@@ -136,6 +136,10 @@ class CompiledStep:
     cache_hit: bool | None = None
     #: why AOTAutograd's cache skipped the step, which every start then traces again (None: it did not)
     cache_bypass: str | None = None
+    #: whether AOTAutograd's cache answered (None: no Inductor compile happened). Where only
+    #: Inductor's FX graph cache did, AOTAutograd traced the whole step again: 13-26 s of a restart on
+    #: an H200 (bench/results/session32_h200/README.md), where a hit of both takes 3 s
+    aot_cache_hit: bool | None = None
 
     @property
     def checked_run(self) -> Callable[..., Any] | None:
@@ -152,6 +156,8 @@ class CompiledStep:
         """What a compile's log line adds about torch's caches: that they answered, and why
         AOTAutograd's skipped the step if it did (a restart then traces it again)."""
         note = " (Inductor's cache)" if self.cache_hit else ""
+        if self.cache_hit and not self.aot_cache_hit and not self.cache_bypass:
+            note = " (Inductor's FX graph cache; AOTAutograd's missed, so the step was traced again)"
         if self.cache_bypass:
             note += f"; AOTAutograd's cache skipped it ({self.cache_bypass}), so every start traces the step again"
         return note
@@ -159,7 +165,8 @@ class CompiledStep:
     def describe(self) -> dict[str, Any]:
         """What the run summary records about the backend."""
         return {"backend": self.backend, "compile_seconds": round(self.compile_seconds, 3),
-                "compile_cache_hit": self.cache_hit, "compile_cache_bypass": self.cache_bypass}  # fmt: skip
+                "compile_cache_hit": self.cache_hit, "compile_aot_cache_hit": self.aot_cache_hit,
+                "compile_cache_bypass": self.cache_bypass}  # fmt: skip
 
 
 def records_cuda_graphs(backend: str) -> bool:
@@ -204,7 +211,7 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
     communicates = has_collectives(graph)
     started = time.perf_counter()
     run: Callable[..., Any] = module
-    cache_hit = bypass = None
+    cache_hit = aot_hit = bypass = None
     graphed = records_cuda_graphs(backend)
     if graphed:
         refuse_uncapturable(graph, inputs)
@@ -220,10 +227,10 @@ def compile_step(module: fx.GraphModule, inputs: Sequence[torch.Tensor], backend
             insert_release_points(module, graph)
     if backend.startswith("inductor"):
         mark_phases(module, graph)
-        run, cache_hit, bypass = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
+        run, cache_hit, aot_hit, bypass = compile_inductor(module, inputs, swaps=swaps, communicates=communicates)
     if graphed:
         run = CudaGraphRunner(run, [kind in STATE_KINDS for kind, _ in slots], [label for _, label in slots])
-    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass)
+    return CompiledStep(backend, run, time.perf_counter() - started, cache_hit, bypass, aot_hit)
 
 
 @contextmanager
@@ -272,12 +279,12 @@ def compile_graph(graph: Graph, inputs: Sequence[torch.Tensor], backend: str) ->
 
 
 def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, swaps: bool = False,
-                     communicates: bool = False) -> tuple[Callable[..., Any], bool, str | None]:  # fmt: skip
+                     communicates: bool = False) -> tuple[Callable[..., Any], bool, bool, str | None]:  # fmt: skip
     """``module`` compiled by Inductor with :data:`INDUCTOR_OPTIONS` and :func:`batch_norm_elemt_decomposed`;
     whether torch's compile caches (AOTAutograd's and Inductor's FX graph cache, on disk under
     ``TORCHINDUCTOR_CACHE_DIR``) supplied the compiled code: a second compile of the same graph, in
-    any process, hits them; and why AOTAutograd's cache skipped it, if it did (Inductor's cache
-    may hit after that, but the step was traced again).
+    any process, hits them; whether AOTAutograd's did (where only Inductor's did, the step was
+    traced again); and why AOTAutograd's cache skipped it, if it did.
 
     In a graph that ``swaps``, Inductor does not reuse the buffers offloads read
     (:func:`~mutwo.runtime.execution.swap_inductor.offloaded_buffers_kept_from_reuse`); in one that
@@ -289,8 +296,8 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    def cache_hits() -> int:
-        return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    def cache_hits() -> tuple[int, int]:
+        return counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"]
 
     hits = cache_hits()
     # Fake inputs from a mode with a shape environment, as Dynamo hands them: without one the FX
@@ -318,7 +325,8 @@ def compile_inductor(module: fx.GraphModule, inputs: Sequence[torch.Tensor], *, 
             raise inner from None
         raise CompileError(f"Inductor could not compile the step ({compile_failure_summary(error)}); "
                            "run it with --backend eager") from (error if debug_enabled() else None)  # fmt: skip
-    return compiled, cache_hits() > hits, (bypasses[0] if bypasses else None)
+    fx_hits, aot_hits = (after - before for after, before in zip(cache_hits(), hits, strict=True))
+    return compiled, fx_hits + aot_hits > 0, aot_hits > 0, (bypasses[0] if bypasses else None)
 
 
 def compile_failure_summary(error: BaseException) -> str:
