@@ -77,10 +77,13 @@ DEFERRED_THRESHOLD = 1 << 30
 def full_collections_deferred() -> Iterator[None]:
     """While open, the collector collects the young generations as always, and none in full (its
     oldest generation's threshold, :func:`gc.set_threshold`, is raised); when it closes the
-    thresholds are as they were, and the collector's own rule runs the full collection that waited
-    at its next young one. For a compile: it allocates no device memory, and the objects it keeps
+    thresholds are as they were, and at its next young collection the collector's own rule runs the
+    full one that waited, once the objects that reached the oldest generation meanwhile are over a
+    quarter of those it last walked, as after a first start's compile. For a compile: it allocates
+    no device memory (autotuning's buffers are freed as they go out of use), and the objects it keeps
     alive until it ends are what each full collection walked again. Nothing changes where the
-    collector is off or does not run on its own (a first threshold of 0)."""
+    collector is off or does not run on its own (a first threshold of 0), nor on a Python whose
+    collector does not read the third threshold."""
     thresholds = gc.get_threshold()
     if not gc.isenabled() or thresholds[0] == 0:
         yield
