@@ -73,13 +73,14 @@
 # Session 32 (one H200, session32_h200/): start i40-restart-all at 342a635; RESTART_MODELS=bert
 #   RESTART_RUNS="first keyasbefore1" RESTART_ARGS=--aot-key-lines i40-restart-models at 0feb896;
 #   RESTART_TESTS=0 RESTART_ORDER="resnet bert llama" RESTART_RUNS="pyc1 keyasbefore1" i40-restart-all
-#   at e0b9e2d (the keyasbefore runs were the A/B of a key handover since removed); then tests/test_cuda.py
-#   alone at 4954d55 (tests_alone.txt).
+#   at e0b9e2d (the keyasbefore runs were the A/B of a key handover since removed); then
+#   tests/test_cuda.py alone at 4954d55 (tests_alone.txt).
 # Owed after session 32: on an H100 when one is lent, i38-held-* and i38-opt-*, and RESTART_TESTS=0
 #   i40-restart-all (its first starts alone too: full collections now wait for each compile's end);
 #   tests-all alone at HEAD (in session 32 it ran beside three first starts, and one timing test
-#   failed; alone, tests/test_cuda.py passed); resnet-eager-probe; i40-restart-pyc's bytecode half; the headline rows
-#   again, every variant with expandable segments; dp-two-gpus with all three rows in one run.
+#   failed; alone, tests/test_cuda.py passed); resnet-eager-probe; i40-restart-pyc's bytecode half;
+#   the headline rows again, every variant with expandable segments; dp-two-gpus with all three rows
+#   in one run.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are

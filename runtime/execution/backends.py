@@ -153,8 +153,9 @@ class CompiledStep:
         return Tolerance() if self.backend.startswith("inductor") else None
 
     def cache_note(self) -> str:
-        """What a compile's log line adds about torch's caches: that they answered, and why
-        AOTAutograd's skipped the step if it did (a restart then traces it again)."""
+        """What a compile's log line adds about torch's caches: that they answered, that only
+        Inductor's did (the step was traced again), and why AOTAutograd's skipped the step if it
+        did (a restart then traces it again)."""
         note = " (Inductor's cache)" if self.cache_hit else ""
         if self.cache_hit and not self.aot_cache_hit and not self.cache_bypass:
             note = " (Inductor's FX graph cache; AOTAutograd's missed, so the step was traced again)"

@@ -9,12 +9,11 @@ this repository's 2-core CPU, ``garbage_collector_in_optimize`` of
 ``bench/stock_optimizer_and_restart.py start``; ``bench/results/session31_cpu/``).
 :func:`older_heap_frozen` moves the older objects out of the collector's sight (:func:`gc.freeze`)
 for the length of setup and back afterwards (:func:`gc.unfreeze`); what setup creates is still
-collected as before, so the device memory of profiling or calibration that only a collection
-frees is freed as before. Garbage that
-existed before setup waits until it ends, when setup's last collection sees the whole heap.
-:func:`collection_paused` keeps the collector from running on its own in stages that allocate no
-device memory. With both, the same restart spent 0.8-1.0 s in two full collections, one of them
-setup's last.
+collected as before, so the device memory of profiling or calibration that only a collection frees
+is freed as before. Garbage that existed before setup waits until it ends, when setup's last
+collection sees the whole heap. :func:`collection_paused` keeps the collector from running on its
+own in stages that allocate no device memory. With both, the same restart spent 0.8-1.0 s in two
+full collections, one of them setup's last.
 
 A first start's compile is the longest stage of its setup, and there the heap grows: Inductor
 keeps what it builds for a whole-iteration graph alive until the compile ends, and each full
