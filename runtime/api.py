@@ -195,6 +195,10 @@ class MutwoStep:
                 raise NotEquivalentError(report.summary())
             self.say(f"mutwo: check passed{f' for {graph}' if graph else ''}: the optimized step is "
                      f"{report.summary()}")  # fmt: skip
+        compiled = optimized.step.compiled
+        if compiled is not None and isinstance(compiled.run, CudaGraphRunner):
+            # a training loop's step: its first call runs unrecorded and the second records (the runner's docs)
+            compiled.run.defer_recording = True
         self.steps.setdefault(key, []).append((optimized, optimized.step))
         self.last = optimized
         return optimized.step
@@ -207,7 +211,9 @@ class MutwoStep:
         step, flat = self.prepare(batch)
         micro = self.micro
         run = step.compiled.run if step.compiled is not None else None
-        records = isinstance(run, CudaGraphRunner) and run.graph is None
+        records = isinstance(run, CudaGraphRunner) and run.records_next_call
+        if records and micro in ("step", "first"):
+            self._drop_previous_gradients()
         try:
             output = step.run(flat, restore_all=self.on_failure == "restore")
         except BaseException as error:
@@ -236,6 +242,16 @@ class MutwoStep:
                 # fully_shard's gradients are DTensors of the local rows, as eager FSDP2 leaves them
                 params[name].grad = grad if sharded is None else sharded.local_dtensor(name, grad, params[name])
         return MutwoLoss.returned(output.loss)
+
+    def _drop_previous_gradients(self) -> None:
+        """Let the last step's gradients go before a call that records its graph and does not read
+        them: the recording makes the graph's own gradient buffers, and the old ones, kept in
+        ``.grad`` or the accumulated gradients until the call returned, would be held beside them
+        (cached by the allocator once freed, which the recording's emptying of the cache precedes)."""
+        self.accumulated.clear()  # in place: the bindings of the other graphs read this dict
+        if self.keep_grads:
+            for param in self.model.parameters():
+                param.grad = None
 
     def _failed(self, failure: Failure | None, error: BaseException) -> None:
         """After a call raised ``error``: refuse later calls when the parameters or optimizer state

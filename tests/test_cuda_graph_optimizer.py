@@ -210,6 +210,24 @@ def test_the_runner_records_again_when_a_host_value_changes_and_warns_when_it_ch
     assert runner.recordings == 4 and torch.equal(weight, torch.full((3,), -2.1875))
 
 
+def test_a_training_loops_runner_runs_its_first_call_unrecorded_and_records_at_the_second() -> None:
+    """``defer_recording`` (a training loop's step): the first call is a real step, with no warm-up
+    and no recording; the second records; the state is stepped once per call either way."""
+    for deferred in (False, True):
+        weight = torch.zeros(3)
+        runner = _CpuRunner(lambda w: (w.sub_(0.5).sum(),), [True], ["w"])
+        runner.defer_recording = deferred
+        assert runner.records_next_call is not deferred
+        loss = runner(weight)[0]
+        assert (runner.recordings, runner.ran) == ((0, True) if deferred else (1, False))
+        assert loss.item() == -1.5 and torch.equal(weight, torch.full((3,), -0.5))
+        assert runner.records_next_call is deferred
+        runner(weight)
+        runner(weight)
+        assert runner.recordings == 1 and not runner.records_next_call
+        assert torch.equal(weight, torch.full((3,), -1.5))
+
+
 # -- on a GPU ------------------------------------------------------------------------------------
 DEVICE = torch.device("cuda")
 
@@ -273,7 +291,7 @@ def _train_adamw(make: Callable[[], models.Workload], backend: str, captures: li
             losses.append((loss, models.eager_step(theirs, their_opt)))
             for scheduler in schedulers:
                 scheduler.step()
-            if index == 0:  # planning may have recorded (and released) the step too
+            if index == 1:  # recorded by now: at the first call when planning ran the step, else at the second
                 first_recordings = _runner(step).recordings
     return {"mine": mine, "theirs": theirs, "my_opt": my_opt, "their_opt": their_opt, "step": step,
             "losses": losses, "warnings": [str(w.message) for w in said], "captures": len(captures),
@@ -395,7 +413,7 @@ def test_cuda_stock_sgd_with_momentum_is_recorded_again_when_its_rate_changes(
         step = mutwo.optimize(mine.model, my_opt, mine.batch, mine.loss_fn, backend=backend)
         for index in range(STEPS):
             loss, expected = step(mine.batch), models.eager_step(theirs, their_opt)
-            if index == 0:  # planning may have recorded (and released) the step too
+            if index == 1:  # recorded by now: at the first call when planning ran the step, else at the second
                 first_recordings = _runner(step).recordings
             if backend == "cudagraphs":
                 assert bitwise_equal(loss, expected), f"loss at step {index}"

@@ -98,6 +98,41 @@ def test_cuda_a_memory_limit_at_the_budget_trains_without_running_out(clean_devi
     assert held <= budget
 
 
+@pytest.mark.parametrize("keep_grads", [False, True])
+def test_cuda_a_recording_at_the_second_call_holds_what_one_at_the_first_holds(keep_grads: bool,
+                                                                               clean_device: int) -> None:  # fmt: skip
+    """A training loop's step runs its first call unrecorded and records at its second
+    (``CudaGraphRunner.defer_recording``): the first call's gradients are let go before that
+    recording, so the process holds, at its peak and after, what a step recorded at its first call
+    (after a warm-up) holds."""
+    mib = 2**20
+    held: dict[bool, tuple[int, int]] = {}
+    for deferred in (True, False):
+        work = deep_mlp()
+        optimizer = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+        step = mutwo.optimize(work.model, optimizer, work.batch, work.loss_fn, backend="cudagraphs",
+                              keep_grads=keep_grads)  # fmt: skip
+        assert step.last is not None and step.last.step is not None and step.last.step.compiled is not None
+        runner = step.last.step.compiled.run
+        assert runner.defer_recording and not runner.ran, "a training loop's step, not run by planning"
+        runner.defer_recording = deferred
+        torch.cuda.synchronize(DEVICE)
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        for call in range(3):
+            step(work.batch)
+            assert runner.recordings == (call >= 1 if deferred else 1)
+        torch.cuda.synchronize(DEVICE)
+        held[deferred] = (torch.cuda.max_memory_reserved(DEVICE) - clean_device,
+                          torch.cuda.memory_reserved(DEVICE) - clean_device)  # fmt: skip
+        del step, runner, work, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+    (peak, now), (peak_first, now_first) = held[True], held[False]
+    assert now <= now_first + 2 * mib and peak <= peak_first + 2 * mib, (
+        f"recorded at the second call: held {now / mib:.0f} MiB, at most {peak / mib:.0f} MiB; recorded at the "
+        f"first: {now_first / mib:.0f} MiB, at most {peak_first / mib:.0f} MiB")  # fmt: skip
+
+
 def test_cuda_failure_peaks_read_what_the_process_held_when_it_ran_out(clean_device: int) -> None:
     """Calibration steps a plan that ran out of memory down by what the process held over its
     allocation by the failure: read from the allocator's peaks after ``torch.OutOfMemoryError``,

@@ -18,9 +18,14 @@ What makes that correct for a training step:
   hyperparameters (SGD) computes with its learning rate and momentum as host numbers, which a
   recording freezes: the step is recorded again when one of them changes (a scheduler's step),
   not captured or planned again;
-* recording does not run kernels; a warm-up iteration on copies of the state runs first, on a
-  side stream, so that cuBLAS/cuDNN initialisation and Inductor's autotuning happen outside the
-  capture and the real state is stepped only by replays;
+* recording does not run kernels, and what a step does on its first run (cuBLAS/cuDNN
+  initialisation, loading Inductor's kernels, its autotuning) must happen outside the capture.
+  A training loop's step (``defer_recording``) therefore runs its first call unrecorded, a real
+  step as the backend without CUDA graphs runs it, and records at its second call; a runner asked
+  to record before it has ever run (planning's measurements) first warms up on the live state,
+  its values kept in host memory and put back after, so that only replays step the real state.
+  Once the step has run in the process, recording it again (a replaced state, a changed host
+  value) needs no warm-up, unless it swaps (the warm-up takes the host buffers it records with);
 * random ops (dropout) draw from the default CUDA generator, which CUDA graphs support: each
   replay advances its offset as the eager step would;
 * a plan that swaps records its copies on the swap runtime's streams, joined to the graph by
@@ -123,6 +128,16 @@ class CudaGraphRunner:
 
     def __init__(self, run: Callable[..., Any], kept: Sequence[bool], labels: Sequence[str] | None = None) -> None:
         self.run = run
+        #: a training loop's step: the first call runs unrecorded (a real step) and the next one
+        #: records, rather than the first warming up on the state kept in host memory and recording
+        #: (a restart's first step copied the parameters and optimizer state out and back: several GB)
+        self.defer_recording = False
+        #: ``run`` has run in this process (a warm-up or an unrecorded step): its first-run work is done
+        self.ran = False
+        #: its last run swapped: every recording warms up first, which takes the pinned host buffers
+        #: the recording will (none may be allocated during a capture, and other live graphs, such
+        #: as gradient accumulation's, may hold the ones this step's last run gave back)
+        self.swaps = False
         self.kept = list(kept)
         self.labels = list(labels) if labels is not None else [f"input {i}" for i in range(len(self.kept))]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -143,7 +158,14 @@ class CudaGraphRunner:
         self.host_buffers: list[torch.Tensor] = []
         _RUNNERS.add(self)
 
+    @property
+    def records_next_call(self) -> bool:
+        """Whether the next call records (unless a host value or the state changed since the last)."""
+        return self.graph is None and (self.ran or not self.defer_recording)
+
     def __call__(self, *flat: torch.Tensor) -> Any:
+        if self.graph is None and self.defer_recording and not self.ran:
+            return self.run_unrecorded(flat)
         changed = self.changed_host_values(flat)
         if changed:
             self._recorded_again_for(changed)
@@ -194,6 +216,15 @@ class CudaGraphRunner:
             SWAP_RUNTIME.buffers.restore(self.host_buffers)
             self.host_buffers = []
 
+    def run_unrecorded(self, flat: Sequence[torch.Tensor]) -> Any:
+        """One step as the backend without CUDA graphs runs it, on the caller's stream: the state is
+        stepped by it and the random numbers drawn from the generator as a replay draws them."""
+        offloads = SWAP_RUNTIME.offloads
+        with torch.no_grad():
+            outputs = self.run(*flat)
+        self.ran, self.swaps = True, SWAP_RUNTIME.offloads > offloads
+        return outputs
+
     def take_inputs(self, flat: Sequence[torch.Tensor]) -> None:
         """The recording's inputs: the state itself, copies of the rest (refilled before every replay)."""
         self.static = [t if kept else t.clone() for kept, t in zip(self.kept, flat, strict=True)]
@@ -201,28 +232,15 @@ class CudaGraphRunner:
                         if not kept and t.device.type == "cpu"]  # fmt: skip
 
     def record(self, flat: Sequence[torch.Tensor]) -> None:
-        """Warm up on the live state (saved to host memory and put back after), then record one
-        iteration on it."""
+        """Record one iteration on the live state, after a warm-up (see :meth:`warm_up`) unless the
+        step has run in this process before."""
         self.release()  # free the previous recording's pool first
         self.take_inputs(flat)
         device = self.static[0].device
-        # The warm-up runs a whole step, which writes the state in place. Its old values wait in
-        # host memory rather than as device copies: a copy of the parameters and optimizer state
-        # on the device (a second model's worth) would make recording need more than the step, and
-        # under a memory limit set at the budget it ran out of memory there. They are put back
-        # after a warm-up that failed half-way (out of memory) too.
-        side = warmup_stream(device)
-        side.wait_stream(torch.cuda.current_stream())
-        with values_kept_on_host(self.static):
-            try:
-                with torch.cuda.stream(side), torch.no_grad():
-                    generator = torch.cuda.get_rng_state()
-                    self.run(*self.static)  # lazy initialisation, autotuning
-                    torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
-            finally:
-                torch.cuda.current_stream().wait_stream(side)
-        # The warm-up's copies have ended: the recording must not wait for their events (a capture
-        # cannot wait for an event recorded outside it), and the swap runtime drops them.
+        if not self.ran or self.swaps:
+            self.warm_up()
+        # The warm-up's or the last step's copies have ended: the recording must not wait for their
+        # events (a capture cannot wait for an event recorded outside it), and the swap runtime drops them.
         torch.cuda.synchronize(device)
         # cuBLAS keeps one workspace per stream until told otherwise; one first made while a graph
         # recorded comes from that graph's private pool and kept the whole pool alive after the
@@ -230,8 +248,9 @@ class CudaGraphRunner:
         # Cleared around the recording, as Inductor's CUDA-graph trees do: this graph's workspace is
         # made in its own pool and goes back with it.
         clear_cublas_workspaces()
-        # What the warm-up freed stays cached for its side stream, where no replay reuses it: give
-        # it back, so that the process holds the state and the graph's pool, as the plan counts.
+        # What the warm-up or an unrecorded step freed stays cached (for the warm-up's side stream,
+        # where no replay reuses it): give it back, so that the process holds the state and the
+        # graph's pool, as the plan counts.
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # Replays allocate nothing: the recording's allocations, made from the graph's private pool,
@@ -246,6 +265,29 @@ class CudaGraphRunner:
         self.recorded_peak_bytes = self.recorded_peak_absolute - before
         self.graph = graph
         self.recordings += 1
+
+    def warm_up(self) -> None:
+        """Run the step once on the recording's inputs, on a side stream, with the live state's
+        values kept in host memory and put back after: its first-run work then happens outside the
+        capture, and the state is stepped only by replays."""
+        device = self.static[0].device
+        # The warm-up runs a whole step, which writes the state in place. Its old values wait in
+        # host memory rather than as device copies: a copy of the parameters and optimizer state
+        # on the device (a second model's worth) would make recording need more than the step, and
+        # under a memory limit set at the budget it ran out of memory there. They are put back
+        # after a warm-up that failed half-way (out of memory) too.
+        side = warmup_stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+        offloads = SWAP_RUNTIME.offloads
+        with values_kept_on_host(self.static):
+            try:
+                with torch.cuda.stream(side), torch.no_grad():
+                    generator = torch.cuda.get_rng_state()
+                    self.run(*self.static)  # lazy initialisation, autotuning
+                    torch.cuda.set_rng_state(generator)  # the warm-up's draws must not shift the real step's
+            finally:
+                torch.cuda.current_stream().wait_stream(side)
+        self.ran, self.swaps = True, SWAP_RUNTIME.offloads > offloads
 
 
 def clear_cublas_workspaces() -> None:
