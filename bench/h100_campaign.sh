@@ -315,7 +315,9 @@ case "$section" in
     # PYTORCH_CUDA_ALLOC_CONF, which each start records). A run named sampled* is a "pyc" restart
     # whose optimize() is sampled by bench/stack_sampler.py ($OUT/restart_STEM_RUN.folded, summarized);
     # one named asbefore* a "pyc" restart with Python's garbage collector as it runs
-    # (--collector-as-before: the A/B of mutwo.runtime.planning.collector). RESTART_STEPS: measured
+    # (--collector-as-before: the A/B of mutwo.runtime.planning.collector); one named recordfirst* a
+    # "pyc" restart whose step records at its first call, after a warm-up (--record-at-first-call: the
+    # A/B of the training loop's unrecorded first call). RESTART_STEPS: measured
     # steps after each start's first (20); RESTART_ARGS: more options for every start (--aot-key-lines:
     # each AOTAutograd key computed, with its per-component lines, to find what differs when a restart
     # misses the key a first start stored).
@@ -339,6 +341,7 @@ case "$section" in
         prefix=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$BG/pycache); [ ${run#plain} != $run ] && prefix=(env)
         sample=(); [ ${run#sampled} != $run ] && sample=(--sample-stacks "$OUT/restart_${stem}_$run.folded")
         [ ${run#asbefore} != $run ] && sample=(--collector-as-before)
+        [ ${run#recordfirst} != $run ] && sample=(--record-at-first-call)
         "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
           start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps ${RESTART_STEPS:-20} \
           --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" "${sample[@]}" ${RESTART_ARGS:-} \

@@ -139,6 +139,10 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
                               budget=args.budget, backend=args.backend, memory_limit=args.memory_limit,
                               cache=args.cache_dir, verbose=True)  # fmt: skip
     optimized = time.perf_counter()
+    row["recorded_at_first_call"] = args.record_at_first_call
+    compiled = getattr(step.last.step, "compiled", None) if step.last is not None else None
+    if args.record_at_first_call and compiled is not None and hasattr(compiled.run, "defer_recording"):
+        compiled.run.defer_recording = False
     if isinstance(sampling, StackSampler):
         sampling.write(args.sample_stacks)
     losses = [step(training.batch).item()]
@@ -239,6 +243,9 @@ def main() -> int:
                         help="start: where the model trains (cpu: a start's setup on a machine without a GPU)")
     parser.add_argument("--collector-as-before", action="store_true",
                         help="start: set up with Python's collector as it runs (mutwo.runtime.planning.collector)")
+    parser.add_argument("--record-at-first-call", action="store_true",
+                        help="start: record the CUDA graph at the first call, after a warm-up on the state kept in "
+                             "host memory (as before the training loop's first call ran unrecorded): the A/B of it")
     parser.add_argument("--aot-key-lines", action="store_true",
                         help="start: record each cache key AOTAutograd computes with its per-component lines "
                              "(torch 2.11 returns them; later versions only with the logger at DEBUG)")
