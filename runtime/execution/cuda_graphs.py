@@ -119,7 +119,8 @@ def release_all() -> int:
 
 class CudaGraphRunner:
     """``run`` (the step, called with its flat inputs) recorded as a CUDA graph on the first call
-    and replayed on every call after; ``kept[i]``: input ``i`` is state updated in place;
+    (the second with ``defer_recording``, the first running unrecorded) and replayed on every call
+    after; ``kept[i]``: input ``i`` is state updated in place;
     ``labels[i]`` names it in messages.
 
     It records again when a kept input is another tensor (``load_state_dict`` replaced it) and when
@@ -160,7 +161,8 @@ class CudaGraphRunner:
 
     @property
     def records_next_call(self) -> bool:
-        """Whether the next call records (unless a host value or the state changed since the last)."""
+        """Whether the next call records whatever it is given (it also records when a host value
+        changed or the state was replaced since the recording)."""
         return self.graph is None and (self.ran or not self.defer_recording)
 
     def __call__(self, *flat: torch.Tensor) -> Any:
