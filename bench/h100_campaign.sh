@@ -75,10 +75,12 @@
 #   RESTART_TESTS=0 RESTART_ORDER="resnet bert llama" RESTART_RUNS="pyc1 keyasbefore1" i40-restart-all
 #   at e0b9e2d (the keyasbefore runs were the A/B of a key handover since removed); then
 #   tests/test_cuda.py alone at 4954d55 (tests_alone.txt).
-# Owed after session 32: on an H100 when one is lent, i38-held-* and i38-opt-*, and RESTART_TESTS=0
-#   i40-restart-all (its first starts alone too: full collections now wait for each compile's end);
-#   tests-all alone at HEAD (in session 32 it ran beside three first starts, and one timing test
-#   failed; alone, tests/test_cuda.py passed); resnet-eager-probe; i40-restart-pyc's bytecode half;
+# Session 33 (one H200, session33_h200/): RESTART_TESTS=0 RESTART_RUNS=pyc1 start tests-all
+#   i40-restart-all at 1fe3ec6 (every cuda test passed alone); RESTART_MODELS=bert RESTART_RUNS="first
+#   pyc1 recordfirst1 pyc2 recordfirst2" RESTART_STEPS=5 i40-restart-models at cb3144c; then
+#   bench/first_call_held_probe.py by hand.
+# Owed after session 33: on an H100 when one is lent, i38-held-* and i38-opt-*, and RESTART_TESTS=0
+#   i40-restart-all, its first starts alone too; resnet-eager-probe; i40-restart-pyc's bytecode half;
 #   the headline rows again, every variant with expandable segments; dp-two-gpus with all three rows
 #   in one run.
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
