@@ -155,6 +155,54 @@ def test_whatever_the_plan_depends_on_misses(tmp_path: Path, capsys: pytest.Capt
     assert len(list((tmp_path / "plans").iterdir())) == 1 + len(changes) + 1
 
 
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry for each graph the runtime's profiler measured."""
+    from mutwo.runtime.planning import captured
+
+    calls: list[int] = []
+    real = captured.profile_graph
+    monkeypatch.setattr(captured, "profile_graph", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    return calls
+
+
+def test_a_miss_at_another_budget_plans_from_the_profile_the_first_measured(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], measured: list[int]) -> None:  # fmt: skip
+    made = _plan(tmp_path)
+    capsys.readouterr()
+    other = _plan(tmp_path, budget=0.9, check=True)  # the plan checked against the captured step
+    err = capsys.readouterr().err
+    assert other.last.cache_hit is False and len(measured) == 1, "profiled once, for both budgets"
+    [kept] = (tmp_path / "profiles").iterdir()
+    assert f"mutwo: profile: reusing the profile kept in {kept} (" in err
+    assert "profile run" not in err
+    mine, theirs = (step.last.context.artifacts["profile"].to_json() for step in (other, made))
+    assert mine["nodes"] == theirs["nodes"] and mine["fingerprint"] == theirs["fingerprint"]
+    assert other.last.plan.budget_bytes != made.last.plan.budget_bytes
+    assert len(list((tmp_path / "plans").iterdir())) == 2
+    # What the profile pass measures with is in the key: other options measure again.
+    _plan(tmp_path, passes="profile{runs=2},optimizer,chunk,select,rewrite")
+    assert len(measured) == 2 and len(list((tmp_path / "profiles").iterdir())) == 2
+
+
+def test_a_corrupt_profile_is_ignored_in_one_line_measured_again_and_replaced(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], measured: list[int]) -> None:  # fmt: skip
+    _plan(tmp_path)
+    [kept] = (tmp_path / "profiles").iterdir()
+    for corrupt in ('{"format": 1, "key": {"half": ', '{"format": 1, "key": 3}', "[1, 2]"):
+        kept.write_text(corrupt)
+        capsys.readouterr()
+        assert _plan(tmp_path, budget=0.9).last.cache_hit is False
+        err = capsys.readouterr().err
+        [line] = [line for line in err.splitlines() if "kept profile" in line]
+        assert line.startswith(f"mutwo: plan cache: ignoring the kept profile {kept.stem[:12]} (")
+        assert line.endswith("measuring it again and replacing it") and "Traceback" not in err
+        assert json.loads(kept.read_text())["format"] == 1  # replaced by a whole profile
+        for entry in (tmp_path / "plans").iterdir():  # the next round misses the plan again
+            entry.unlink()
+    assert len(measured) == 4
+
+
 def test_each_graph_of_gradient_accumulation_is_kept(tmp_path: Path) -> None:
     first = _plan(tmp_path, accumulation_steps=3)
     again = _plan(tmp_path, accumulation_steps=3)
@@ -290,6 +338,10 @@ def test_mutwo_opt_reuses_the_plan_with_cache_dir_and_not_with_no_cache(
     for name in ("plan.json", "profile.json"):  # what the skipped passes write, from the entry
         assert json.loads((tmp_path / "second" / name).read_text()) == \
             json.loads((tmp_path / "first" / name).read_text())  # fmt: skip
+    other = _mutwo_opt(tmp_path, "other", "--cache-dir", str(cache), "--budget", "0.9")  # the last --budget counts
+    err = capsys.readouterr().err
+    assert other["plan_cache"]["hit"] is False and other["equivalent"] is True
+    assert "mutwo-opt: profile: reusing the profile kept in" in err and "profile run" not in err
     kept = sorted((cache / "plans").iterdir())
     monkeypatch.delenv("MUTWO_CACHE", raising=False)
     monkeypatch.setenv("MUTWO_CACHE_DIR", str(cache))
@@ -331,7 +383,8 @@ def test_a_folder_that_cannot_be_written_is_said_in_one_line(tmp_path: Path,
     step = _plan(blocked)
     lines = _cache_lines(capsys)
     assert lines[0].startswith("mutwo: plan cache miss ")
-    assert lines[1].startswith(f"mutwo: plan cache: could not keep the plan in {blocked} (")
+    assert lines[1].startswith(f"mutwo: plan cache: could not keep the profile in {blocked} (")
+    assert lines[2].startswith(f"mutwo: plan cache: could not keep the plan in {blocked} (")
     torch.manual_seed(0)
     assert torch.isfinite(step(_cnn().batch))  # training goes on
 

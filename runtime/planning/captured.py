@@ -87,6 +87,12 @@ def accumulated_stand_ins(first: CapturedStep) -> dict[str, torch.Tensor]:
     return stand_ins
 
 
+#: The service of a pass context that keeps and finds profiles across starts
+#: (:class:`~mutwo.runtime.planning.profile_cache.ProfileStore`: ``load`` and ``keep``), where the
+#: plan cache is used and missed.
+PROFILE_STORE = "profile_store"
+
+
 def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path | None = None,
                  log: Callable[[str], None] = lambda message: None, keep_grads: bool = False,
                  memory_limit: int | None = None) -> PassContext:  # fmt: skip
@@ -120,6 +126,13 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
         log(f"profile: {choice.reason}" + ("; a data-parallel step's budget does not cap its profile, which runs "
                                            "out of core only under a memory limit" if data_parallel and budget
                                            is not None and budget.bytes is not None else ""))  # fmt: skip
+        # A profile another start measured of this graph, with these options (the plan cache's, on a miss)
+        store = context.services.get(PROFILE_STORE)
+        asked = {"runs": runs, "warmup": warmup, "isolate": isolate, "contention": contention}
+        kept = store.load(g, choice.device_limit, asked) if store is not None else None
+        if kept is not None:
+            kept.meta["memory"] = choice.reason
+            return kept
         try:
             profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,
                                     contention=contention, device_limit=choice.device_limit)  # fmt: skip
@@ -133,6 +146,8 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
                 "profile{out_of_core=true}, or give the memory limit the card really has (memory_limit=, "
                 "--memory-limit)") from error
         profile.meta["memory"] = choice.reason
+        if store is not None:
+            store.keep(g, choice.device_limit, asked, profile)
         return profile
 
     context.services["profiler"] = run_profile

@@ -10,6 +10,8 @@ they depend on (:mod:`mutwo.runtime.planning.plan_key`). On a hit the pipeline r
 ``profile`` and ``select``/``select-swap`` passes, the entry's artifacts in their place, so the
 passes that apply the plan (rewrite, insert-swap) and those that cost little (optimizer) make the
 final graph as before; ``extract`` and ``insert-swap`` refuse a plan made for another graph.
+On a miss, the profile another start measured of the same graph is reused
+(:mod:`mutwo.runtime.planning.profile_cache`): a plan depends on the budget, its profile does not.
 Compiled code is not kept here: torch's own caches (AOTAutograd's and Inductor's FX graph cache,
 under ``TORCHINDUCTOR_CACHE_DIR``) already serve a second compile of the same graph in any process.
 
@@ -44,11 +46,12 @@ from mutwo.passes.profile import ProfilePass
 from mutwo.passes.select import Plan, SelectPass
 from mutwo.passes.select_swap import SelectSwapPass, SwapPlan
 from mutwo.runtime.measurement.profiler import Profile
-from mutwo.runtime.planning.captured import CapturedGraph
+from mutwo.runtime.planning.captured import PROFILE_STORE, CapturedGraph
 from mutwo.runtime.planning.collector import collection_paused
 from mutwo.runtime.planning.peak_calibration import pipeline_plan
 from mutwo.runtime.planning.plan_choice import RECOMPUTE_ONLY, recompute_only_passes
 from mutwo.runtime.planning.plan_key import FORMAT, key_digest, pass_source_digest, plan_key
+from mutwo.runtime.planning.profile_cache import ProfileStore
 
 #: ``cache=`` of :func:`mutwo.optimize`: None (the default folder, unless ``MUTWO_CACHE`` is off),
 #: True (the default folder), False (off), or a folder.
@@ -262,6 +265,8 @@ class CachedPlanning:
                 self.log(f"plan cache: entry {self.short} does not apply "
                          f"({str(failure).splitlines()[0]}); planning again and replacing it")  # fmt: skip
                 self.entry = None
+        if self.cache is not None and self.key is not None:  # a miss: a profile another start made may serve
+            context.services[PROFILE_STORE] = ProfileStore(self.cache.folder, self.key, self.log)
         return graph, context, PassManager(pipeline, instrumentation).run(graph, context)
 
     def passes(self, pipeline: Sequence[Pass]) -> list[Pass]:

@@ -1,0 +1,99 @@
+"""Profiles kept beside the plan cache's entries, so that a start whose plan is not kept under its key
+does not profile a graph another start profiled.
+
+A plan depends on the budget, the backend and ``keep_grads``; the profile it was made from does
+not. A sweep over budgets, or a start that changes only those, missed the plan cache and measured
+the same graph again: the profile was 33-36 s of BERT-base's and the Llama's first starts on an H200
+(issue 40, ``bench/results/session33_h200/``). On a plan-cache miss, the runtime's profiler looks its
+profile up here first, and keeps what it measures.
+
+A profile's key holds what the profiler reads and nothing it does not:
+
+- the captured graph (the plan key's digest of it), and the passes before the profile with the
+  profile pass's own options (the plan key's pipeline up to the profile): what is profiled;
+- the device, as the plan key describes it, and torch's and mutwo's versions and source;
+- the bytes of the iteration's values the device may hold while profiling (None: in memory). Only
+  this of the budget and the memory limit changes a profile: out of core, or in memory;
+- what the profile pass asked the profiler for (runs, warm-up, isolation, copy contention, which
+  depends on the passes after it).
+
+Entries are ``profiles/<key hash>.json`` in the plan cache's folder, written atomically; one that
+cannot be read, of another format or of another key is said in one line, measured again and replaced.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mutwo.ir.graph import Graph
+from mutwo.ir.pass_base import write_atomic
+from mutwo.ir.printer import fingerprint
+from mutwo.runtime.measurement.profiler import Profile
+from mutwo.runtime.planning.plan_key import FORMAT, key_digest
+
+#: The class of the profile pass as the plan key's pipeline names it: the key's pipeline ends there.
+PROFILE_PASS = "mutwo.passes.profile.ProfilePass"
+
+
+@dataclass
+class ProfileStore:
+    """The profiles under ``folder`` for one planning, whose plan key
+    (:func:`~mutwo.runtime.planning.plan_key.plan_key`) gives the graph, device, pipeline and
+    versions; ``log`` takes its lines, unprefixed."""
+
+    folder: Path
+    plan_key: dict[str, Any]
+    log: Callable[[str], None]
+
+    def key(self, graph: Graph, device_limit: int | None, asked: dict[str, Any]) -> dict[str, Any]:
+        """The key of the profile of ``graph`` made with ``device_limit`` and the options ``asked``."""
+        pipeline = self.plan_key["pipeline"]
+        through = next((i for i, p in enumerate(pipeline) if p.get("class") == PROFILE_PASS), len(pipeline) - 1)
+        return {"format": FORMAT, "graph": self.plan_key["graph"], "profiled": fingerprint(graph),
+                "pipeline": pipeline[:through + 1], "device": self.plan_key["device"], "device_limit": device_limit,
+                "asked": asked, "torch": self.plan_key["torch"], "mutwo": self.plan_key["mutwo"],
+                "mutwo_source": self.plan_key["mutwo_source"]}  # fmt: skip
+
+    def path(self, key: dict[str, Any]) -> Path:
+        return self.folder / "profiles" / f"{key_digest(key)}.json"
+
+    def load(self, graph: Graph, device_limit: int | None, asked: dict[str, Any]) -> Profile | None:
+        """The profile kept for this graph and these options, or None (and why, in one line, when a
+        file was there but is not one)."""
+        key = json.loads(json.dumps(self.key(graph, device_limit, asked)))  # as an entry holds it
+        path = self.path(key)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError) as error:
+            return self._ignored(path, f"it cannot be read ({type(error).__name__}: {error})")
+        try:
+            if data.get("format") != FORMAT:
+                return self._ignored(path, f"it is of format {data.get('format')!r}, this mutwo reads {FORMAT}")
+            if data["key"] != key:
+                return self._ignored(path, "it was kept for another key")
+            profile = Profile.from_json(data["profile"])
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            return self._ignored(path, f"it is not a profile of this mutwo ({type(error).__name__}: {error})")
+        self.log(f"profile: reusing the profile kept in {path} (this graph, device and profile options, made by an "
+                 "earlier start whose plan differs): not measuring it again")  # fmt: skip
+        return profile
+
+    def keep(self, graph: Graph, device_limit: int | None, asked: dict[str, Any], profile: Profile) -> None:
+        """Keep ``profile`` (as measured: the profile pass pools its times after) under its key; a
+        folder that cannot be written is said in one line."""
+        key = json.loads(json.dumps(self.key(graph, device_limit, asked)))
+        try:
+            write_atomic(self.path(key), json.dumps({"format": FORMAT, "key": key, "profile": profile.to_json()}))
+        except OSError as error:
+            self.log(f"plan cache: could not keep the profile in {self.folder} ({error.strerror or error}); "
+                     "the next start will measure it again")  # fmt: skip
+
+    def _ignored(self, path: Path, why: str) -> None:
+        self.log(f"plan cache: ignoring the kept profile {path.stem[:12]} ({why}); measuring it again and replacing it")
+        return None
