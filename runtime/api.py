@@ -197,8 +197,11 @@ class MutwoStep:
                      f"{report.summary()}")  # fmt: skip
         compiled = optimized.step.compiled
         if compiled is not None and isinstance(compiled.run, CudaGraphRunner):
-            # a training loop's step: its first call runs unrecorded and the second records (the runner's docs)
-            compiled.run.defer_recording = True
+            # A training loop's step: its first call runs unrecorded and the second records (the
+            # runner's docs). Not with accumulation: a middle or last graph recorded before the first
+            # graph has would read the first's unrecorded gradients, kept alive by that recording
+            # and recorded again once the first's own buffers replace them.
+            compiled.run.defer_recording = self.options["training"].accumulation_steps == 1
         self.steps.setdefault(key, []).append((optimized, optimized.step))
         self.last = optimized
         return optimized.step
@@ -211,7 +214,7 @@ class MutwoStep:
         step, flat = self.prepare(batch)
         micro = self.micro
         run = step.compiled.run if step.compiled is not None else None
-        records = isinstance(run, CudaGraphRunner) and run.records_next_call
+        records = isinstance(run, CudaGraphRunner) and run.will_record(flat)
         if records and micro in ("step", "first"):
             self._drop_previous_gradients()
         try:
@@ -247,7 +250,9 @@ class MutwoStep:
         """Let the last step's gradients go before a call that records its graph and does not read
         them: the recording makes the graph's own gradient buffers, and the old ones, kept in
         ``.grad`` or the accumulated gradients until the call returned, would be held beside them
-        (cached by the allocator once freed, which the recording's emptying of the cache precedes)."""
+        (cached by the allocator once freed, or keeping a released recording's pool alive). A
+        recording that fails leaves ``.grad`` None, ``on_failure="restore"`` or not: the parameters
+        and optimizer state are what it puts back."""
         self.accumulated.clear()  # in place: the bindings of the other graphs read this dict
         if self.keep_grads:
             for param in self.model.parameters():

@@ -217,14 +217,15 @@ def test_a_training_loops_runner_runs_its_first_call_unrecorded_and_records_at_t
         weight = torch.zeros(3)
         runner = _CpuRunner(lambda w: (w.sub_(0.5).sum(),), [True], ["w"])
         runner.defer_recording = deferred
-        assert runner.records_next_call is not deferred
+        assert runner.will_record([weight]) is not deferred
         loss = runner(weight)[0]
         assert (runner.recordings, runner.ran) == ((0, True) if deferred else (1, False))
         assert loss.item() == -1.5 and torch.equal(weight, torch.full((3,), -0.5))
-        assert runner.records_next_call is deferred
+        assert runner.will_record([weight]) is deferred
         runner(weight)
         runner(weight)
-        assert runner.recordings == 1 and not runner.records_next_call
+        assert runner.recordings == 1 and not runner.will_record([weight])
+        assert runner.will_record([weight.clone()]), "state replaced (load_state_dict): recorded again"
         assert torch.equal(weight, torch.full((3,), -1.5))
 
 

@@ -83,10 +83,10 @@ def test_cuda_accumulation_with_clipping_trains_like_eager() -> None:
 
 
 def test_cuda_accumulation_under_cuda_graphs_trains_like_eager() -> None:
-    """Accumulation's first, middle and last graphs under cudagraphs, with ``keep_grads``: each
-    runs its first call unrecorded and records at its next, reading the gradients the graph before
-    it left; bitwise equal to the eager loop, each graph recorded once."""
-    step = _train_side_by_side(models.bert, 3, {"backend": "cudagraphs", "keep_grads": True}, k=3)
+    """Accumulation's first, middle and last graphs under cudagraphs, with ``keep_grads``, two
+    middle micro-batches a step: each graph records at its first call (a warm-up first), reading
+    the gradient buffers of the graph before it; bitwise equal to the eager loop, each recorded once."""
+    step = _train_side_by_side(models.bert, 3, {"backend": "cudagraphs", "keep_grads": True}, k=4)
     runners = [graph.compiled.run for candidates in step.steps.values() for _, graph in candidates
                if graph.compiled is not None]  # fmt: skip
     assert len(runners) == 3 and all(isinstance(r, CudaGraphRunner) for r in runners)

@@ -20,10 +20,12 @@ What makes that correct for a training step:
   not captured or planned again;
 * recording does not run kernels, and what a step does on its first run (cuBLAS/cuDNN
   initialisation, loading Inductor's kernels, its autotuning) must happen outside the capture.
-  A training loop's step (``defer_recording``) therefore runs its first call unrecorded, a real
-  step as the backend without CUDA graphs runs it, and records at its second call; a runner asked
-  to record before it has ever run (planning's measurements) first warms up on the live state,
-  its values kept in host memory and put back after, so that only replays step the real state.
+  A training loop's step (``defer_recording``; not with gradient accumulation, whose middle and
+  last graphs must record on the first graph's own gradient buffers) therefore runs its first call
+  unrecorded, a real step as the backend without CUDA graphs runs it, and records at its second
+  call; a runner asked to record before it has ever run (planning's measurements, accumulation's
+  graphs) first warms up on the live state, its values kept in host memory and put back after, so
+  that only replays step the real state.
   Once the step has run in the process, recording it again (a replaced state, a changed host
   value) needs no warm-up, unless it swaps (the warm-up takes the host buffers it records with);
 * random ops (dropout) draw from the default CUDA generator, which CUDA graphs support: each
@@ -159,11 +161,17 @@ class CudaGraphRunner:
         self.host_buffers: list[torch.Tensor] = []
         _RUNNERS.add(self)
 
-    @property
-    def records_next_call(self) -> bool:
-        """Whether the next call records whatever it is given (it also records when a host value
-        changed or the state was replaced since the recording)."""
-        return self.graph is None and (self.ran or not self.defer_recording)
+    def will_record(self, flat: Sequence[torch.Tensor]) -> bool:
+        """Whether a call with ``flat`` records the step: its first recording (not before it has
+        run, with ``defer_recording``), a host value changed or the state replaced."""
+        if self.graph is None:
+            return self.ran or not self.defer_recording
+        return bool(self.changed_host_values(flat)) or self.replaced_state(flat)
+
+    def replaced_state(self, flat: Sequence[torch.Tensor]) -> bool:
+        """Whether a kept input of ``flat`` is another tensor than the recording's (``load_state_dict``)."""
+        return self.graph is not None and any(kept and t.data_ptr() != s.data_ptr()
+                                              for kept, t, s in zip(self.kept, flat, self.static, strict=True))
 
     def __call__(self, *flat: torch.Tensor) -> Any:
         if self.graph is None and self.defer_recording and not self.ran:
@@ -173,9 +181,7 @@ class CudaGraphRunner:
             self._recorded_again_for(changed)
         else:
             self._recorded_for_host_values = False
-        replaced = self.graph is not None and any(kept and t.data_ptr() != s.data_ptr()
-                                                  for kept, t, s in zip(self.kept, flat, self.static, strict=True))
-        if self.graph is None or changed or replaced:
+        if self.graph is None or changed or self.replaced_state(flat):
             self.record(flat)
         for kept, new, static in zip(self.kept, flat, self.static, strict=True):
             if not kept:

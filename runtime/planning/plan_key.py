@@ -7,9 +7,10 @@ addresses, times, paths):
 - the captured graph: its text IR (every node's op, operands and scalar arguments, kind, phase,
   shape, dtype, bytes and aliasing, the inputs' kinds and labels) and, from the captured fx
   graph, every value's strides, storage offset and device, which the IR text does not show;
-- the device: the card's name, memory, compute capability, CUDA/cuDNN versions and whether the
-  allocator maps expandable segments (on the CPU: the machine, its cores and torch's threads), and
-  what the process may hold on it;
+- the device: the card's name, memory, compute capability, CUDA/cuDNN versions, whether the
+  allocator maps expandable segments and the settings that choose its kernels (TF32, cuDNN's
+  autotuning, deterministic algorithms, cuBLAS's workspace) (on the CPU: the machine, its cores and
+  torch's threads), and what the process may hold on it;
 - the run's settings: budget, memory limit, backend, calibration rounds, measured choice,
   ``keep_grads`` and precision;
 - the pipeline: every pass's class and options (for a pass that is not mutwo's, a digest of its
@@ -108,9 +109,21 @@ def device_description(device: torch.device) -> dict[str, Any]:
                 "processors": properties.multi_processor_count, "cuda": torch.version.cuda,
                 "cudnn": torch.backends.cudnn.version(),
                 # what the step holds over its allocation, which calibration plans around, depends on it
-                "expandable_segments": expandable_segments_on()}  # fmt: skip
+                "expandable_segments": expandable_segments_on(), "kernels": kernel_settings()}  # fmt: skip
     return {"type": device.type, "machine": platform.machine(), "processor": platform.processor(),
             "cores": os.cpu_count(), "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def kernel_settings() -> dict[str, Any]:
+    """The process's settings that choose the CUDA kernels a step runs, and so its profile's
+    times and workspaces and what a calibrated plan holds, without changing its graph: TF32,
+    cuDNN's autotuning and determinism, deterministic algorithms, cuBLAS's workspace size."""
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}  # fmt: skip
 
 
 def pass_description(pass_: Pass) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from typing import Any
 from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.printer import fingerprint
+from mutwo.passes.profile import unsteady_runs
 from mutwo.runtime.measurement.profiler import Profile
 from mutwo.runtime.planning.plan_key import FORMAT, key_digest
 
@@ -86,7 +87,13 @@ class ProfileStore:
 
     def keep(self, graph: Graph, device_limit: int | None, asked: dict[str, Any], profile: Profile) -> None:
         """Keep ``profile`` (as measured: the profile pass pools its times after) under its key; a
-        folder that cannot be written is said in one line."""
+        folder that cannot be written is said in one line. A profile whose runs were too far apart
+        to trust is not kept: the profile pass warns of it, and a start on a quieter machine measures
+        again rather than reusing it for every budget."""
+        unsteady = unsteady_runs(profile.meta.get("run_seconds", []))
+        if unsteady is not None:
+            self.log("plan cache: not keeping the profile, whose runs were unsteady: the next start measures it again")
+            return
         key = json.loads(json.dumps(self.key(graph, device_limit, asked)))
         try:
             write_atomic(self.path(key), json.dumps({"format": FORMAT, "key": key, "profile": profile.to_json()}))
