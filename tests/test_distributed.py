@@ -154,7 +154,14 @@ def rank_group(rank: int, world: int, port: int, device_type: str,
     """One rank of a spawned test run: its process group (NCCL on CUDA, with deterministic kernels;
     gloo on the CPU) for the duration, and the device it trains on. ``timeout_seconds``: how long a
     collective waits for the other ranks (torch's default, 30 minutes, if None), for a test whose
-    failure would leave the ranks in different collectives."""
+    failure would leave the ranks in different collectives.
+
+    When the body succeeds, the rank's process ends here (``os._exit(0)``), so nothing may follow the
+    ``with`` block in a worker: with the ranks' work done and checked, a thread that gloo or torch's
+    profiler leaves joinable aborted the interpreter's own exit now and then (SIGABRT, "terminate
+    called without an active exception", in two CI runs of sessions 32 and 33, once after a barrier
+    before destroying the group was added), which failed a test whose every check had passed. A body
+    that raises goes on as always: the exception reaches ``mp.spawn``."""
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -164,14 +171,23 @@ def rank_group(rank: int, world: int, port: int, device_type: str,
     try:
         with deterministic_algorithms() if cuda else contextlib.nullcontext():
             yield torch.device("cuda", rank) if cuda else torch.device("cpu")
-    finally:
-        if cuda:  # a live recording of NCCL collectives hangs the group's destruction
-            release_all()
-        else:  # a rank leaving while the other's gloo work is in flight aborts it (SIGABRT, "terminate
-            # called without an active exception": once in CI, after the ranks' last collective)
-            with contextlib.suppress(RuntimeError):  # a rank that failed half-way: the others do not wait long
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
-        dist.destroy_process_group()
+    except BaseException:
+        _leave_group(cuda)
+        raise
+    _leave_group(cuda)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _leave_group(cuda: bool) -> None:
+    """Destroy this rank's process group, once the others are done with it."""
+    if cuda:  # a live recording of NCCL collectives hangs the group's destruction
+        release_all()
+    else:  # a rank leaving while the other's gloo work is in flight aborts it
+        with contextlib.suppress(RuntimeError):  # a rank that failed half-way: the others do not wait long
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
+    dist.destroy_process_group()
 
 
 def _two_rank_worker(rank: int, world: int, port: int, device_type: str, cases: tuple[str, ...]) -> None:
