@@ -214,15 +214,19 @@ class MutwoStep:
         step, flat = self.prepare(batch)
         micro = self.micro
         run = step.compiled.run if step.compiled is not None else None
-        records = isinstance(run, CudaGraphRunner) and run.will_record(flat)
-        if records and micro in ("step", "first"):
+        graphed = isinstance(run, CudaGraphRunner)
+        # asked only where there is something to let go: the check walks every input, and the call does again
+        if graphed and micro in ("step", "first") and (self.keep_grads or self.accumulated) and run.will_record(flat):
             self._drop_previous_gradients()
         try:
             output = step.run(flat, restore_all=self.on_failure == "restore")
         except BaseException as error:
             self._failed(step.failure_guard.failure, error)
             if isinstance(error, torch.OutOfMemoryError):
-                where = "while recording it as a CUDA graph" if records else step.failure_guard.where_failed()
+                # A recording that failed left none (it releases the last one first): asked afterwards,
+                # the runner says it would record, as it was doing.
+                recording = graphed and run.will_record(flat)
+                where = "while recording it as a CUDA graph" if recording else step.failure_guard.where_failed()
                 note_out_of_memory(error, training_step(where), MemorySettings(
                     device_of(flat), self.options["budget"], self.options["memory_limit"]))  # fmt: skip
             raise

@@ -88,8 +88,8 @@ def accumulated_stand_ins(first: CapturedStep) -> dict[str, torch.Tensor]:
 
 
 #: The service of a pass context that keeps and finds profiles across starts
-#: (:class:`~mutwo.runtime.planning.profile_cache.ProfileStore`: ``load`` and ``keep``), where the
-#: plan cache is used and missed.
+#: (:class:`~mutwo.runtime.planning.profile_cache.ProfileStore`: ``key``, ``load`` and ``keep``),
+#: where the plan cache is used and missed.
 PROFILE_STORE = "profile_store"
 
 
@@ -128,11 +128,13 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
                                            is not None and budget.bytes is not None else ""))  # fmt: skip
         # A profile another start measured of this graph, with these options (the plan cache's, on a miss)
         store = context.services.get(PROFILE_STORE)
-        asked = {"runs": runs, "warmup": warmup, "isolate": isolate, "contention": contention}
-        kept = store.load(g, choice.device_limit, asked) if store is not None else None
-        if kept is not None:
-            kept.meta["memory"] = choice.reason
-            return kept
+        if store is not None:
+            key = store.key(g, choice.device_limit, {"runs": runs, "warmup": warmup, "isolate": isolate,
+                                                     "contention": contention})  # fmt: skip
+            kept = store.load(key)
+            if kept is not None:
+                kept.meta["memory"] = choice.reason
+                return kept
         try:
             profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,
                                     contention=contention, device_limit=choice.device_limit)  # fmt: skip
@@ -147,7 +149,7 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
                 "--memory-limit)") from error
         profile.meta["memory"] = choice.reason
         if store is not None:
-            store.keep(g, choice.device_limit, asked, profile)
+            store.keep(key, profile)
         return profile
 
     context.services["profiler"] = run_profile

@@ -48,6 +48,7 @@ from mutwo.passes.select_swap import SelectSwapPass, SwapPlan
 from mutwo.runtime.measurement.profiler import Profile
 from mutwo.runtime.planning.captured import PROFILE_STORE, CapturedGraph
 from mutwo.runtime.planning.collector import collection_paused
+from mutwo.runtime.planning.kept_files import read_kept
 from mutwo.runtime.planning.peak_calibration import pipeline_plan
 from mutwo.runtime.planning.plan_choice import RECOMPUTE_ONLY, recompute_only_passes
 from mutwo.runtime.planning.plan_key import FORMAT, key_digest, pass_source_digest, plan_key
@@ -161,21 +162,7 @@ class PlanCache:
 
     def load(self, key: dict[str, Any]) -> tuple[Entry | None, str | None]:
         """The entry kept under ``key``, or None with why it was ignored (None when there is none)."""
-        path = self.path(key_digest(key))
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (FileNotFoundError, NotADirectoryError):  # none kept (a folder under a file fails when kept)
-            return None, None
-        except (OSError, ValueError) as error:
-            return None, f"it cannot be read ({type(error).__name__}: {error})"
-        try:
-            if data.get("format") != FORMAT:
-                return None, f"it is of format {data.get('format')!r}, this mutwo reads {FORMAT}"
-            if data["key"] != key:  # another key of the same hash, or a file edited by hand
-                return None, "it was kept for another key"
-            return Entry.from_json(data), None
-        except (AttributeError, KeyError, TypeError, ValueError) as error:
-            return None, f"it is not an entry of this mutwo ({type(error).__name__}: {error})"
+        return read_kept(self.path(key_digest(key)), key, Entry.from_json, "an entry")
 
     def store(self, key: dict[str, Any], entry: Entry) -> Path:
         """Keep ``entry`` under ``key``, atomically (a temporary file renamed into place)."""

@@ -34,6 +34,7 @@ from mutwo.ir.pass_base import write_atomic
 from mutwo.ir.printer import fingerprint
 from mutwo.passes.profile import unsteady_runs
 from mutwo.runtime.measurement.profiler import Profile
+from mutwo.runtime.planning.kept_files import read_kept
 from mutwo.runtime.planning.plan_key import FORMAT, key_digest
 
 #: The class of the profile pass as the plan key's pipeline names it: the key's pipeline ends there.
@@ -51,56 +52,42 @@ class ProfileStore:
     log: Callable[[str], None]
 
     def key(self, graph: Graph, device_limit: int | None, asked: dict[str, Any]) -> dict[str, Any]:
-        """The key of the profile of ``graph`` made with ``device_limit`` and the options ``asked``."""
+        """The key of the profile of ``graph`` made with ``device_limit`` and the options ``asked``,
+        as a kept file holds it (JSON values only)."""
         pipeline = self.plan_key["pipeline"]
         through = next((i for i, p in enumerate(pipeline) if p.get("class") == PROFILE_PASS), len(pipeline) - 1)
-        return {"format": FORMAT, "graph": self.plan_key["graph"], "profiled": fingerprint(graph),
-                "pipeline": pipeline[:through + 1], "device": self.plan_key["device"], "device_limit": device_limit,
-                "asked": asked, "torch": self.plan_key["torch"], "mutwo": self.plan_key["mutwo"],
-                "mutwo_source": self.plan_key["mutwo_source"]}  # fmt: skip
+        return json.loads(json.dumps({
+            "format": FORMAT, "graph": self.plan_key["graph"], "profiled": fingerprint(graph),
+            "pipeline": pipeline[:through + 1], "device": self.plan_key["device"], "device_limit": device_limit,
+            "asked": asked, "torch": self.plan_key["torch"], "mutwo": self.plan_key["mutwo"],
+            "mutwo_source": self.plan_key["mutwo_source"]}))  # fmt: skip
 
     def path(self, key: dict[str, Any]) -> Path:
         return self.folder / "profiles" / f"{key_digest(key)}.json"
 
-    def load(self, graph: Graph, device_limit: int | None, asked: dict[str, Any]) -> Profile | None:
-        """The profile kept for this graph and these options, or None (and why, in one line, when a
-        file was there but is not one)."""
-        key = json.loads(json.dumps(self.key(graph, device_limit, asked)))  # as an entry holds it
+    def load(self, key: dict[str, Any]) -> Profile | None:
+        """The profile kept under ``key`` (:meth:`key`), or None (and why, in one line, when a file
+        was there but is not one)."""
         path = self.path(key)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except (OSError, ValueError) as error:
-            return self._ignored(path, f"it cannot be read ({type(error).__name__}: {error})")
-        try:
-            if data.get("format") != FORMAT:
-                return self._ignored(path, f"it is of format {data.get('format')!r}, this mutwo reads {FORMAT}")
-            if data["key"] != key:
-                return self._ignored(path, "it was kept for another key")
-            profile = Profile.from_json(data["profile"])
-        except (AttributeError, KeyError, TypeError, ValueError) as error:
-            return self._ignored(path, f"it is not a profile of this mutwo ({type(error).__name__}: {error})")
-        self.log(f"profile: reusing the profile kept in {path} (this graph, device and profile options, made by an "
-                 "earlier start whose plan differs): not measuring it again")  # fmt: skip
+        profile, ignored = read_kept(path, key, lambda data: Profile.from_json(data["profile"]), "a profile")
+        if ignored is not None:
+            self.log(f"plan cache: ignoring the kept profile {path.stem[:12]} ({ignored}); measuring it again and "
+                     "replacing it")  # fmt: skip
+        if profile is not None:
+            self.log(f"profile: reusing the profile kept in {path} (this graph, device and profile options, made by "
+                     "an earlier start whose plan differs): not measuring it again")  # fmt: skip
         return profile
 
-    def keep(self, graph: Graph, device_limit: int | None, asked: dict[str, Any], profile: Profile) -> None:
-        """Keep ``profile`` (as measured: the profile pass pools its times after) under its key; a
+    def keep(self, key: dict[str, Any], profile: Profile) -> None:
+        """Keep ``profile`` (as measured: the profile pass pools its times after) under ``key``; a
         folder that cannot be written is said in one line. A profile whose runs were too far apart
         to trust is not kept: the profile pass warns of it, and a start on a quieter machine measures
         again rather than reusing it for every budget."""
-        unsteady = unsteady_runs(profile.meta.get("run_seconds", []))
-        if unsteady is not None:
+        if unsteady_runs(profile.meta.get("run_seconds", [])) is not None:
             self.log("plan cache: not keeping the profile, whose runs were unsteady: the next start measures it again")
             return
-        key = json.loads(json.dumps(self.key(graph, device_limit, asked)))
         try:
             write_atomic(self.path(key), json.dumps({"format": FORMAT, "key": key, "profile": profile.to_json()}))
         except OSError as error:
             self.log(f"plan cache: could not keep the profile in {self.folder} ({error.strerror or error}); "
                      "the next start will measure it again")  # fmt: skip
-
-    def _ignored(self, path: Path, why: str) -> None:
-        self.log(f"plan cache: ignoring the kept profile {path.stem[:12]} ({why}); measuring it again and replacing it")
-        return None
