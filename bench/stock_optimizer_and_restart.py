@@ -162,7 +162,6 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     if args.aot_key_lines:
         row["aot_keys_computed"] = keys
     row["cache_hit"] = last.cache_hit if last is not None else None
-    compiled = getattr(last.step, "compiled", None) if last is not None else None
     row["compile"] = compiled.describe() if compiled is not None else None  # whether torch's caches answered
     if last is not None and last.calibration is not None:  # the rounds: what each plan held
         row["calibration"] = last.calibration.describe()
