@@ -322,7 +322,8 @@ case "$section" in
     # A/B of the training loop's unrecorded first call). RESTART_STEPS: measured
     # steps after each start's first (20); RESTART_ARGS: more options for every start (--aot-key-lines:
     # each AOTAutograd key computed, with its per-component lines, to find what differs when a restart
-    # misses the key a first start stored).
+    # misses the key a first start stored). A run named budgetN starts at N GiB (under the same cap):
+    # a plan-cache miss that reuses the profile the first start kept (issue 40).
     python3 -c "import os, torch._inductor.compile_fx as m; print('bytecode', m.__cached__, os.path.exists(m.__cached__), \
       'writable', os.access(os.path.dirname(m.__cached__), os.W_OK), 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'))"
     case $section in
@@ -344,6 +345,7 @@ case "$section" in
         sample=(); [ ${run#sampled} != $run ] && sample=(--sample-stacks "$OUT/restart_${stem}_$run.folded")
         [ ${run#asbefore} != $run ] && sample=(--collector-as-before)
         [ ${run#recordfirst} != $run ] && sample=(--record-at-first-call)
+        [ ${run#budget} != $run ] && sample=(--budget "${run#budget}GiB")
         "${prefix[@]}" TORCHINDUCTOR_CACHE_DIR=$BG/inductor_$model timeout 1200 python3 bench/stock_optimizer_and_restart.py \
           start --config $config --batch-size $batch --budget $cap --memory-limit $cap --measure-steps ${RESTART_STEPS:-20} \
           --cache-dir "$BG/plan-cache-$model" --out "$BG/restart_$model/$run.json" "${sample[@]}" ${RESTART_ARGS:-} \
@@ -547,6 +549,10 @@ case "$section" in
       "$OUT/kernels_cl_compile05_resnet152.json"; exit $status ;;
   tests-all)
     timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests ;;
+  tests-training)
+    # The training loop's CUDA tests (deferred recording, accumulation under CUDA graphs, held memory)
+    timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests/test_training_cuda.py \
+      tests/test_cuda_held_memory.py tests/test_cuda_graph_optimizer.py ;;
   tests-swap)
     timeout 580 python3 -m pytest -q -m cuda -p no:logging -p no:cacheprovider tests/test_cuda_swap.py \
       tests/test_copy_contention.py ;;
