@@ -107,9 +107,10 @@ class ProfilePass(Pass):
             write_atomic(ctx.out_dir / "activations.csv", activation_table(graph, profile, liveness_of(graph, ctx)))
         out_of_core = profile.meta.get("out_of_core")
         if out_of_core:
-            ctx.log(f"profile: out of core, at most {readable_bytes(out_of_core['max_resident_bytes'])} of the step's "
-                    f"values on the device at once; {readable_bytes(out_of_core['copied_to_device_bytes'])} copied to "
-                    "it per run; the iteration's time is its nodes' summed")  # fmt: skip
+            when = " when an earlier start measured it" if profile.meta.get("reused") else ""
+            ctx.log(f"profile: out of core{when}, at most {readable_bytes(out_of_core['max_resident_bytes'])} of the "
+                    f"step's values on the device at once; {readable_bytes(out_of_core['copied_to_device_bytes'])} "
+                    "copied to it per run; the iteration's time is its nodes' summed")  # fmt: skip
         total = sum(p.seconds for p in profile.nodes.values())
         ctx.log(f"profile: {len(profile.nodes)} nodes, {total * 1e3:.1f} ms summed over nodes"
                 + (f", iteration {profile.iteration.seconds * 1e3:.1f} ms" if profile.iteration else "")

@@ -195,6 +195,24 @@ def test_a_miss_at_another_budget_plans_from_the_profile_the_first_measured(
     assert len(measured) == 2 and len(list((tmp_path / "profiles").iterdir())) == 2
 
 
+def test_out_of_core_profiles_under_other_limits_are_one_profile(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], measured: list[int]) -> None:  # fmt: skip
+    """Out of core, the bytes the device may hold decide only which values wait in host memory, not
+    what an op measures: a start under another limit (or byte budget) reuses the profile, as a
+    sweep on a card the step does not fit needs; in memory and out of core stay apart."""
+    passes = "profile{out_of_core=true},optimizer,chunk,select,rewrite"
+    made = _plan(tmp_path, passes=passes, memory_limit="1GiB")
+    capsys.readouterr()
+    other = _plan(tmp_path, passes=passes, memory_limit="2GiB")
+    err = capsys.readouterr().err
+    assert made.last.cache_hit is False and other.last.cache_hit is False
+    assert len(measured) == 1, "profiled once, under both limits"
+    assert "mutwo: profile: reusing the profile kept in " in err
+    assert "profile: out of core when an earlier start measured it, at most " in err
+    _plan(tmp_path, memory_limit="2GiB")  # in memory: another profile
+    assert len(measured) == 2 and len(list((tmp_path / "profiles").iterdir())) == 2
+
+
 def test_a_corrupt_profile_is_ignored_in_one_line_measured_again_and_replaced(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], measured: list[int]) -> None:  # fmt: skip
     _plan(tmp_path)

@@ -134,6 +134,7 @@ def pass_context(lowered: CapturedGraph, budget: Budget | None, *, out_dir: Path
             kept = store.load(key)
             if kept is not None:
                 kept.meta["memory"] = choice.reason
+                kept.meta["reused"] = True  # its out-of-core figures are the measuring start's
                 return kept
         try:
             profile = profile_graph(g, lowered.inputs, runs=runs, warmup=warmup, progress=log, isolate=isolate,

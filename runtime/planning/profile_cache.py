@@ -12,8 +12,13 @@ A profile's key holds what the profiler reads and nothing it does not:
 - the captured graph (the plan key's digest of it), and the passes before the profile with the
   profile pass's own options (the plan key's pipeline up to the profile): what is profiled;
 - the device, as the plan key describes it, and torch's and mutwo's versions and source;
-- the bytes of the iteration's values the device may hold while profiling (None: in memory). Only
-  this of the budget and the memory limit changes a profile: out of core, or in memory;
+- whether the profile runs out of core or in memory: all the budget and the memory limit change of
+  a profile. Out of core, how many bytes of the iteration's values the device may hold decides only
+  which values wait in host memory between ops, not what an op measures (each runs with what it
+  reads on the device, and no peaks are kept), so a byte budget below the unoptimized step's peak
+  reuses the profile another such budget made. Keyed by those bytes, every budget of a sweep on a
+  card the step does not fit missed (BERT-base b64 under a 16 GiB cap on an H200, 15 against 16
+  GiB: profiled again, 21.9 s; ``bench/results/session34_h200/``);
 - what the profile pass asked the profiler for (runs, warm-up, isolation, copy contention, which
   depends on the passes after it).
 
@@ -52,15 +57,15 @@ class ProfileStore:
     log: Callable[[str], None]
 
     def key(self, graph: Graph, device_limit: int | None, asked: dict[str, Any]) -> dict[str, Any]:
-        """The key of the profile of ``graph`` made with ``device_limit`` and the options ``asked``,
-        as a kept file holds it (JSON values only)."""
+        """The key of the profile of ``graph`` made with ``device_limit`` (out of core unless None)
+        and the options ``asked``, as a kept file holds it (JSON values only)."""
         pipeline = self.plan_key["pipeline"]
         through = next((i for i, p in enumerate(pipeline) if p.get("class") == PROFILE_PASS), len(pipeline) - 1)
         return json.loads(json.dumps({
             "format": FORMAT, "graph": self.plan_key["graph"], "profiled": fingerprint(graph),
-            "pipeline": pipeline[:through + 1], "device": self.plan_key["device"], "device_limit": device_limit,
-            "asked": asked, "torch": self.plan_key["torch"], "mutwo": self.plan_key["mutwo"],
-            "mutwo_source": self.plan_key["mutwo_source"]}))  # fmt: skip
+            "pipeline": pipeline[:through + 1], "device": self.plan_key["device"],
+            "out_of_core": device_limit is not None, "asked": asked, "torch": self.plan_key["torch"],
+            "mutwo": self.plan_key["mutwo"], "mutwo_source": self.plan_key["mutwo_source"]}))  # fmt: skip
 
     def path(self, key: dict[str, Any]) -> Path:
         return self.folder / "profiles" / f"{key_digest(key)}.json"
