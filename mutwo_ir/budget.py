@@ -14,13 +14,13 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _UNKNOWN_UNIT = "{!r} has unknown unit {!r}; use B, KiB, MiB, GiB, KB, MB or GB"
 _PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 #: The pass-context service holding the budget asked for, in bytes, when the run's ``budget``
-#: service is a lower one to aim at (peak calibration's first plan under a memory limit,
+#: service is a lower one to aim at (peak calibration's first plan,
 #: :func:`mutwo.runtime.planning.peak_calibration.plan_first_at_window`): the selection passes aim
 #: at the budget and keep a plan that peaks over it but within this one.
 ASKED_BUDGET = "budget_asked_bytes"
 #: The pass-context service, when the run's budget is a fraction and peak calibration will hold the
-#: step under a memory limit: a function from the budget the fraction resolves to, in bytes, to the
-#: lower budget the first plan aims at and why, or None where the plan is made as asked. The
+#: step to it: a function from the budget the fraction resolves to, in bytes, to the lower budget
+#: the first plan aims at and why, or None where the plan is made as asked. The
 #: selection passes call it once they resolve the fraction and keep the resolved bytes as
 #: :data:`ASKED_BUDGET`.
 FIRST_PLAN_AIM = "first_plan_aim"

@@ -236,11 +236,11 @@ def start(graph: Graph, ctx: PassContext, option_value: str | None, unlimited: s
                 f"limit: planning for the limit, {readable_bytes(limit)}")  # fmt: skip
         budget = Budget(bytes=int(limit))
     budget_bytes = budget.resolve(unoptimized)
-    aim_under_limit = ctx.services.get(FIRST_PLAN_AIM)
-    if aim_under_limit is not None and not budget.minimum and ASKED_BUDGET not in ctx.services:
-        # A fraction resolved at or near the limit: the first plan aims under calibration's window,
-        # as a budget in bytes there does (peak_calibration.plan_first_at_window).
-        aimed = aim_under_limit(budget_bytes)
+    aim_at_window = ctx.services.get(FIRST_PLAN_AIM)
+    if aim_at_window is not None and not budget.minimum and ASKED_BUDGET not in ctx.services:
+        # A fraction calibration will hold the step to: the first plan aims at calibration's window,
+        # as a budget in bytes does (peak_calibration.plan_first_at_window).
+        aimed = aim_at_window(budget_bytes)
         if aimed is not None and aimed[0] < budget_bytes:
             aim, why = aimed
             who = unlimited.split(":", 1)[0]

@@ -358,17 +358,18 @@ def test_a_memory_limit_at_the_budget_calibrates_under_it_and_says_why(monkeypat
     ("1000B", 1000, 2, 952),  # at the limit: held to 990, its window's middle 990 - 14, over 1.025
     ("1200B", 1000, 1, 952),  # over it
     (None, 1000, 2, 952),  # no budget: select plans for the limit
-    ("900B", 1000, 2, None),  # under the headroom: planned as asked
+    ("900B", 1000, 2, 865),  # under the headroom: held to 900, its window's middle 900 - 13, over 1.025
     ("1000B", 1000, 0, None),  # no calibration: nothing moves a plan's held memory under the limit
-    ("0.9", 1000, 2, None),  # a fraction, resolved by select: planned as asked
+    ("0.9", 1000, 2, None),  # a fraction, resolved by select, which asks where to aim
     ("1000B", None, 2, None),  # no limit known
 ], ids=["at-the-limit", "over", "no-budget", "under", "no-rounds", "fraction", "no-limit"])  # fmt: skip
-def test_the_first_plan_under_a_limit_aims_at_calibrations_window(budget: str | None, limit: int | None, rounds: int,
-                                                                   first: int | None) -> None:  # fmt: skip
-    """Held 1% under a limit, a plan made for the budget at the limit simulates over the target,
-    and its round runs out of memory under the limit: the first plan is made so that a step holding
-    :data:`FIRST_PLAN_HELD_RATIO` times its simulated peak holds the middle of the window instead,
-    and calibration still holds the step to what the budget asked allows."""
+def test_a_calibrated_first_plan_aims_at_calibrations_window(budget: str | None, limit: int | None, rounds: int,
+                                                             first: int | None) -> None:  # fmt: skip
+    """A plan made for the target itself simulates at its top and its step holds more than it
+    simulates: over the budget, or out of memory under a limit, and planned and compiled again. The
+    first plan is made so that a step holding :data:`FIRST_PLAN_HELD_RATIO` times its simulated peak
+    holds the middle of the window instead, and calibration still holds the step to what the budget
+    asked allows."""
     ctx = PassContext()
     asked = parse_budget(budget) if budget is not None else None
     ctx.services["budget"] = asked

@@ -85,8 +85,8 @@ OUT_OF_MEMORY_STEP = 0.1
 #: 12 GiB limit, in one process, and ran out of memory in another), and a plan the plan cache
 #: hands to the next process must fit there too.
 LIMIT_HEADROOM = 0.01
-#: How much more a plan's step held than its simulated peak, which a first plan under a hard limit
-#: is made for (:func:`first_plan_aim`): under 16 and 12 GiB caps on an H200, out-of-core profiled
+#: How much more a plan's step held than its simulated peak, which a calibrated first plan is
+#: made for (:func:`first_plan_aim`): under 16 and 12 GiB caps on an H200, out-of-core profiled
 #: and compiled under inductor-cudagraphs with expandable segments, the thirteen rounds that ran
 #: held 1.001-1.059 times their simulated peaks (BERT-base b64 1.015-1.059, the 0.5B Llama
 #: 1.001-1.018, ResNet-152-cl b128 1.041-1.042; ``bench/results/session28_gpus/``,
@@ -370,25 +370,32 @@ def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
 
 
 def first_plan_aim(target: int) -> int:
-    """The budget of the first plan under a hard limit: a step that holds
+    """The budget of a calibrated step's first plan: a step that holds
     :data:`FIRST_PLAN_HELD_RATIO` times its simulated peak holds the middle of the window under
     ``target``."""
     return int(window_middle(target) / FIRST_PLAN_HELD_RATIO)
 
 
 def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
-    """Make the first plan for calibration's window when calibration will hold the step under a
-    hard limit (a memory limit, the card's memory) below the budget asked (:func:`first_plan_aim`).
-    A plan made for the budget itself simulates over that target, and under the limit its round
-    runs out of memory (on an H200 under 16 and 12 GiB caps with the budget at the cap, BERT-base
-    b64, the 0.5B Llama and ResNet-152-cl b128 each spent their first round and its
-    whole-iteration compile so, ``bench/results/session28_gpus/``); so did BERT-base's plan for the
-    window's middle (its step held 3-6% over its simulated peak, ``session29_h200/``). A round
-    that runs out of memory measures nothing for the next to step from, one that fits measures the
-    gap the next lands by. Sets the context's budget and keeps the one asked under
-    :data:`ASKED_BUDGET`; the line for the log, or None when nothing changed (no calibration, no
-    budget in bytes, or one under the target already). A fraction is resolved by the selection
-    pass, which asks the :data:`~mutwo.ir.budget.FIRST_PLAN_AIM` service set here where to aim."""
+    """Make the first plan for calibration's window (:func:`first_plan_aim`), when calibration
+    will hold the step to a budget in bytes, or to a hard limit (a memory limit, the card's memory)
+    below it.
+
+    A plan made for the target itself simulates at its top, and its step holds more than it
+    simulates. Under a limit its round runs out of memory (on an H200 under 16 and 12 GiB caps with
+    the budget at the cap, BERT-base b64, the 0.5B Llama and ResNet-152-cl b128 each spent their
+    first round and its whole-iteration compile so, ``bench/results/session28_gpus/``); so did
+    BERT-base's plan for the window's middle (its step held 3-6% over its simulated peak,
+    ``session29_h200/``). Under a budget below the limit it holds over the budget and is planned and
+    compiled again: BERT-base b64 at 15 GiB under a 16 GiB cap held 15,648 MiB, 1.9% over its
+    simulated peak and its budget, and its second round's compile took 58.5 s of the start's 167.6
+    (``session34_h200/``). A round that runs out of memory measures nothing for the next to step
+    from, one that fits measures the gap the next lands by.
+
+    Sets the context's budget and keeps the one asked under :data:`ASKED_BUDGET`; the line for the
+    log, or None when nothing changed (no calibration, no limit known: on the CPU without a memory
+    limit, or ``budget="min"``). A fraction is resolved by the selection pass, which asks the
+    :data:`~mutwo.ir.budget.FIRST_PLAN_AIM` service set here where to aim."""
     budget: Budget | None = ctx.services.get("budget")
     limit = ctx.services.get("device_memory")
     asked = limit if budget is None else budget.bytes  # without a budget, select plans for the limit
@@ -396,23 +403,23 @@ def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
         return None
     if asked is None:  # a fraction: the selection pass resolves it, then asks where to aim
         if budget is not None and not budget.minimum:
-            ctx.services[FIRST_PLAN_AIM] = functools.partial(_aim_under_limit, limit=limit)
+            ctx.services[FIRST_PLAN_AIM] = functools.partial(_aim_at_window, limit=limit)
         return None
     target, note = held_target(asked, limit)
-    if not note:
-        return None
     aim = first_plan_aim(target)
     ctx.services["budget"], ctx.services[ASKED_BUDGET] = Budget(bytes=aim), asked
     return (f"peak calibration: the first plan is made for {aim / 2**20:,.1f} MiB, so that a step holding "
             f"{FIRST_PLAN_HELD_RATIO - 1:.1%} over its simulated peak holds the middle of the window under the "
-            f"{target / 2**20:,.1f} MiB calibration holds the step to ({note})")
+            f"{target / 2**20:,.1f} MiB calibration holds the step to ({note or 'the budget asked'})")
 
 
-def _aim_under_limit(resolved: int, limit: int) -> tuple[int, str] | None:
-    """Where the first plan aims for a budget of ``resolved`` bytes under ``limit`` and why, or None
-    where calibration holds the step to the budget itself (:data:`~mutwo.ir.budget.FIRST_PLAN_AIM`)."""
+def _aim_at_window(resolved: int, limit: int) -> tuple[int, str]:
+    """Where the first plan aims for a budget of ``resolved`` bytes under ``limit`` and why
+    (:data:`~mutwo.ir.budget.FIRST_PLAN_AIM`)."""
     target, note = held_target(resolved, limit)
-    return (first_plan_aim(target), f"calibration holds the step {note}") if note else None
+    return first_plan_aim(target), (f"calibration holds the step {note}" if note else
+                                    f"calibration holds the step to it, and a step holds about "
+                                    f"{FIRST_PLAN_HELD_RATIO - 1:.1%} over its simulated peak")  # fmt: skip
 
 
 def calibrate(target_bytes: int, rounds: int,

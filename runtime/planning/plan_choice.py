@@ -172,10 +172,10 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
             return None
         return graph, ctx
 
-    # Under a limit, planned where the first plan was (plan_first_at_window): a plan for the target
-    # itself simulates at the top of the window, and its round runs out of memory under the limit.
-    under_limit = bool(calibrate) and first.calibration is not None and bool(first.calibration.target_note)
-    aim = first_plan_aim(target) if under_limit else target
+    # Planned where the first plan was (plan_first_at_window): a plan for the target itself simulates
+    # at the top of the window, and its step holds over it (under a limit, it runs out of memory).
+    aimed = bool(calibrate) and first.calibration is not None
+    aim = first_plan_aim(target) if aimed else target
     # Planned without writing files: select-swap's are in out_dir; the kept plan's are written below.
     planned = plan(aim, None, target if aim != target else None)
     if planned is None:
