@@ -458,9 +458,9 @@ class MutwoOpt:
         failure: PipelineFailure | None = None
         rounds = calibration_rounds(self.args.calibrate_peak, device, manager.passes,
                                     budgeted=config.budget is not None or limit is not None)  # fmt: skip
-        aimed = plan_first_at_window(ctx, rounds)
         with self.timed("plan cache"):
             self.plan_cache = self.look_up_plan(config, lowered, manager, ctx, limit, rounds)
+        aimed = plan_first_at_window(ctx, rounds, self.plan_cache.held_ratio())
         if aimed is not None and not self.plan_cache.hit:  # a hit makes no plan: it rewrites with the entry's
             self.log(aimed)
         try:

@@ -369,14 +369,13 @@ def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
                    f"budget asked is {budget_bytes / 2**20:,.1f} MiB")  # fmt: skip
 
 
-def first_plan_aim(target: int) -> int:
-    """The budget of a calibrated step's first plan: a step that holds
-    :data:`FIRST_PLAN_HELD_RATIO` times its simulated peak holds the middle of the window under
-    ``target``."""
-    return int(window_middle(target) / FIRST_PLAN_HELD_RATIO)
+def first_plan_aim(target: int, held_ratio: float = FIRST_PLAN_HELD_RATIO) -> int:
+    """The budget of a calibrated step's first plan: a step that holds ``held_ratio`` times its
+    simulated peak holds the middle of the window under ``target``."""
+    return int(window_middle(target) / held_ratio)
 
 
-def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
+def plan_first_at_window(ctx: PassContext, rounds: int, held_ratio: float | None = None) -> str | None:
     """Make the first plan for calibration's window (:func:`first_plan_aim`), when calibration
     will hold the step to a budget in bytes, or to a hard limit (a memory limit, the card's memory)
     below it.
@@ -392,6 +391,10 @@ def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
     (``session34_h200/``). A round that runs out of memory measures nothing for the next to step
     from, one that fits measures the gap the next lands by.
 
+    ``held_ratio``: what earlier calibrations of this graph measured its steps to hold over their
+    simulated peaks (:mod:`~mutwo.runtime.planning.held_ratio_cache`), aimed with instead of
+    :data:`FIRST_PLAN_HELD_RATIO`; None where none is kept.
+
     Sets the context's budget and keeps the one asked under :data:`ASKED_BUDGET`; the line for the
     log, or None when nothing changed (no calibration, no limit known: on the CPU without a memory
     limit, or ``budget="min"``). A fraction is resolved by the selection pass, which asks the
@@ -401,25 +404,34 @@ def plan_first_at_window(ctx: PassContext, rounds: int) -> str | None:
     asked = limit if budget is None else budget.bytes  # without a budget, select plans for the limit
     if rounds <= 0 or limit is None:
         return None
+    ratio = held_ratio if held_ratio is not None else FIRST_PLAN_HELD_RATIO
     if asked is None:  # a fraction: the selection pass resolves it, then asks where to aim
         if budget is not None and not budget.minimum:
-            ctx.services[FIRST_PLAN_AIM] = functools.partial(_aim_at_window, limit=limit)
+            ctx.services[FIRST_PLAN_AIM] = functools.partial(_aim_at_window, limit=limit, held_ratio=held_ratio)
         return None
     target, note = held_target(asked, limit)
-    aim = first_plan_aim(target)
+    aim = first_plan_aim(target, ratio)
     ctx.services["budget"], ctx.services[ASKED_BUDGET] = Budget(bytes=aim), asked
     return (f"peak calibration: the first plan is made for {aim / 2**20:,.1f} MiB, so that a step holding "
-            f"{FIRST_PLAN_HELD_RATIO - 1:.1%} over its simulated peak holds the middle of the window under the "
-            f"{target / 2**20:,.1f} MiB calibration holds the step to ({note or 'the budget asked'})")
+            f"{_held_phrase(held_ratio)} holds the middle of the window under the {target / 2**20:,.1f} MiB "
+            f"calibration holds the step to ({note or 'the budget asked'})")
 
 
-def _aim_at_window(resolved: int, limit: int) -> tuple[int, str]:
+def _held_phrase(held_ratio: float | None) -> str:
+    """What the first plan assumes its step holds, and where that comes from."""
+    if held_ratio is None:
+        return f"{FIRST_PLAN_HELD_RATIO - 1:.1%} over its simulated peak"
+    return (f"{held_ratio - 1:+.1%} over its simulated peak (as this graph's steps held in the calibrations the plan "
+            "cache kept)")  # fmt: skip
+
+
+def _aim_at_window(resolved: int, limit: int, held_ratio: float | None = None) -> tuple[int, str]:
     """Where the first plan aims for a budget of ``resolved`` bytes under ``limit`` and why
     (:data:`~mutwo.ir.budget.FIRST_PLAN_AIM`)."""
     target, note = held_target(resolved, limit)
-    return first_plan_aim(target), (f"calibration holds the step {note}" if note else
-                                    f"calibration holds the step to it, and a step holds about "
-                                    f"{FIRST_PLAN_HELD_RATIO - 1:.1%} over its simulated peak")  # fmt: skip
+    ratio = held_ratio if held_ratio is not None else FIRST_PLAN_HELD_RATIO
+    why = f"calibration holds the step {note}" if note else "calibration holds the step to it"
+    return first_plan_aim(target, ratio), f"{why}, and a step holds {_held_phrase(held_ratio)}"
 
 
 def calibrate(target_bytes: int, rounds: int,

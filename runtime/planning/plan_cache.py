@@ -48,6 +48,7 @@ from mutwo.passes.select_swap import SelectSwapPass, SwapPlan
 from mutwo.runtime.measurement.profiler import Profile
 from mutwo.runtime.planning.captured import PROFILE_STORE, CapturedGraph
 from mutwo.runtime.planning.collector import collection_paused
+from mutwo.runtime.planning.held_ratio_cache import HeldRatios
 from mutwo.runtime.planning.kept_files import read_kept
 from mutwo.runtime.planning.peak_calibration import pipeline_plan
 from mutwo.runtime.planning.plan_choice import RECOMPUTE_ONLY, recompute_only_passes
@@ -256,6 +257,20 @@ class CachedPlanning:
             context.services[PROFILE_STORE] = ProfileStore(self.cache.folder, self.key, self.log)
         return graph, context, PassManager(pipeline, instrumentation).run(graph, context)
 
+    @property
+    def held_ratios(self) -> HeldRatios | None:
+        """Where what this graph's steps held over their simulated peaks is kept; None where the
+        cache is not used."""
+        if self.cache is None or self.key is None:
+            return None
+        return HeldRatios(self.cache.folder, self.key, self.log)
+
+    def held_ratio(self) -> float | None:
+        """On a miss, the ratio of held to simulated bytes earlier calibrations of this graph
+        measured (:mod:`~mutwo.runtime.planning.held_ratio_cache`), for the first plan's aim; else None."""
+        ratios = self.held_ratios
+        return ratios.ratio() if ratios is not None and not self.hit else None
+
     def passes(self, pipeline: Sequence[Pass]) -> list[Pass]:
         """The passes :meth:`run` runs: on a hit, the pipeline without what the entry holds."""
         return self.entry.passes(pipeline) if self.entry is not None else list(pipeline)
@@ -279,6 +294,8 @@ class CachedPlanning:
         if not self.keeps:
             return None
         assert self.cache is not None and self.key is not None
+        if self.held_ratios is not None:  # what the rounds held, whichever is kept
+            self.held_ratios.keep(calibration)
         plan = pipeline_plan(context.artifacts)
         if plan is None or not plan.met or "profile" not in context.artifacts:
             return None

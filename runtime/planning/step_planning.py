@@ -163,7 +163,6 @@ def optimize_graph(
         context.services.update(backend_services(backend), measure_choice=measure_choice)
         planned_rounds = calibration_rounds(calibrate_peak, lowered.device, pipeline,
                                             budgeted=budget is not None or memory_limit is not None)  # fmt: skip
-        aimed = plan_first_at_window(context, planned_rounds)
         settings = run_settings(budget=budget, memory_limit=memory_limit, backend=backend, keep_grads=keep_grads,
                                 calibration_rounds=planned_rounds, measure_choice=measure_choice,
                                 precision=training.precision if training is not None else "fp32")  # fmt: skip
@@ -171,6 +170,7 @@ def optimize_graph(
             cached = CachedPlanning.begin(cache, lowered, pipeline, settings, context.services.get("device_memory"),
                                           lambda line: stages.progress(f"mutwo: {line}"),
                                           data_parallel is not None)  # fmt: skip
+        aimed = plan_first_at_window(context, planned_rounds, cached.held_ratio())
         if aimed is not None and not cached.hit:  # a hit makes no plan: it rewrites with the entry's
             log(f"mutwo: {aimed}")
         running = ",".join(p.name for p in cached.passes(pipeline))
