@@ -616,6 +616,29 @@ def test_a_calibrated_sliced_plan_is_reused_by_a_second_process(tmp_path: Path,
     assert print_graph(again.graph) == print_graph(made.graph)
 
 
+def test_calibration_re_plans_keep_a_sliced_head_sliced(
+        monkeypatch: pytest.MonkeyPatch, evenly_timed: Callable[[ModuleType], None]) -> None:  # fmt: skip
+    """The step measured at 30% of its simulation: the first plan (sliced, at 0.5) fits far under,
+    and calibration re-plans at larger budgets, where chunk alone would leave the head whole (as
+    BERT-base b64's re-plans at 13 GiB on an H200 did, and held over the budget). Once the first
+    plan sliced, each re-plan slices too: the third budget plans the second's graph, not compiled
+    again."""
+    import mutwo.runtime.planning.peak_calibration as peak_calibration
+
+    evenly_timed(planning_captured)
+    real = peak_calibration.measured_peak
+    monkeypatch.setattr(peak_calibration, "measured_peak", lambda run, inputs: (int(real(run, inputs)[0] * 0.3), None))
+    monkeypatch.setattr(peak_calibration, "MIN_REPLAN_GAIN", float("-inf"))  # re-plans, whatever their predictions
+    made = _optimize("0.5", calibrate_peak=2).last
+    assert made is not None and made.calibration is not None
+    rounds = made.calibration.rounds
+    assert len(rounds) == 3 and rounds[0].budget_bytes < rounds[1].budget_bytes < rounds[2].budget_bytes
+    assert rounds[2].planned_peak_bytes == rounds[1].planned_peak_bytes, "the third budget planned the second's graph"
+    assert made.context.artifacts["chunk"].applied
+    alone = _optimize(f"{rounds[2].budget_bytes}B").last  # chunk deciding at the third budget itself
+    assert alone is not None and not alone.context.artifacts["chunk"].applied
+
+
 def test_a_hit_slices_as_the_kept_plan_did_whatever_the_budget_would_choose_now() -> None:
     """Calibration re-plans at budgets other than the one the key holds, where chunk may choose
     another count: the entry's record of the kept plan's slicing is what a hit replays (before,

@@ -66,6 +66,7 @@ from mutwo.ir.graph import Graph
 from mutwo.ir.pass_base import Pass, PassContext
 from mutwo.ir.pass_manager import PassManager, PipelineFailure
 from mutwo.ir.printer import print_graph
+from mutwo.passes.chunk import ChunkPass, ChunkReport
 from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import cpu_iteration_peak, device_bytes, device_of, measure_iterations
 from mutwo.runtime.parallel.distributed import DataParallel, largest, largest_measured, require_same_graph
@@ -665,6 +666,24 @@ def _rank_out_of_memory(rank: int, budget_bytes: int, inputs: list[torch.Tensor]
         "collectives: give a lower budget, or a higher memory limit")  # fmt: skip
 
 
+def head_kept_sliced(pass_: Pass, first: Any) -> Pass:
+    """``pass_`` as calibration's re-plans run it after a first plan whose ``chunk`` report is
+    ``first``: where that plan sliced the language-model head, ``chunk`` slices it in every re-plan
+    (``when=always``; how many slices still follows each budget, as given), so that it does not
+    leave the head whole at a larger budget.
+
+    Why: slicing changes how much a compiled step holds against its simulated peak, and the rounds
+    step by that relation. On an H200 under a 16 GiB cap, BERT-base b64 at 13 GiB: the first plan,
+    sliced, held 0.92 times its simulated peak (11,188 MiB, 16% under the budget); the re-plans at
+    14,424 and 13,475 MiB, with the head whole, held 1.046 and 1.049 times theirs, both over the
+    budget; calibration kept the first after three compiles, at 649 ms a step against 561 ms at 14
+    GiB (``bench/results/session34_h200/aim_learned/``). A first plan that left the head whole
+    lets ``chunk`` decide again: a re-plan under a lower budget may need the slices."""
+    if isinstance(pass_, ChunkPass) and isinstance(first, ChunkReport) and first.applied and not first.refused:
+        return replace(pass_, when="always")
+    return pass_
+
+
 def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
                     compile_graph: Callable[[Graph], CompiledStep], out_dir: Path | None,
                     log: Callable[[str], None], data_parallel: DataParallel | None = None) -> Calibrated:  # fmt: skip
@@ -688,7 +707,9 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         log("peak calibration: the plan has no budget in bytes to hold the step to; not calibrated")
         return first
     profile = first.ctx.artifacts["profile"]
-    planning = PassManager([p for p in manager.passes if "profile" not in type(p).provides], manager.instrumentation)
+    sliced = first.ctx.artifacts.get("chunk")
+    planning = PassManager([head_kept_sliced(p, sliced) for p in manager.passes if "profile" not in type(p).provides],
+                           manager.instrumentation)  # fmt: skip
     #: each plan measured, by its graph's text: a budget moved by less than the plan's granularity
     #: plans the same graph again, whose compile (minutes on a real model) and peak are known
     measured: dict[str, tuple[CalibrationRound, Calibrated]] = {}
