@@ -79,10 +79,13 @@
 #   i40-restart-all at 1fe3ec6 (every cuda test passed alone); RESTART_MODELS=bert RESTART_RUNS="first
 #   pyc1 recordfirst1 pyc2 recordfirst2" RESTART_STEPS=5 i40-restart-models at cb3144c; then
 #   bench/first_call_held_probe.py by hand.
-# Owed after session 33: on an H100 when one is lent, i38-held-* and i38-opt-*, and RESTART_TESTS=0
+# Session 34 (one H200, session34_h200/): RESTART_MODELS=bert RESTART_RUNS="first budget15" RESTART_STEPS=3
+#   start tests-training i40-restart-models at 0bc7268; RESTART_RUNS="budget15 budget14" at 3d8f4ed (with
+#   tests-training); RESTART_RUNS="budget15 budget14 budget13" at 20ea108.
+# Owed after session 34: on an H100 when one is lent, i38-held-* and i38-opt-*, and RESTART_TESTS=0
 #   i40-restart-all, its first starts alone too; resnet-eager-probe; i40-restart-pyc's bytecode half;
 #   the headline rows again, every variant with expandable segments; dp-two-gpus with all three rows
-#   in one run.
+#   in one run; on any GPU, RESTART_RUNS="budget15 budget13" (calibration keeping a sliced head).
 # The CUDA tests: tests-all and i38-tests (every cuda-marked test, ~4 min); i18d-tests, i18c-tests,
 #   tests-swap, tests (subsets of files).
 # Kept because docs/swap.md, docs/backends.md or bench/*.py quote what they measured (the rows are
