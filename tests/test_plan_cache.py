@@ -209,8 +209,20 @@ def test_out_of_core_profiles_under_other_limits_are_one_profile(
     assert len(measured) == 1, "profiled once, under both limits"
     assert "mutwo: profile: reusing the profile kept in " in err
     assert "profile: out of core when an earlier start measured it, at most " in err
-    _plan(tmp_path, memory_limit="2GiB")  # in memory: another profile
-    assert len(measured) == 2 and len(list((tmp_path / "profiles").iterdir())) == 2
+    assert len(list((tmp_path / "profiles").iterdir())) == 1
+
+
+def test_a_profile_in_memory_and_one_out_of_core_are_two(tmp_path: Path, measured: list[int]) -> None:
+    """The same pipeline under a limit the unoptimized step fits (in memory) and one it does not
+    (out of core): two profiles, each reused at its own kind of limit."""
+    unoptimized = _plan(None).last.plan.unoptimized_peak
+    made = _plan(tmp_path, memory_limit=f"{unoptimized * 4}B")
+    under = _plan(tmp_path, memory_limit=f"{int(unoptimized * 0.95)}B")
+    kinds = [step.last.context.artifacts["profile"].meta["memory"] for step in (made, under)]
+    assert kinds[0].startswith("in memory") and kinds[1].startswith("out of core"), kinds
+    assert len(measured) == 3 and len(list((tmp_path / "profiles").iterdir())) == 2
+    _plan(tmp_path, memory_limit=f"{int(unoptimized * 0.9)}B")  # out of core again: reused
+    assert len(measured) == 3
 
 
 def test_a_corrupt_profile_is_ignored_in_one_line_measured_again_and_replaced(

@@ -502,7 +502,8 @@ class MutwoOpt:
                     kept, self.choice = measured_choice(manager, lowered, original,
                                                         Calibrated(final, compiled, ctx, self.calibration),
                                                         lambda g: self.compile(config, g, inputs),
-                                                        rounds, staged, self.log)  # fmt: skip
+                                                        rounds, staged, self.log,
+                                                        self.plan_cache.held_ratio())  # fmt: skip
                 except ChoiceFailed as failed:
                     raise Failure(str(failed)) from None
             final = graph = kept.graph

@@ -153,6 +153,9 @@ class CalibrationRound:
     held_at_failure_bytes: int | None = None
     #: the time per iteration the plan predicts (the time model's), when known
     predicted_seconds: float | None = None
+    #: whether ``chunk`` sliced the plan's language-model head: a sliced step holds less against its
+    #: simulated peak than one with the head whole (:mod:`~mutwo.runtime.planning.held_ratio_cache`)
+    head_sliced: bool = False
 
     @property
     def held_over_allocated_at_failure(self) -> int | None:
@@ -372,8 +375,11 @@ def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
 
 def first_plan_aim(target: int, held_ratio: float = FIRST_PLAN_HELD_RATIO) -> int:
     """The budget of a calibrated step's first plan: a step that holds ``held_ratio`` times its
-    simulated peak holds the middle of the window under ``target``."""
-    return int(window_middle(target) / held_ratio)
+    simulated peak holds the middle of the window under ``target``. Never over the middle: a
+    ratio under 1 (a step that held less than it simulated, as one with its language-model head
+    sliced can) would aim over the target, where a plan that holds more (the head whole) runs out
+    of memory under a limit."""
+    return int(window_middle(target) / max(held_ratio, 1.0))
 
 
 def plan_first_at_window(ctx: PassContext, rounds: int, held_ratio: float | None = None) -> str | None:
@@ -678,9 +684,13 @@ def head_kept_sliced(pass_: Pass, first: Any) -> Pass:
     14,424 and 13,475 MiB, with the head whole, held 1.046 and 1.049 times theirs, both over the
     budget; calibration kept the first after three compiles, at 649 ms a step against 561 ms at 14
     GiB (``bench/results/session34_h200/aim_learned/``). A first plan that left the head whole
-    lets ``chunk`` decide again: a re-plan under a lower budget may need the slices."""
+    lets ``chunk`` decide again: a re-plan under a lower budget may need the slices. Where the first
+    plan's count came from the cost rule's trials, re-plans keep that count (``when=always`` prices
+    no counts); where the budget needed the slices, each re-plan's count follows its budget."""
     if isinstance(pass_, ChunkPass) and isinstance(first, ChunkReport) and first.applied and not first.refused:
-        return replace(pass_, when="always")
+        # Sliced by the cost rule (its trials priced each count): the count it priced fastest, which
+        # when=always would not price again; sliced because the budget needed it: a count per budget.
+        return replace(pass_, when="always", k=first.slices if first.predicted_seconds else pass_.k)
     return pass_
 
 
@@ -780,8 +790,10 @@ def calibrated_step(rounds: int, manager: PassManager, lowered: CapturedGraph, o
         if data_parallel is not None:
             peak, allocated = largest_measured(peak, allocated, data_parallel)
             seconds = largest(seconds, data_parallel)
+        sliced = made.ctx.artifacts.get("chunk")
         measured[text] = CalibrationRound(budget_bytes, made_plan.predicted_peak, peak, made_plan.unoptimized_peak,
-                                          allocated, out_of_memory, held_at_failure, seconds), made  # fmt: skip
+                                          allocated, out_of_memory, held_at_failure, seconds,
+                                          isinstance(sliced, ChunkReport) and sliced.applied), made  # fmt: skip
         return measured[text]
 
     asked = first.ctx.services.get(ASKED_BUDGET, target.budget_bytes)  # the first plan may have aimed lower

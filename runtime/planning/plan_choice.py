@@ -32,6 +32,7 @@ from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import measure_iterations
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 from mutwo.runtime.planning.peak_calibration import (
+    FIRST_PLAN_HELD_RATIO,
     TOLERANCE,
     Calibrated,
     calibrated_step,
@@ -143,10 +144,13 @@ class ChoiceFailed(RuntimeError):
 
 def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Graph, first: Calibrated,
                     compile_graph: Callable[[Graph], CompiledStep], calibrate: int | None, out_dir: Path | None,
-                    log: Callable[[str], None]) -> tuple[Calibrated, dict[str, Any]]:  # fmt: skip
+                    log: Callable[[str], None],
+                    held_ratio: float | None = None) -> tuple[Calibrated, dict[str, Any]]:  # fmt: skip
     """Weigh ``first`` (the swap pipeline's result, compiled and calibrated if asked) against the
     recompute-only plan of ``original`` at the same budget, compiled by ``compile_graph`` and
-    calibrated alike; measure both and return the kept one with what was measured. When recompute
+    calibrated alike (its first plan aimed as the first's was, with ``held_ratio``: what the plan
+    cache kept of this graph's steps; :func:`~.peak_calibration.plan_first_at_window`);
+    measure both and return the kept one with what was measured. When recompute
     only is kept, its passes run again into ``out_dir``, so that plan.json, clones.json and later
     passes' files describe it; select-swap's swap_plan.json stays beside them (the returned
     description says which was kept). Raises :class:`ChoiceFailed` when neither could run."""
@@ -174,8 +178,8 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
 
     # Planned where the first plan was (plan_first_at_window): a plan for the target itself simulates
     # at the top of the window, and its step holds over it (under a limit, it runs out of memory).
-    aimed = bool(calibrate) and first.calibration is not None
-    aim = first_plan_aim(target) if aimed else target
+    aimed = bool(calibrate) and first.calibration is not None and first.ctx.services.get("device_memory") is not None
+    aim = first_plan_aim(target, held_ratio if held_ratio is not None else FIRST_PLAN_HELD_RATIO) if aimed else target
     # Planned without writing files: select-swap's are in out_dir; the kept plan's are written below.
     planned = plan(aim, None, target if aim != target else None)
     if planned is None:

@@ -170,7 +170,8 @@ def optimize_graph(
             cached = CachedPlanning.begin(cache, lowered, pipeline, settings, context.services.get("device_memory"),
                                           lambda line: stages.progress(f"mutwo: {line}"),
                                           data_parallel is not None)  # fmt: skip
-        aimed = plan_first_at_window(context, planned_rounds, cached.held_ratio())
+        held_ratio = cached.held_ratio()  # what this graph's steps held, where the cache kept it
+        aimed = plan_first_at_window(context, planned_rounds, held_ratio)
         if aimed is not None and not cached.hit:  # a hit makes no plan: it rewrites with the entry's
             log(f"mutwo: {aimed}")
         running = ",".join(p.name for p in cached.passes(pipeline))
@@ -210,7 +211,8 @@ def optimize_graph(
             with stages.stage("measured choice", "measured choice: compiling and measuring the recompute-only plan"), \
                     stage_noted(CHOICE, memory):
                 kept, optimized.choice = measured_choice(PassManager(pipeline), lowered, original, made, compiled_for,
-                                                         rounds, out_dir, stages.telling(log, "measured choice"))
+                                                         rounds, out_dir, stages.telling(log, "measured choice"),
+                                                         held_ratio)  # fmt: skip
             optimized.graph, optimized.context, optimized.calibration = kept.graph, kept.ctx, kept.calibration
             optimized.step, compiled = steps[id(kept.graph)], kept.compiled
         if check:
