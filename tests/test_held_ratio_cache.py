@@ -60,6 +60,11 @@ def test_the_first_plan_aims_with_head_whole_rounds_where_there_are_any(tmp_path
 def test_a_ratio_under_one_never_aims_over_the_windows_middle() -> None:
     assert peak_calibration.first_plan_aim(1000, 0.92) == peak_calibration.window_middle(1000)
     assert peak_calibration.first_plan_aim(1000, 1.05) == int(peak_calibration.window_middle(1000) / 1.05)
+    ctx = PassContext()
+    ctx.services["budget"], ctx.services["device_memory"] = parse_budget("900B"), 1000
+    line = peak_calibration.plan_first_at_window(ctx, 2, held_ratio=0.92)
+    assert ctx.services["budget"] == Budget(bytes=peak_calibration.window_middle(900)) and line is not None
+    assert "a step holding its simulated peak (this graph's steps held -8.0% over theirs" in line
 
 
 def test_kept_ratios_are_the_latest_rounds_and_their_median_aims(tmp_path: Path) -> None:

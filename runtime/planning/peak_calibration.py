@@ -428,6 +428,9 @@ def _held_phrase(held_ratio: float | None) -> str:
     """What the first plan assumes its step holds, and where that comes from."""
     if held_ratio is None:
         return f"{FIRST_PLAN_HELD_RATIO - 1:.1%} over its simulated peak"
+    if held_ratio < 1:  # first_plan_aim never aims over the window's middle
+        return (f"its simulated peak (this graph's steps held {held_ratio - 1:+.1%} over theirs in the calibrations "
+                "the plan cache kept; the first plan never aims over the window's middle)")  # fmt: skip
     return (f"{held_ratio - 1:+.1%} over its simulated peak (as this graph's steps held in the calibrations the plan "
             "cache kept)")  # fmt: skip
 
