@@ -460,7 +460,8 @@ class MutwoOpt:
                                     budgeted=config.budget is not None or limit is not None)  # fmt: skip
         with self.timed("plan cache"):
             self.plan_cache = self.look_up_plan(config, lowered, manager, ctx, limit, rounds)
-        aimed = plan_first_at_window(ctx, rounds, self.plan_cache.held_ratio())
+        held_ratio = self.plan_cache.held_ratio()  # read once: the measured choice aims with it too
+        aimed = plan_first_at_window(ctx, rounds, held_ratio)
         if aimed is not None and not self.plan_cache.hit:  # a hit makes no plan: it rewrites with the entry's
             self.log(aimed)
         try:
@@ -502,8 +503,7 @@ class MutwoOpt:
                     kept, self.choice = measured_choice(manager, lowered, original,
                                                         Calibrated(final, compiled, ctx, self.calibration),
                                                         lambda g: self.compile(config, g, inputs),
-                                                        rounds, staged, self.log,
-                                                        self.plan_cache.held_ratio())  # fmt: skip
+                                                        rounds, staged, self.log, held_ratio)  # fmt: skip
                 except ChoiceFailed as failed:
                     raise Failure(str(failed)) from None
             final = graph = kept.graph

@@ -373,13 +373,14 @@ def held_target(budget_bytes: int, limit_bytes: int | None) -> tuple[int, str]:
                    f"budget asked is {budget_bytes / 2**20:,.1f} MiB")  # fmt: skip
 
 
-def first_plan_aim(target: int, held_ratio: float = FIRST_PLAN_HELD_RATIO) -> int:
+def first_plan_aim(target: int, held_ratio: float | None = None) -> int:
     """The budget of a calibrated step's first plan: a step that holds ``held_ratio`` times its
-    simulated peak holds the middle of the window under ``target``. Never over the middle: a
-    ratio under 1 (a step that held less than it simulated, as one with its language-model head
-    sliced can) would aim over the target, where a plan that holds more (the head whole) runs out
-    of memory under a limit."""
-    return int(window_middle(target) / max(held_ratio, 1.0))
+    simulated peak (None: :data:`FIRST_PLAN_HELD_RATIO`) holds the middle of the window under
+    ``target``. Never over the middle: a ratio under 1 (a step that held less than it simulated,
+    as one with its language-model head sliced can) would aim over the target, where a plan that
+    holds more (the head whole) runs out of memory under a limit."""
+    ratio = held_ratio if held_ratio is not None else FIRST_PLAN_HELD_RATIO
+    return int(window_middle(target) / max(ratio, 1.0))
 
 
 def plan_first_at_window(ctx: PassContext, rounds: int, held_ratio: float | None = None) -> str | None:
@@ -411,13 +412,12 @@ def plan_first_at_window(ctx: PassContext, rounds: int, held_ratio: float | None
     asked = limit if budget is None else budget.bytes  # without a budget, select plans for the limit
     if rounds <= 0 or limit is None:
         return None
-    ratio = held_ratio if held_ratio is not None else FIRST_PLAN_HELD_RATIO
     if asked is None:  # a fraction: the selection pass resolves it, then asks where to aim
         if budget is not None and not budget.minimum:
             ctx.services[FIRST_PLAN_AIM] = functools.partial(_aim_at_window, limit=limit, held_ratio=held_ratio)
         return None
     target, note = held_target(asked, limit)
-    aim = first_plan_aim(target, ratio)
+    aim = first_plan_aim(target, held_ratio)
     ctx.services["budget"], ctx.services[ASKED_BUDGET] = Budget(bytes=aim), asked
     return (f"peak calibration: the first plan is made for {aim / 2**20:,.1f} MiB, so that a step holding "
             f"{_held_phrase(held_ratio)} holds the middle of the window under the {target / 2**20:,.1f} MiB "
@@ -439,9 +439,8 @@ def _aim_at_window(resolved: int, limit: int, held_ratio: float | None = None) -
     """Where the first plan aims for a budget of ``resolved`` bytes under ``limit`` and why
     (:data:`~mutwo.ir.budget.FIRST_PLAN_AIM`)."""
     target, note = held_target(resolved, limit)
-    ratio = held_ratio if held_ratio is not None else FIRST_PLAN_HELD_RATIO
     why = f"calibration holds the step {note}" if note else "calibration holds the step to it"
-    return first_plan_aim(target, ratio), f"{why}, and a step holds {_held_phrase(held_ratio)}"
+    return first_plan_aim(target, held_ratio), f"{why}, and a step holds {_held_phrase(held_ratio)}"
 
 
 def calibrate(target_bytes: int, rounds: int,

@@ -294,8 +294,9 @@ class CachedPlanning:
         if not self.keeps:
             return None
         assert self.cache is not None and self.key is not None
-        if self.held_ratios is not None:  # what the rounds held, whichever is kept
-            self.held_ratios.keep(calibration)
+        held = self.held_ratios
+        if held is not None:  # what the rounds held, whichever is kept
+            held.keep(calibration)
         plan = pipeline_plan(context.artifacts)
         if plan is None or not plan.met or "profile" not in context.artifacts:
             return None

@@ -32,7 +32,6 @@ from mutwo.runtime.execution.backends import CompiledStep, backend_services
 from mutwo.runtime.measurement.iterations import measure_iterations
 from mutwo.runtime.planning.captured import CapturedGraph, pass_context
 from mutwo.runtime.planning.peak_calibration import (
-    FIRST_PLAN_HELD_RATIO,
     TOLERANCE,
     Calibrated,
     calibrated_step,
@@ -179,7 +178,7 @@ def measured_choice(manager: PassManager, lowered: CapturedGraph, original: Grap
     # Planned where the first plan was (plan_first_at_window): a plan for the target itself simulates
     # at the top of the window, and its step holds over it (under a limit, it runs out of memory).
     aimed = bool(calibrate) and first.calibration is not None and first.ctx.services.get("device_memory") is not None
-    aim = first_plan_aim(target, held_ratio if held_ratio is not None else FIRST_PLAN_HELD_RATIO) if aimed else target
+    aim = first_plan_aim(target, held_ratio) if aimed else target
     # Planned without writing files: select-swap's are in out_dir; the kept plan's are written below.
     planned = plan(aim, None, target if aim != target else None)
     if planned is None:
